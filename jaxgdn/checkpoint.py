@@ -1,0 +1,194 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a `Model`.
+
+Supported: Qwen3.5 (`qwen3_5`: `model.language_model.*`, ignoring `model.visual.*` and `mtp.*`), Qwen3.5 text
+(`qwen3_5_text`) and Qwen3-Next (`qwen3_next`: packed `in_proj_qkvz` / `in_proj_ba` unpacked per key-head
+group; per-expert MoE weights). Nothing is downloaded. Tensors are read through a memory map, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .config import LINEAR, ModelConfig
+from .errors import CheckpointError
+from .model import Model
+from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+class _SafetensorsFile:
+    """Memory-mapped safetensors reader (handles bf16 through ml_dtypes)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        header.pop("__metadata__", None)
+        self.header, self.offset = header, 8 + n
+        self._mm = None
+
+    def keys(self):
+        return self.header.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"tensor {name} in {self.path.name} has unsupported dtype {info['dtype']}")
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        start, end = info["data_offsets"]
+        raw = self._mm[self.offset + start: self.offset + end]
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _open_tensors(path: Path) -> dict[str, tuple[_SafetensorsFile, str]]:
+    """Map normalised tensor names to (file, original name)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed: {e}") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors file (or model.safetensors.index.json) in {path}")
+    out = {}
+    for fname in files:
+        fpath = path / fname
+        if not fpath.is_file():
+            raise CheckpointError(f"missing checkpoint shard {fpath}")
+        st = _SafetensorsFile(fpath)
+        for name in st.keys():
+            if name.startswith(_IGNORED_PREFIXES):
+                continue
+            norm = name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") \
+                else name
+            out[norm] = (st, name)
+    return out
+
+
+class _Reader:
+    """Hands out tensors by name with shape checks, and remembers what was used."""
+
+    def __init__(self, tensors, dtype):
+        self.tensors, self.dtype, self.used = tensors, dtype, set()
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
+            raise CheckpointError(f"missing tensor {name}")
+        st, orig = self.tensors[name]
+        x = st.get(orig)
+        if tuple(x.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+        self.used.add(name)
+        return x
+
+    def cast(self, x: np.ndarray, dtype=None):
+        return jnp.asarray(np.asarray(x, dtype=np.float32) if x.dtype != np.float32 else x, dtype or self.dtype)
+
+    def linear(self, name: str, out_dim: int, in_dim: int):
+        """A torch Linear weight [out, in] as our [in, out]."""
+        return self.cast(self.raw(name + ".weight", (out_dim, in_dim)).T)
+
+    def vector(self, name: str, n: int, dtype=None):
+        return self.cast(self.raw(name, (n,)), dtype)
+
+
+def _gdn(r: _Reader, c: ModelConfig, pre: str) -> GDNParams:
+    D, HK, HV, K, V = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                       c.linear_value_head_dim)
+    if c.model_type == "qwen3_next":
+        # Packed per key-head group g: qkvz rows [q_g (K) | k_g (K) | v_g (r*V) | z_g (r*V)], ba rows [b_g (r) | a_g (r)].
+        rr = HV // HK
+        w = r.raw(pre + "in_proj_qkvz.weight", (HK * (2 * K + 2 * rr * V), D)).reshape(HK, 2 * K + 2 * rr * V, D)
+        wq, wk = w[:, :K], w[:, K:2 * K]
+        wv, wz = w[:, 2 * K:2 * K + rr * V], w[:, 2 * K + rr * V:]
+        qkv = np.concatenate([wq.reshape(-1, D), wk.reshape(-1, D), wv.reshape(-1, D)], axis=0)
+        ba = r.raw(pre + "in_proj_ba.weight", (HK * 2 * rr, D)).reshape(HK, 2 * rr, D)
+        in_qkv, in_z = r.cast(qkv.T), r.cast(wz.reshape(-1, D).T)
+        in_b, in_a = r.cast(ba[:, :rr].reshape(-1, D).T), r.cast(ba[:, rr:].reshape(-1, D).T)
+    else:
+        in_qkv = r.linear(pre + "in_proj_qkv", c.gdn_conv_dim, D)
+        in_z = r.linear(pre + "in_proj_z", c.gdn_value_dim, D)
+        in_b = r.linear(pre + "in_proj_b", HV, D)
+        in_a = r.linear(pre + "in_proj_a", HV, D)
+    conv = r.raw(pre + "conv1d.weight", (c.gdn_conv_dim, 1, c.linear_conv_kernel_dim))[:, 0, :].T  # [KC, C]
+    return GDNParams(in_proj_qkv=in_qkv, in_proj_z=in_z, in_proj_b=in_b, in_proj_a=in_a, conv_weight=r.cast(conv),
+                     A_log=r.vector(pre + "A_log", HV, jnp.float32), dt_bias=r.vector(pre + "dt_bias", HV, jnp.float32),
+                     norm_weight=r.vector(pre + "norm.weight", V), out_proj=r.linear(pre + "out_proj", D, c.gdn_value_dim))
+
+
+def _attention(r: _Reader, c: ModelConfig, pre: str) -> AttentionParams:
+    D, H, HKV, Dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    return AttentionParams(q_proj=r.linear(pre + "q_proj", H * 2 * Dh, D), k_proj=r.linear(pre + "k_proj", HKV * Dh, D),
+                           v_proj=r.linear(pre + "v_proj", HKV * Dh, D), o_proj=r.linear(pre + "o_proj", D, H * Dh),
+                           q_norm=r.vector(pre + "q_norm.weight", Dh), k_norm=r.vector(pre + "k_norm.weight", Dh))
+
+
+def _mlp(r: _Reader, pre: str, D: int, I: int) -> MLPParams:
+    return MLPParams(gate_proj=r.linear(pre + "gate_proj", I, D), up_proj=r.linear(pre + "up_proj", I, D),
+                     down_proj=r.linear(pre + "down_proj", D, I))
+
+
+def _moe(r: _Reader, c: ModelConfig, pre: str) -> MoEParams:
+    D, E, I = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    experts = [_mlp(r, f"{pre}experts.{e}.", D, I) for e in range(E)]
+    return MoEParams(router=r.linear(pre + "gate", E, D),
+                     gate_proj=jnp.stack([x.gate_proj for x in experts]),
+                     up_proj=jnp.stack([x.up_proj for x in experts]),
+                     down_proj=jnp.stack([x.down_proj for x in experts]),
+                     shared=_mlp(r, pre + "shared_expert.", D, c.shared_expert_intermediate_size),
+                     shared_gate=r.linear(pre + "shared_expert_gate", 1, D))
+
+
+def read_params(path: Path, config: ModelConfig, dtype) -> ModelParams:
+    r = _Reader(_open_tensors(path), dtype)
+    c, D = config, config.hidden_size
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        pre = f"model.layers.{i}."
+        mixer = _gdn(r, c, pre + "linear_attn.") if kind == LINEAR else _attention(r, c, pre + "self_attn.")
+        ff = _moe(r, c, pre + "mlp.") if c.is_moe_layer(i) else _mlp(r, pre + "mlp.", D, c.intermediate_size)
+        layers.append(LayerParams(input_norm=r.vector(pre + "input_layernorm.weight", D), mixer=mixer,
+                                  post_attention_norm=r.vector(pre + "post_attention_layernorm.weight", D), mlp=ff))
+    embed = r.cast(r.raw("model.embed_tokens.weight", (c.vocab_size, D)))
+    lm_head = None if c.tie_word_embeddings else r.linear("lm_head", c.vocab_size, D)
+    params = ModelParams(embed=embed, layers=tuple(layers), final_norm=r.vector("model.norm.weight", D),
+                         lm_head=lm_head)
+    unexpected = sorted(set(r.tensors) - r.used)
+    if c.tie_word_embeddings and "lm_head.weight" in unexpected:
+        unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"unexpected tensors in {path}: {', '.join(unexpected[:5])}{more}")
+    return params
+
+
+def load_pretrained(path, dtype=jnp.float32, backend: str | None = None) -> Model:
+    """Load a Hugging Face directory (config.json + model.safetensors or a sharded index) into a `Model`.
+
+    dtype: parameter/activation dtype (float32 or bfloat16); A_log and dt_bias always load as fp32.
+    backend: kernel backend (None: Pallas on GPU, pure JAX elsewhere).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    config = ModelConfig.from_json_file(path / "config.json")
+    return Model(params=read_params(path, config, dtype), config=config, dtype=dtype, backend=backend)

@@ -1,0 +1,1 @@
+"""Layers of the hybrid model: norms, RoPE, causal conv, GDN mixer, gated attention, MLP / MoE."""

@@ -1,0 +1,39 @@
+"""SwiGLU MLP and the Qwen3-Next mixture of experts (softmax router, top-k, optional renormalisation, shared
+expert behind a sigmoid gate)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..params import MLPParams, MoEParams
+
+
+def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
+    """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x))."""
+    return (jax.nn.silu(x @ p.gate_proj) * (x @ p.up_proj)) @ p.down_proj
+
+
+def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array) -> jax.Array:
+    """x: [..., D] -> [..., D].
+
+    Routing in fp32: softmax over E experts, top-Ek, renormalised when `norm_topk_prob`. The reference
+    evaluates every expert densely and combines with a [.., E] weight row that is zero off the top-k: simple
+    and exact, but E times the expert FLOPs (fine for tests and modest E; a grouped kernel is future work).
+    """
+    logits = (x @ p.router).astype(jnp.float32)  # [..., E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [..., Ek]
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w = top_w.astype(x.dtype)
+    combine = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2)  # [.., E]
+    h = jax.nn.silu(jnp.einsum("...d,edi->...ei", x, p.gate_proj)) * jnp.einsum("...d,edi->...ei", x, p.up_proj)
+    routed = jnp.einsum("...ei,eid,...e->...d", h, p.down_proj, combine)
+    shared = mlp(p.shared, x) * jax.nn.sigmoid(x @ p.shared_gate)
+    return routed + shared
+
+
+def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array) -> jax.Array:
+    return moe(cfg, p, x) if isinstance(p, MoEParams) else mlp(p, x)

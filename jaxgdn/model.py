@@ -1,0 +1,196 @@
+"""The hybrid model and its pure state functions.
+
+    state = model.init_state(batch_size=B, capacity=N)
+    state, logits = model.prefill_chunk(state, tokens, lengths=None)  # tokens int32 [B, T] -> logits fp32 [B, T, Vocab]
+    state, logits = model.decode_step(state, token)                   # token int32 [B]    -> logits fp32 [B, Vocab]
+
+`Model` is a pytree (parameters are leaves; config, dtype and kernel backend are static), so the functions
+`prefill_chunk(model, state, tokens, lengths)` and `decode_step(model, state, token)` below can be jitted with
+the state donated. The methods check their inputs on concrete values (JAX silently clamps out-of-range
+gathers) and call a jitted copy.
+
+A token's path: `Model.prefill_chunk` -> `prefill_chunk` -> per layer `layers.gdn.gdn_prefill` (conv, gates,
+`pallas_kernels.chunk_gated_delta_rule` -> backend dispatch -> reference or Pallas kernel) or
+`layers.attention.attention`, then `layers.mlp.feed_forward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import CHUNK
+
+from .config import LINEAR, ModelConfig
+from .errors import CapacityError, InputError
+from .layers.attention import attention
+from .layers.gdn import gdn_decode, gdn_prefill
+from .layers.mlp import feed_forward
+from .layers.norm import rms_norm
+from .params import ModelParams
+from .state import GDNLayerState, ModelState, Provenance, init_state
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
+                   meta_fields=["config", "dtype", "backend"])
+@dataclasses.dataclass(frozen=True)
+class Model:
+    params: ModelParams
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32  # activations and matmul inputs; GDN states stay fp32
+    backend: str | None = None  # kernel backend (see pallas_kernels.backend); None: the device default
+
+    def init_state(self, batch_size: int, capacity: int) -> ModelState:
+        return init_state(self.config, batch_size, capacity, self.dtype)
+
+    def with_backend(self, backend: str | None) -> "Model":
+        return dataclasses.replace(self, backend=backend)
+
+    def prefill_chunk(self, state: ModelState, tokens, lengths=None):
+        """Absorb a batch of token runs. tokens: int32 [B, T]; lengths: int32 [B] valid tokens per row (None: T).
+
+        Continues from whatever `state` holds. Returns (new_state, logits fp32 [B, T, Vocab]); logits at
+        padded positions are meaningless. Padded tokens leave the state bit-identical.
+        """
+        tokens, lengths = _check_prefill(self.config, state, tokens, lengths)
+        return _prefill_jit(self, state, tokens, lengths)
+
+    def decode_step(self, state: ModelState, token):
+        """Absorb one token per row with the recurrent update. token: int32 [B]. Returns (state, logits [B, Vocab])."""
+        token = _check_decode(self.config, state, token)
+        return _decode_jit(self, state, token)
+
+
+# ---- input checks (on concrete values only; under a trace they are skipped) -----------------------------------
+
+def _concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_tokens(cfg: ModelConfig, tokens, rank: int, what: str):
+    if not hasattr(tokens, "dtype"):
+        tokens = np.asarray(tokens)
+    if tokens.ndim != rank:
+        raise InputError(f"{what} must have rank {rank}; got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise InputError(f"{what} must be an integer array (int32); got {tokens.dtype}")
+    if _concrete(tokens) and tokens.size:
+        lo, hi = int(np.min(tokens)), int(np.max(tokens))
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise InputError(f"{what} holds ids outside [0, {cfg.vocab_size}): min {lo}, max {hi}")
+    return jnp.asarray(tokens, jnp.int32)
+
+
+def _check_capacity(state: ModelState, advance):
+    if not (_concrete(state.position) and _concrete(advance)):
+        return
+    cap = state.capacity
+    if cap == 0:
+        return
+    end = np.asarray(state.position) + np.asarray(advance)
+    if np.any(end > cap):
+        row = int(np.argmax(end - cap))
+        raise CapacityError(f"row {row} would reach position {int(end[row])}, beyond the state's KV capacity {cap}")
+
+
+def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths):
+    tokens = _check_tokens(cfg, tokens, 2, "tokens")
+    B, T = tokens.shape
+    if B != state.batch_size:
+        raise InputError(f"tokens have {B} rows but the state holds {state.batch_size}")
+    if T == 0:
+        raise InputError("tokens has no columns (T == 0)")
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    else:
+        if not hasattr(lengths, "dtype"):
+            lengths = np.asarray(lengths)
+        if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise InputError(f"lengths must be an int array of shape ({B},); got {lengths.dtype}{tuple(lengths.shape)}")
+        if _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
+            raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
+        lengths = jnp.asarray(lengths, jnp.int32)
+    _check_capacity(state, lengths)
+    return tokens, lengths
+
+
+def _check_decode(cfg: ModelConfig, state: ModelState, token):
+    token = _check_tokens(cfg, token, 1, "token")
+    if token.shape[0] != state.batch_size:
+        raise InputError(f"token has {token.shape[0]} rows but the state holds {state.batch_size}")
+    _check_capacity(state, 1)
+    return token
+
+
+# ---- the pure state functions ----------------------------------------------------------------------------------
+
+def _logits(model: Model, x: jax.Array) -> jax.Array:
+    p, cfg = model.params, model.config
+    x = rms_norm(x, p.final_norm, cfg.rms_norm_eps)
+    head = p.embed.T if p.lm_head is None else p.lm_head
+    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+
+def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) -> ModelState:
+    touched = lengths > 0
+    provenance = jnp.where(touched, jnp.maximum(state.provenance, taint), state.provenance)
+    return ModelState(layers=tuple(layers), position=state.position + lengths, provenance=provenance)
+
+
+def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array,
+                  checkpoint_stride: int | None = None):
+    """Pure prefill. tokens int32 [B, T]; lengths int32 [B]. Returns (state, logits fp32 [B, T, Vocab]), and with
+    `checkpoint_stride` also the GDN recurrent states every `stride` tokens: a tuple over GDN layers of
+    [B, T//stride, HV, K, V]."""
+    cfg, p = model.config, model.params
+    x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
+    new_layers, ckpts = [], []
+    for lp, ls, kind in zip(p.layers, state.layers, cfg.layer_types):
+        h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
+        if kind == LINEAR:
+            h, ls, ck = gdn_prefill(cfg, lp.mixer, h, ls, lengths, model.backend, checkpoint_stride)
+            ckpts.append(ck)
+        else:
+            h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths)
+        x = x + h
+        x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps))
+        new_layers.append(ls)
+    on_grid = (state.position % CHUNK) == 0
+    taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
+    new_state = _advance(state, new_layers, lengths, taint)
+    if checkpoint_stride is None:
+        return new_state, _logits(model, x)
+    return new_state, _logits(model, x), tuple(ckpts)
+
+
+def decode_step(model: Model, state: ModelState, token: jax.Array):
+    """Pure recurrent decode of one token per row. token int32 [B]. Returns (state, logits fp32 [B, Vocab])."""
+    cfg, p = model.config, model.params
+    x = p.embed[token].astype(model.dtype)  # [B, D]
+    ones = jnp.ones_like(state.position)
+    new_layers = []
+    for lp, ls, kind in zip(p.layers, state.layers, cfg.layer_types):
+        h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
+        if kind == LINEAR:
+            h, ls = gdn_decode(cfg, lp.mixer, h, ls, model.backend)
+        else:
+            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None)
+            h = h[:, 0]
+        x = x + h
+        x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps))
+        new_layers.append(ls)
+    taint = jnp.full_like(state.position, Provenance.DECODE)
+    return _advance(state, new_layers, ones, taint), _logits(model, x)
+
+
+_prefill_jit = jax.jit(prefill_chunk, static_argnames=("checkpoint_stride",))
+_decode_jit = jax.jit(decode_step)
+
+
+def gdn_states(state: ModelState) -> tuple[GDNLayerState, ...]:
+    """The GDN layers' states, in layer order."""
+    return tuple(s for s in state.layers if isinstance(s, GDNLayerState))

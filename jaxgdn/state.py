@@ -1,0 +1,75 @@
+"""Typed recurrent state of a batch of sequences (NamedTuples: leaves flatten in declaration order, so
+`input_output_aliases` / donation indices are stable). Shapes use the legend in `jaxgdn.shapes`."""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from .config import LINEAR, ModelConfig
+
+
+class Provenance(enum.IntEnum):
+    """How a row's state was produced. Combined with max(): a taint survives later prefills."""
+
+    FRESH = 0  # nothing absorbed yet (all zeros)
+    PREFILL = 1  # only prefill calls, each starting on the 64-token grid
+    PREFILL_OFF_GRID = 2  # a prefill call started off the grid: not equal to an unsplit prefill
+    DECODE = 3  # a recurrent decode step touched it
+
+
+class GDNLayerState(NamedTuple):
+    conv: jax.Array  # [B, KC-1, C] the last KC-1 pre-conv inputs, model dtype (exact)
+    recurrent: jax.Array  # [B, HV, K, V] fp32
+
+
+class AttentionLayerState(NamedTuple):
+    keys: jax.Array  # [B, N, HKV, Dh] normed and rotated keys
+    values: jax.Array  # [B, N, HKV, Dh]
+
+
+LayerState = Union[GDNLayerState, AttentionLayerState]
+
+
+class ModelState(NamedTuple):
+    layers: tuple[LayerState, ...]  # one per layer, in layer order
+    position: jax.Array  # [B] int32 tokens absorbed
+    provenance: jax.Array  # [B] int32 Provenance
+
+    @property
+    def batch_size(self) -> int:
+        return self.position.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """KV capacity N (0 for a model without attention layers)."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerState):
+                return layer.keys.shape[1]
+        return 0
+
+
+def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelState:
+    """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens."""
+    if batch_size < 1 or capacity < 1:
+        raise ValueError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
+    layers = []
+    for t in config.layer_types:
+        if t == LINEAR:
+            layers.append(GDNLayerState(
+                conv=jnp.zeros((batch_size, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim), dtype),
+                recurrent=jnp.zeros((batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
+                                     config.linear_value_head_dim), jnp.float32)))
+        else:
+            shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
+            layers.append(AttentionLayerState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype)))
+    return ModelState(layers=tuple(layers), position=jnp.zeros((batch_size,), jnp.int32),
+                      provenance=jnp.zeros((batch_size,), jnp.int32))
+
+
+def select_rows(state: ModelState, rows) -> ModelState:
+    """The state of the given batch rows (an int array): every leaf indexed on its leading axis."""
+    return jax.tree.map(lambda x: x[rows], state)

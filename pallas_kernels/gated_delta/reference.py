@@ -1,0 +1,177 @@
+"""Pure-JAX reference for the gated delta rule: the oracle for the kernels and their fallback.
+
+Dimension legend (used in shape comments throughout the project):
+  B  batch rows            T  tokens in a call         C  chunk length (64)
+  HK key/query heads       HV value heads (a multiple of HK; value head h reads key head h // (HV // HK))
+  K  key head dim          V  value head dim
+
+The recurrence, per value head, with state S of shape [K, V] (always fp32):
+  S' = exp(g_t) * S
+  S  = S' + k_t (beta_t * (v_t - S'^T k_t))^T
+  o_t = scale * S^T q_t                      (q, k L2-normalised in fp32 first, eps 1e-6)
+
+`chunk_gated_delta_rule_reference` computes it chunk by chunk (WY/UT form, chunk 64) under `lax.scan`, so a
+call split on the 64-token grid runs exactly the same per-chunk arithmetic as the unsplit call: the two are
+bitwise equal. Every dot states its precision (HIGHEST): on GPU a default fp32 dot would run as TF32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64
+_HI = jax.lax.Precision.HIGHEST
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_gates(A_log: jax.Array, a: jax.Array, dt_bias: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """GDN gates in fp32: g = -exp(A_log) * softplus(a + dt_bias) (log-decay), beta = sigmoid(b).
+
+    A_log, dt_bias: [HV]; a, b: [..., HV]. Returns g, beta: [..., HV] fp32.
+    """
+    a = a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    return g, beta
+
+
+def _expand_heads(x: jax.Array, hv: int) -> jax.Array:
+    """[..., HK, D] -> [..., HV, D]: value head h reads key head h // (HV // HK)."""
+    hk = x.shape[-2]
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    return jnp.repeat(x, hv // hk, axis=-2)
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, lengths):
+    """Validate, normalise, mask padding. Returns fp32 q, k, v [B,T,HV,*], g, beta [B,T,HV], state, scale."""
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"expected q, k [B,T,HK,K] and v [B,T,HV,V]; got {q.shape}, {k.shape}, {v.shape}")
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
+        raise ValueError(f"g and beta must be [B,T,HV]={(B, T, HV)}; got {g.shape}, {beta.shape}")
+    scale = K**-0.5 if scale is None else scale
+    q = q.astype(jnp.float32)
+    k = k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = _expand_heads(q * scale, HV)
+    k = _expand_heads(k, HV)
+    v = v.astype(jnp.float32)
+    g = g.astype(jnp.float32)
+    beta = beta.astype(jnp.float32)
+    if lengths is not None:
+        valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B,T]
+        # Padded tokens: decay exp(0) = 1 exactly and a zero key, so the state is bit-identical.
+        k = jnp.where(valid[..., None, None], k, 0.0)
+        v = jnp.where(valid[..., None, None], v, 0.0)
+        g = jnp.where(valid[..., None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+    if initial_state is None:
+        initial_state = jnp.zeros((B, HV, K, V), jnp.float32)
+    elif initial_state.shape != (B, HV, K, V):
+        raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
+    return q, k, v, g, beta, initial_state.astype(jnp.float32)
+
+
+def gated_delta_step_reference(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True):
+    """One token per row. q, k: [B,HK,K]; v: [B,HV,V]; g, beta: [B,HV]; state fp32 [B,HV,K,V].
+
+    Returns (o [B,HV,V] in v.dtype, new_state fp32 [B,HV,K,V]).
+    """
+    o, s = recurrent_gated_delta_rule_reference(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+        scale=scale, initial_state=state, use_qk_l2norm=use_qk_l2norm)
+    return o[:, 0], s
+
+
+def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                                         lengths=None):
+    """Token-by-token recurrence (fp32). Shapes as the chunked form; returns (o [B,T,HV,V], final_state)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, lengths)
+
+    def step(s, xs):  # s: [B,HV,K,V]
+        qt, kt, vt, gt, bt = xs  # [B,HV,K], [B,HV,K], [B,HV,V], [B,HV], [B,HV]
+        s = s * jnp.exp(gt)[..., None, None]
+        kv = jnp.einsum("bhk,bhkv->bhv", kt, s, precision=_HI)
+        u = bt[..., None] * (vt - kv)
+        s = s + kt[..., :, None] * u[..., None, :]
+        o = jnp.einsum("bhk,bhkv->bhv", qt, s, precision=_HI)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    s, o = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), s
+
+
+def _chunk_step(s, xs):
+    """One 64-token chunk of the WY/UT form. s: [B,HV,K,V]; xs per chunk: q,k [B,HV,C,K], v [B,HV,C,V], g,beta [B,HV,C]."""
+    q, k, v, g, beta = xs
+    C = q.shape[-2]
+    gc = jnp.cumsum(g, axis=-1)  # [B,HV,C]
+    row = jnp.arange(C)[:, None]
+    col = jnp.arange(C)[None, :]
+    lower_incl = row >= col
+    lower_strict = row > col
+    # decay[i, j] = exp(gc_i - gc_j) for j <= i; masked entries exactly zero (where before exp: no overflow).
+    diff = gc[..., :, None] - gc[..., None, :]
+    decay = jnp.where(lower_incl, jnp.exp(jnp.where(lower_incl, diff, 0.0)), 0.0)  # [B,HV,C,C]
+    kk = jnp.einsum("bhik,bhjk->bhij", k, k, precision=_HI)
+    a = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
+    # T = (I + A)^-1, lower triangular with unit diagonal.
+    eye = jnp.eye(C, dtype=jnp.float32)
+    t = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
+    u = jnp.einsum("bhij,bhjv->bhiv", t, beta[..., None] * v, precision=_HI)  # [B,HV,C,V]
+    w = jnp.einsum("bhij,bhjk->bhik", t, (beta * jnp.exp(gc))[..., None] * k, precision=_HI)  # [B,HV,C,K]
+    v_new = u - jnp.einsum("bhik,bhkv->bhiv", w, s, precision=_HI)
+    qk = jnp.where(lower_incl, jnp.einsum("bhik,bhjk->bhij", q, k, precision=_HI) * decay, 0.0)
+    o = (jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gc)[..., None], s, precision=_HI)
+         + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI))
+    g_last = gc[..., -1]
+    k_tail = k * jnp.exp(g_last[..., None] - gc)[..., None]
+    s = s * jnp.exp(g_last)[..., None, None] + jnp.einsum("bhik,bhiv->bhkv", k_tail, v_new, precision=_HI)
+    return s, (o, s)
+
+
+def chunk_gated_delta_rule_reference(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                                     lengths=None, checkpoint_stride=None):
+    """Chunked (WY/UT, chunk 64) gated delta rule in fp32.
+
+    q, k: [B,T,HK,K]; v: [B,T,HV,V]; g (log-decay), beta: [B,T,HV]; initial_state fp32 [B,HV,K,V] or None;
+    lengths int32 [B] or None: tokens t >= lengths[b] are padding and leave row b's state bit-identical.
+    checkpoint_stride: None or a multiple of 64: also return the state after every `checkpoint_stride` tokens,
+    [B, T // stride, HV, K, V], each bitwise equal to the final state of a call ending there.
+    Returns (o [B,T,HV,V] in v.dtype, final_state fp32 [B,HV,K,V]) or (o, final_state, checkpoints).
+    """
+    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
+        raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
+    out_dtype = v.dtype
+    B, T = q.shape[:2]
+    q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, lengths)
+    n = -(-T // CHUNK)
+    pad = n * CHUNK - T
+
+    def chunks(x):  # [B,T,HV,*] -> [n,B,HV,C,*] ; [B,T,HV] -> [n,B,HV,C]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((B, n, CHUNK) + x.shape[2:])
+        x = jnp.moveaxis(x, 1, 0)  # [n,B,C,HV,...]
+        return jnp.swapaxes(x, 2, 3)
+
+    s, (o, states) = jax.lax.scan(_chunk_step, s0, tuple(chunks(x) for x in (q, k, v, g, beta)))
+    HV, V = o.shape[2], o.shape[4]
+    o = jnp.moveaxis(jnp.swapaxes(o, 2, 3), 0, 1).reshape(B, n * CHUNK, HV, V)  # [n,B,HV,C,V] -> [B,T',HV,V]
+    o = o[:, :T].astype(out_dtype)
+    if checkpoint_stride is None:
+        return o, s
+    per = checkpoint_stride // CHUNK
+    m = T // checkpoint_stride
+    ckpt = jnp.moveaxis(states[per - 1: m * per: per], 0, 1) if m else jnp.zeros((B, 0) + s.shape[1:], jnp.float32)
+    return o, s, ckpt
