@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import CHUNK
+from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .errors import InputError
 from .model import Model, decode_step, prefill_chunk
@@ -42,7 +43,7 @@ def _sample(logits, keys, temperature, top_k: int | None, top_p):
         scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
     # top-p: keep the smallest set of tokens whose probability mass reaches top_p (the top token always kept).
     srt = jnp.sort(scaled, axis=-1)[:, ::-1]
-    cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+    cum = prefix_sum(softmax(srt))
     cutoff_idx = jnp.sum(cum < top_p[:, None], axis=-1, keepdims=True)
     cutoff = jnp.take_along_axis(srt, jnp.minimum(cutoff_idx, srt.shape[-1] - 1), axis=-1)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
@@ -63,7 +64,7 @@ def _generate_core(model: Model, tokens, lengths, seeds, temperature, top_p, sto
         state, logits, done = carry
         keys = jax.vmap(jax.random.fold_in)(base_keys, state.position)
         tok = _sample(logits, keys, temperature, top_k, top_p)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
+        logprob = jnp.take_along_axis(log_softmax(logits), tok[:, None], axis=-1)[:, 0]
         stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
         emitted = ~done
         state, logits = decode_step(model, state, tok)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.invariant import softmax
+
 from ..config import ModelConfig
 from ..params import AttentionParams
 from ..state import AttentionLayerState
@@ -49,7 +51,7 @@ def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: Attenti
                         preferred_element_type=jnp.float32) * (Dh**-0.5)  # [B, HKV, H/HKV, T, N]
     mask = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    probs = softmax(scores).astype(x.dtype)
     out = jnp.einsum("bgrtn,bngd->btgrd", probs, values.astype(x.dtype)).reshape(B, T, H, Dh)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return out.reshape(B, T, H * Dh) @ p.o_proj, AttentionLayerState(keys=keys, values=values)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.invariant import softmax, tree_sum
+
 from ..config import ModelConfig
 from ..params import MLPParams, MoEParams
 
@@ -23,14 +25,16 @@ def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array) -> jax.Array:
     and exact, but E times the expert FLOPs (fine for tests and modest E; a grouped kernel is future work).
     """
     logits = (x @ p.router).astype(jnp.float32)  # [..., E]
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax(logits)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [..., Ek]
     if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        top_w = top_w / tree_sum(top_w)[..., None]
     top_w = top_w.astype(x.dtype)
-    combine = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2)  # [.., E]
+    # [.., E]: zero off the top-k (one-hot rows are disjoint, so this sum is exact in any order)
+    combine = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2)
     h = jax.nn.silu(jnp.einsum("...d,edi->...ei", x, p.gate_proj)) * jnp.einsum("...d,edi->...ei", x, p.up_proj)
-    routed = jnp.einsum("...ei,eid,...e->...d", h, p.down_proj, combine)
+    expert_out = jnp.einsum("...ei,eid->...ed", h, p.down_proj)  # [.., E, D]
+    routed = tree_sum(jnp.swapaxes(expert_out * combine[..., None], -1, -2))  # fixed expert order
     shared = mlp(p.shared, x) * jax.nn.sigmoid(x @ p.shared_gate)
     return routed + shared
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..invariant import prefix_sum, tree_sum
+
 CHUNK = 64
 _HI = jax.lax.Precision.HIGHEST
 
@@ -27,7 +29,7 @@ _HI = jax.lax.Precision.HIGHEST
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * jax.lax.rsqrt(tree_sum(x * x)[..., None] + eps)
 
 
 def gdn_gates(A_log: jax.Array, a: jax.Array, dt_bias: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -116,7 +118,7 @@ def _chunk_step(s, xs):
     """One 64-token chunk of the WY/UT form. s: [B,HV,K,V]; xs per chunk: q,k [B,HV,C,K], v [B,HV,C,V], g,beta [B,HV,C]."""
     q, k, v, g, beta = xs
     C = q.shape[-2]
-    gc = jnp.cumsum(g, axis=-1)  # [B,HV,C]
+    gc = prefix_sum(g)  # [B,HV,C]
     row = jnp.arange(C)[:, None]
     col = jnp.arange(C)[None, :]
     lower_incl = row >= col

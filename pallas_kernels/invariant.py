@@ -1,0 +1,49 @@
+"""Reductions whose per-row result never depends on the array's shape.
+
+XLA's row reductions pick a vectorisation by shape: on CPU, `jnp.sum(x, -1)` of row 0 differs between an
+[8, 16] and a [1000, 16] array. Everything whose result must be bitwise equal however a prompt is split or
+batched (norms, softmax, the chunk's cumulative gates) sums in an order fixed by these functions: a pairwise
+tree over the last axis made of elementwise adds, which XLA does not reassociate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in a fixed pairwise order. [..., n] -> [...]."""
+    n = x.shape[-1]
+    while n > 1:
+        if n % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+            n += 1
+        x = x[..., : n // 2] + x[..., n // 2:]
+        n //= 2
+    return x[..., 0]
+
+
+def prefix_sum(x: jax.Array) -> jax.Array:
+    """Inclusive cumulative sum over the last axis (Hillis-Steele: log2(n) elementwise adds, fixed order)."""
+    n = x.shape[-1]
+    shift = 1
+    while shift < n:
+        pad = jnp.zeros_like(x[..., :shift])
+        x = x + jnp.concatenate([pad, x[..., : n - shift]], axis=-1)
+        shift *= 2
+    return x
+
+
+def log_softmax(x: jax.Array) -> jax.Array:
+    """log_softmax over the last axis, in fp32, with an order-fixed sum (max is exact in any order)."""
+    x = x.astype(jnp.float32)
+    z = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return z - jnp.log(tree_sum(jnp.exp(z)))[..., None]
+
+
+def softmax(x: jax.Array) -> jax.Array:
+    """softmax over the last axis, in fp32, with an order-fixed sum. Rows of all -inf give NaN, as jax.nn does."""
+    x = x.astype(jnp.float32)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / tree_sum(e)[..., None]
