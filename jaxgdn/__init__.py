@@ -9,7 +9,8 @@
 from .checkpoint import load_pretrained
 from .config import ModelConfig, qwen3_5_9b, tiny_qwen3_5, tiny_qwen3_next
 from .errors import CapacityError, CheckpointError, InputError, JaxGDNError, UnsupportedModelError
-from .generate import GenerationResult, generate
+from .cache import Checkpoint, CheckpointRefused, PrefixCache, check_cache
+from .generate import GenerationResult, Generations, generate
 from .model import Model, decode_step, prefill_chunk
 from .presets import tiny_model
 from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
@@ -17,5 +18,6 @@ from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
 __all__ = [
     "load_pretrained", "ModelConfig", "qwen3_5_9b", "tiny_qwen3_5", "tiny_qwen3_next", "CapacityError",
     "CheckpointError", "InputError", "JaxGDNError", "UnsupportedModelError", "GenerationResult", "generate", "Model",
-    "decode_step", "prefill_chunk", "tiny_model", "AttentionLayerState", "GDNLayerState", "ModelState", "Provenance",
+    "decode_step", "prefill_chunk", "tiny_model", "Checkpoint", "CheckpointRefused", "PrefixCache", "check_cache",
+    "Generations", "AttentionLayerState", "GDNLayerState", "ModelState", "Provenance",
 ]

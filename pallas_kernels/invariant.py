@@ -13,14 +13,18 @@ import jax.numpy as jnp
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis in a fixed pairwise order. [..., n] -> [...]."""
+    """Sum over the last axis in a fixed pairwise order. [..., n] -> [...].
+
+    The axis is zero-padded to a power of two first, so trailing zeros never change the result: a masked
+    softmax over a KV cache sums the same way whatever the cache's capacity.
+    """
     n = x.shape[-1]
-    while n > 1:
-        if n % 2:
-            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
-            n += 1
-        x = x[..., : n // 2] + x[..., n // 2:]
-        n //= 2
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (width - n,), x.dtype)], axis=-1)
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
     return x[..., 0]
 
 

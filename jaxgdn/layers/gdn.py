@@ -34,14 +34,19 @@ def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array) -> jax.A
 
 def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, lengths: jax.Array | None,
                 backend: str | None, checkpoint_stride: int | None = None):
-    """x: [B, T, D]. Returns (y [B, T, D], new_state, checkpoints [B, T//stride, HV, K, V] or None)."""
-    mixed, conv_state = causal_conv1d(x @ p.in_proj_qkv, state.conv, p.conv_weight, lengths)
+    """x: [B, T, D]. Returns (y [B, T, D], new_state, checkpoints or None).
+
+    Checkpoints (with `checkpoint_stride`): the layer state after every `stride` tokens, as a GDNLayerState whose
+    leaves carry an extra axis: conv [B, M, KC-1, C], recurrent [B, M, HV, K, V] (M = T // stride).
+    """
+    conv = causal_conv1d(x @ p.in_proj_qkv, state.conv, p.conv_weight, lengths, checkpoint_stride)
+    mixed, conv_state = conv[0], conv[1]
     q, k, v = _split_qkv(cfg, mixed)
     g, beta = pallas_kernels.gdn_gates(p.A_log, x @ p.in_proj_a, p.dt_bias, x @ p.in_proj_b)
     out = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent, lengths=lengths,
                                                 checkpoint_stride=checkpoint_stride, backend=backend)
     o, recurrent = out[0], out[1]
-    ckpt = out[2] if checkpoint_stride is not None else None
+    ckpt = None if checkpoint_stride is None else GDNLayerState(conv=conv[2], recurrent=out[2])
     return _output(cfg, p, o, x @ p.in_proj_z), GDNLayerState(conv=conv_state, recurrent=recurrent), ckpt
 
 

@@ -1,0 +1,300 @@
+"""A functional prefix cache of model checkpoints.
+
+A checkpoint is everything needed to continue a sequence from a token prefix: for every GDN layer the exact
+fp32 recurrent state and the conv state (the last KC-1 pre-conv inputs), and for every attention layer the
+keys/values of the prefix. Checkpoints sit only on one absolute grid: positions that are multiples of
+`interval` (itself a multiple of the 64-token chunk).
+
+`PrefixCache` is immutable: `insert` and `lookup` return a new cache (lookup records recency and hit counts)
+and never change the old one. With `deterministic=True` it admits only prefill-produced checkpoints
+(provenance PREFILL): a decode-produced GDN state is not bitwise equal to the prefill-produced state of the
+same prefix, and caching it would make a request's logprobs depend on what ran before it. `check_cache`
+proves the invariant with chex assertions.
+
+Default interval 256: a hit recomputes at most 255 tokens (a few ms of prefill on a GPU), while a 9B model's
+checkpoint (24 GDN layers x 2 MiB of fp32 state, plus the prefix KV) is large enough that checkpointing every
+64 tokens would fill a byte budget four times faster for little gain. Tests use 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Mapping, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import CHUNK
+
+from .errors import JaxGDNError
+from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
+
+DEFAULT_INTERVAL = 256
+
+
+class CheckpointRefused(JaxGDNError):
+    """A deterministic cache was asked to store a state that is not prefill-produced (the admission rule)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """The state of one sequence after `tokens` (position = len(tokens)). Leaves carry no batch axis."""
+
+    tokens: tuple[int, ...]
+    provenance: int  # Provenance of the state that produced it
+    gdn: tuple[GDNLayerState, ...]  # per GDN layer: conv [KC-1, C], recurrent fp32 [HV, K, V]
+    kv: tuple[AttentionLayerState, ...]  # per attention layer: keys, values [P, HKV, Dh]
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(x.nbytes) for x in jax.tree.leaves((self.gdn, self.kv)))
+
+
+def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int]) -> Checkpoint:
+    """The checkpoint of batch row `row` of `state`, whose absorbed tokens are `tokens` (len == its position)."""
+    pos = int(state.position[row])
+    if len(tokens) != pos:
+        raise ValueError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
+    gdn = tuple(jax.tree.map(lambda x: x[row], s) for s in state.layers if isinstance(s, GDNLayerState))
+    kv = tuple(AttentionLayerState(keys=s.keys[row, :pos], values=s.values[row, :pos])
+               for s in state.layers if isinstance(s, AttentionLayerState))
+    return Checkpoint(tokens=tuple(int(t) for t in tokens), provenance=int(state.provenance[row]), gdn=gdn, kv=kv)
+
+
+def checkpoints_from_prefill(starts, lengths, provenance, histories: Sequence[Sequence[int]],
+                             gdn_checkpoints: Sequence[GDNLayerState], kv_state: ModelState, stride: int,
+                             interval: int) -> list[Checkpoint]:
+    """The grid checkpoints a prefill call crossed, from its in-call states (`prefill_chunk(..., checkpoint_stride)`).
+
+    starts, lengths, provenance: [B] position before the call, valid tokens, provenance after it.
+    histories[b]: the tokens row b has absorbed (at least up to each checkpoint). gdn_checkpoints: per GDN layer,
+    leaves [B, M, ...]. kv_state: any later state of the same rows (prefix keys/values never change).
+    A checkpoint is kept where the absolute position start + stride*(j+1) is a multiple of `interval` and lies
+    within the row's valid tokens.
+    """
+    out = []
+    starts, lengths, provenance = (np.asarray(x) for x in (starts, lengths, provenance))
+    m = gdn_checkpoints[0].recurrent.shape[1] if gdn_checkpoints else 0
+    attn = [s for s in kv_state.layers if isinstance(s, AttentionLayerState)]
+    for b in range(len(starts)):
+        for j in range(m):
+            r = stride * (j + 1)
+            p = int(starts[b]) + r
+            if r > lengths[b] or p % interval:
+                continue
+            gdn = tuple(GDNLayerState(conv=c.conv[b, j], recurrent=c.recurrent[b, j]) for c in gdn_checkpoints)
+            kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
+            out.append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
+                                  gdn=gdn, kv=kv))
+    return out
+
+
+def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoint | None]) -> ModelState:
+    """A batched state whose row b continues from checkpoints[b] (a fresh row where None).
+
+    `template` is a fresh state of the wanted batch size and capacity (`model.init_state(B, N)`); the result
+    is a new array tree (the caller may donate it).
+    """
+    if len(checkpoints) != template.batch_size:
+        raise ValueError(f"{len(checkpoints)} checkpoints for a state of {template.batch_size} rows")
+    layers = list(template.layers)
+    gdn_ids = [i for i, s in enumerate(layers) if isinstance(s, GDNLayerState)]
+    attn_ids = [i for i, s in enumerate(layers) if isinstance(s, AttentionLayerState)]
+    position = np.array(template.position)
+    provenance = np.array(template.provenance)
+    for b, ck in enumerate(checkpoints):
+        if ck is None:
+            continue
+        if ck.position > template.capacity and attn_ids:
+            raise ValueError(f"checkpoint of {ck.position} tokens exceeds the state's capacity {template.capacity}")
+        for i, g in zip(gdn_ids, ck.gdn):
+            layers[i] = GDNLayerState(conv=layers[i].conv.at[b].set(g.conv),
+                                      recurrent=layers[i].recurrent.at[b].set(g.recurrent))
+        for i, kv in zip(attn_ids, ck.kv):
+            layers[i] = AttentionLayerState(keys=layers[i].keys.at[b, :ck.position].set(kv.keys),
+                                            values=layers[i].values.at[b, :ck.position].set(kv.values))
+        position[b] = ck.position
+        provenance[b] = ck.provenance
+    return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
+                      provenance=jnp.asarray(provenance, jnp.int32))
+
+
+def _prefix_keys(tokens: Sequence[int], interval: int, upto: int) -> list[tuple[int, bytes]]:
+    """(position, sha256 of the prefix) for every grid position <= upto; chained per interval block."""
+    arr = np.asarray(tokens, np.int64)
+    h = hashlib.sha256(b"jaxgdn-prefix")
+    out = []
+    for p in range(interval, upto + 1, interval):
+        h.update(arr[p - interval:p].tobytes())
+        out.append((p, h.copy().digest()))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    refused_writes: int
+    evictions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    checkpoint: Checkpoint
+    last_used: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCache:
+    """Immutable prefix cache. `interval`: checkpoint grid (a multiple of 64); `max_bytes`: LRU byte budget."""
+
+    interval: int = DEFAULT_INTERVAL
+    deterministic: bool = True
+    max_bytes: int | None = None
+    _entries: Mapping[bytes, _Entry] = dataclasses.field(default_factory=dict, repr=False)
+    _clock: int = 0
+    _counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # hits, misses, hit_tokens, refused, evictions
+
+    def __post_init__(self):
+        if self.interval <= 0 or self.interval % CHUNK:
+            raise ValueError(f"interval must be a positive multiple of {CHUNK}; got {self.interval}")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.checkpoint.nbytes for e in self._entries.values())
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every entry, least recently used first."""
+        return [e.checkpoint for e in sorted(self._entries.values(), key=lambda e: e.last_used)]
+
+    def stats(self) -> CacheStats:
+        h, m, ht, r, ev = self._counts
+        return CacheStats(entries=len(self), bytes=self.nbytes, hits=h, misses=m, hit_tokens=ht, refused_writes=r,
+                          evictions=ev)
+
+    def accepts(self, checkpoint: Checkpoint) -> bool:
+        """The admission rule: on the grid, and — when deterministic — produced by prefill alone (on the grid)."""
+        on_grid = checkpoint.position > 0 and checkpoint.position % self.interval == 0
+        return on_grid and (not self.deterministic or checkpoint.provenance == Provenance.PREFILL)
+
+    def _replace(self, **kw) -> "PrefixCache":
+        return dataclasses.replace(self, **kw)
+
+    # ---- lookup --------------------------------------------------------------------------------------------
+    def lookup(self, prompts: Sequence[Sequence[int]]) -> tuple[list[Checkpoint | None], "PrefixCache"]:
+        """For each prompt, the longest cached prefix of at most len(prompt) - 1 tokens (None on a miss).
+
+        Returns (checkpoints, new cache) — the new cache records recency and hit statistics.
+        """
+        entries = dict(self._entries)
+        clock = self._clock
+        h, m, ht, r, ev = self._counts
+        found = []
+        for tokens in prompts:
+            hit = None
+            for p, key in reversed(_prefix_keys(tokens, self.interval, len(tokens) - 1)):
+                e = entries.get(key)
+                if e is not None and e.checkpoint.tokens == tuple(int(t) for t in tokens[:p]):
+                    hit = e.checkpoint
+                    clock += 1
+                    entries[key] = _Entry(hit, clock)
+                    break
+            found.append(hit)
+            h, m, ht = (h + 1, m, ht + hit.position) if hit else (h, m + 1, ht)
+        return found, self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, r, ev))
+
+    # ---- insert --------------------------------------------------------------------------------------------
+    def insert(self, checkpoints: Checkpoint | Sequence[Checkpoint], *, skip_refused: bool = False) -> "PrefixCache":
+        """A new cache holding `checkpoints` too (the old cache is unchanged).
+
+        A checkpoint the admission rule refuses raises `CheckpointRefused` (naming the rule), or with
+        `skip_refused=True` is counted in `stats().refused_writes` and left out. Least recently used entries
+        are evicted, whole, until the byte budget holds; a checkpoint larger than the whole budget is refused.
+        """
+        if isinstance(checkpoints, Checkpoint):
+            checkpoints = [checkpoints]
+        entries = dict(self._entries)
+        clock = self._clock
+        h, m, ht, refused, ev = self._counts
+        for ck in checkpoints:
+            problem = None
+            if not (ck.position > 0 and ck.position % self.interval == 0):
+                problem = f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
+            elif self.deterministic and ck.provenance != Provenance.PREFILL:
+                problem = (f"deterministic cache admits only prefill-produced states (provenance PREFILL); this "
+                           f"state is {Provenance(ck.provenance).name}: a decode-produced or off-grid-split GDN "
+                           f"state is not bitwise equal to a prefill of the same prefix")
+            elif self.max_bytes is not None and ck.nbytes > self.max_bytes:
+                problem = f"checkpoint of {ck.nbytes} bytes exceeds the cache budget of {self.max_bytes} bytes"
+            if problem:
+                if not skip_refused:
+                    raise CheckpointRefused(problem)
+                refused += 1
+                continue
+            key = _prefix_keys(ck.tokens, self.interval, ck.position)[-1][1]
+            old = entries.get(key)
+            if old is not None and old.checkpoint.tokens != ck.tokens:
+                raise RuntimeError("sha256 prefix collision")  # never silently alias two prefixes
+            clock += 1
+            # An existing entry for the same prefix is kept (deterministic: identical anyway); recency refreshed.
+            entries[key] = _Entry(old.checkpoint if old else ck, clock)
+        if self.max_bytes is not None:
+            total = sum(e.checkpoint.nbytes for e in entries.values())
+            for key, e in sorted(entries.items(), key=lambda kv: kv[1].last_used):
+                if total <= self.max_bytes:
+                    break
+                total -= e.checkpoint.nbytes
+                del entries[key]
+                ev += 1
+        return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev))
+
+
+def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
+    """Assert the cache's invariants (chex assertions; raises AssertionError naming the entry).
+
+    Every entry on the grid, finite, matching the model's state spec in structure, shape and dtype; in
+    deterministic mode every entry prefill-produced; with `recompute=True` every entry bitwise equal to a
+    fresh prefill of its prefix.
+    """
+    from .model import prefill_chunk  # local: the model module does not depend on the cache
+
+    spec = jax.eval_shape(lambda: model.init_state(1, 1))
+    gdn_spec = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), s)
+                     for s in spec.layers if isinstance(s, GDNLayerState))
+    attn_spec = [s for s in spec.layers if isinstance(s, AttentionLayerState)]
+    for ck in cache.checkpoints():
+        where = f"entry at position {ck.position}"
+        chex.assert_equal(ck.position % cache.interval, 0, custom_message=f"{where} is off the grid")
+        chex.assert_equal(ck.position > 0, True, custom_message=f"{where} is empty")
+        chex.assert_tree_all_finite((ck.gdn, ck.kv), custom_message=f"{where} is not finite")
+        chex.assert_trees_all_equal_structs(ck.gdn, gdn_spec)
+        chex.assert_trees_all_equal_shapes_and_dtypes(ck.gdn, gdn_spec, custom_message=where)
+        kv_spec = tuple(AttentionLayerState(*(jax.ShapeDtypeStruct((ck.position,) + x.shape[2:], x.dtype) for x in s))
+                        for s in attn_spec)
+        chex.assert_trees_all_equal_shapes_and_dtypes(ck.kv, kv_spec, custom_message=where)
+        if cache.deterministic:
+            chex.assert_equal(ck.provenance, int(Provenance.PREFILL),
+                              custom_message=f"{where} is not prefill-produced in a deterministic cache")
+        if recompute:
+            toks = jnp.asarray([ck.tokens], jnp.int32)
+            state, _ = jax.jit(prefill_chunk)(model, model.init_state(1, ck.position), toks,
+                                              jnp.asarray([ck.position], jnp.int32))
+            fresh = checkpoint_from_state(state, 0, ck.tokens)
+            chex.assert_trees_all_equal((ck.gdn, ck.kv), (fresh.gdn, fresh.kv),
+                                        custom_message=f"{where} differs from a fresh prefill of its prefix")
