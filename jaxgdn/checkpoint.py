@@ -179,11 +179,12 @@ def read_params(path: Path, config: ModelConfig, dtype) -> ModelParams:
     return params
 
 
-def load_pretrained(path, dtype=jnp.float32, backend: str | None = None) -> Model:
+def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, deterministic: bool = False) -> Model:
     """Load a Hugging Face directory (config.json + model.safetensors or a sharded index) into a `Model`.
 
     dtype: parameter/activation dtype (float32 or bfloat16); A_log and dt_bias always load as fp32.
     backend: kernel backend (None: Pallas on GPU, pure JAX elsewhere).
+    deterministic: batch-invariant numerics (see `Model.deterministic`).
     """
     path = Path(path)
     if not path.exists():
@@ -191,4 +192,5 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None) -> Mode
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
     config = ModelConfig.from_json_file(path / "config.json")
-    return Model(params=read_params(path, config, dtype), config=config, dtype=dtype, backend=backend)
+    return Model(params=read_params(path, config, dtype), config=config, dtype=dtype, backend=backend,
+                 deterministic=deterministic)

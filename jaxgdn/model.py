@@ -29,6 +29,7 @@ from .config import LINEAR, ModelConfig
 from .errors import CapacityError, InputError
 from .layers.attention import attention
 from .layers.gdn import gdn_decode, gdn_prefill
+from .layers.linear import linear
 from .layers.mlp import feed_forward
 from .layers.norm import rms_norm
 from .params import ModelParams
@@ -36,13 +37,16 @@ from .state import GDNLayerState, ModelState, Provenance, init_state
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
-                   meta_fields=["config", "dtype", "backend"])
+                   meta_fields=["config", "dtype", "backend", "deterministic"])
 @dataclasses.dataclass(frozen=True)
 class Model:
     params: ModelParams
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32  # activations and matmul inputs; GDN states stay fp32
     backend: str | None = None  # kernel backend (see pallas_kernels.backend); None: the device default
+    # Batch-invariant numerics: a row's logits depend neither on the other rows of the call nor on how its
+    # prompt was split on the 64-token grid (every prefill call must then start on the grid).
+    deterministic: bool = False
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
         return init_state(self.config, batch_size, capacity, self.dtype)
@@ -50,13 +54,16 @@ class Model:
     def with_backend(self, backend: str | None) -> "Model":
         return dataclasses.replace(self, backend=backend)
 
+    def with_deterministic(self, deterministic: bool = True) -> "Model":
+        return dataclasses.replace(self, deterministic=deterministic)
+
     def prefill_chunk(self, state: ModelState, tokens, lengths=None):
         """Absorb a batch of token runs. tokens: int32 [B, T]; lengths: int32 [B] valid tokens per row (None: T).
 
         Continues from whatever `state` holds. Returns (new_state, logits fp32 [B, T, Vocab]); logits at
         padded positions are meaningless. Padded tokens leave the state bit-identical.
         """
-        tokens, lengths = _check_prefill(self.config, state, tokens, lengths)
+        tokens, lengths = _check_prefill(self.config, state, tokens, lengths, self.deterministic)
         return _prefill_jit(self, state, tokens, lengths)
 
     def decode_step(self, state: ModelState, token):
@@ -97,7 +104,7 @@ def _check_capacity(state: ModelState, advance):
         raise CapacityError(f"row {row} would reach position {int(end[row])}, beyond the state's KV capacity {cap}")
 
 
-def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths):
+def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, deterministic: bool = False):
     tokens = _check_tokens(cfg, tokens, 2, "tokens")
     B, T = tokens.shape
     if B != state.batch_size:
@@ -115,6 +122,15 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths):
             raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
         lengths = jnp.asarray(lengths, jnp.int32)
     _check_capacity(state, lengths)
+    if deterministic and _concrete(state.position) and _concrete(lengths):
+        pos, lens = np.asarray(state.position), np.asarray(lengths)
+        off = (pos % CHUNK != 0) & (lens > 0)
+        if np.any(off):
+            row = int(np.argmax(off))
+            raise InputError(
+                f"deterministic mode: row {row} would start a prefill at position {int(pos[row])}, off the "
+                f"{CHUNK}-token grid; a prefill call that does not end a sequence must end on the grid "
+                f"(split prompts at multiples of {CHUNK})")
     return tokens, lengths
 
 
@@ -132,7 +148,7 @@ def _logits(model: Model, x: jax.Array) -> jax.Array:
     p, cfg = model.params, model.config
     x = rms_norm(x, p.final_norm, cfg.rms_norm_eps)
     head = p.embed.T if p.lm_head is None else p.lm_head
-    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+    return linear(x, head, model.deterministic).astype(jnp.float32)
 
 
 def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) -> ModelState:
@@ -146,18 +162,18 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     """Pure prefill. tokens int32 [B, T]; lengths int32 [B]. Returns (state, logits fp32 [B, T, Vocab]), and with
     `checkpoint_stride` also the GDN recurrent states every `stride` tokens: a tuple over GDN layers of
     [B, T//stride, HV, K, V]."""
-    cfg, p = model.config, model.params
+    cfg, p, det = model.config, model.params, model.deterministic
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
     for lp, ls, kind in zip(p.layers, state.layers, cfg.layer_types):
         h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
         if kind == LINEAR:
-            h, ls, ck = gdn_prefill(cfg, lp.mixer, h, ls, lengths, model.backend, checkpoint_stride)
+            h, ls, ck = gdn_prefill(cfg, lp.mixer, h, ls, lengths, model.backend, checkpoint_stride, det)
             ckpts.append(ck)
         else:
-            h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths)
+            h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths, det)
         x = x + h
-        x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps))
+        x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
     on_grid = (state.position % CHUNK) == 0
     taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
@@ -169,19 +185,19 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
 
 def decode_step(model: Model, state: ModelState, token: jax.Array):
     """Pure recurrent decode of one token per row. token int32 [B]. Returns (state, logits fp32 [B, Vocab])."""
-    cfg, p = model.config, model.params
+    cfg, p, det = model.config, model.params, model.deterministic
     x = p.embed[token].astype(model.dtype)  # [B, D]
     ones = jnp.ones_like(state.position)
     new_layers = []
     for lp, ls, kind in zip(p.layers, state.layers, cfg.layer_types):
         h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
         if kind == LINEAR:
-            h, ls = gdn_decode(cfg, lp.mixer, h, ls, model.backend)
+            h, ls = gdn_decode(cfg, lp.mixer, h, ls, model.backend, det)
         else:
-            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None)
+            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None, det, query_tile=1)
             h = h[:, 0]
         x = x + h
-        x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps))
+        x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
     taint = jnp.full_like(state.position, Provenance.DECODE)
     return _advance(state, new_layers, ones, taint), _logits(model, x)

@@ -51,3 +51,22 @@ def softmax(x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
     return e / tree_sum(e)[..., None]
+
+
+def row_tiled(fn, x: jax.Array, tile: int = 64) -> jax.Array:
+    """Apply a row-wise `fn` ([tile, D] -> [tile, ...]) to x [..., D] in fixed tiles of `tile` rows.
+
+    The tiles run through `lax.map`, so every row is computed by one compiled program of one shape, whatever
+    the number of rows: a row's result cannot depend on how many other rows (batch size, prompt length,
+    padding) share the call. XLA's own GEMMs pick their blocking by M, which does change low bits.
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for n in lead:
+        rows *= n
+    n_tiles = max(1, -(-rows // tile))
+    flat = x.reshape(rows, d)
+    flat = jnp.concatenate([flat, jnp.zeros((n_tiles * tile - rows, d), x.dtype)], axis=0)
+    y = jax.lax.map(fn, flat.reshape(n_tiles, tile, d))  # [n_tiles, tile, ...]
+    y = y.reshape((n_tiles * tile,) + y.shape[2:])[:rows]
+    return y.reshape(lead + y.shape[1:])

@@ -10,6 +10,7 @@ from pallas_kernels.invariant import softmax, tree_sum
 
 from ..config import ModelConfig
 from ..params import MLPParams, MoEParams
+from pallas_kernels.invariant import row_tiled
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
@@ -39,5 +40,7 @@ def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array) -> jax.Array:
     return routed + shared
 
 
-def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array) -> jax.Array:
-    return moe(cfg, p, x) if isinstance(p, MoEParams) else mlp(p, x)
+def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array, det: bool = False) -> jax.Array:
+    """x: [..., D]. Deterministic: computed in fixed 64-token tiles, so no token's result depends on the others."""
+    fn = (lambda t: moe(cfg, p, t)) if isinstance(p, MoEParams) else (lambda t: mlp(p, t))
+    return row_tiled(fn, x) if det else fn(x)

@@ -1,0 +1,259 @@
+"""The functional prefix cache: admission rule, reproducer, fidelity, functional behaviour, invariant checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxgdn
+from jaxgdn.cache import _Entry, _prefix_keys, checkpoint_from_state, state_from_checkpoints
+from jaxgdn.state import Provenance
+
+INTERVAL = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return jaxgdn.tiny_model("tiny", seed=3, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_next():
+    return jaxgdn.tiny_model("tiny-next", seed=4, deterministic=True)
+
+
+def _reproducer(model, deterministic: bool, seed: int = 0):
+    """Request A = 100-token prompt P + 64 greedy tokens; B = P + A's first 40 tokens + 10 new tokens.
+
+    Returns (A's generations, B cold, B warm) — warm uses the cache A left behind."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, model.config.vocab_size, 100).tolist()
+    cache = jaxgdn.PrefixCache(interval=INTERVAL, deterministic=deterministic)
+    a = jaxgdn.generate(model, [prompt], max_new_tokens=64, cache=cache)
+    b_prompt = prompt + a[0].tokens[:40] + rng.integers(0, model.config.vocab_size, 10).tolist()
+    cold = jaxgdn.generate(model, [b_prompt], max_new_tokens=24, cache=cache)
+    warm = jaxgdn.generate(model, [b_prompt], max_new_tokens=24, cache=a.cache)
+    return a, cold, warm
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_next"])
+def test_reproducer_deterministic_warm_equals_cold(name, request):
+    model = request.getfixturevalue(name)
+    a, cold, warm = _reproducer(model, deterministic=True)
+    assert warm[0].cached_tokens == 64 and cold[0].cached_tokens == 0  # the warm run really used the cache
+    assert warm[0].tokens == cold[0].tokens
+    assert np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))  # bitwise
+    jaxgdn.check_cache(warm.cache, model, recompute=True)
+
+
+def test_reproducer_nondeterministic_shows_the_difference(tiny):
+    a, cold, warm = _reproducer(tiny, deterministic=False)
+    # The decode checkpoint at 128 (inside A's generated text) is reused ...
+    assert warm[0].cached_tokens == 128
+    assert any(ck.provenance == Provenance.DECODE for ck in a.cache.checkpoints())
+    # ... and B's logprobs now depend on what ran before it: not bitwise equal to the cold run.
+    assert not np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
+
+
+def test_letting_decode_writes_through_breaks_determinism(tiny):
+    """A 'deterministic' cache that holds decode-produced entries fails the reproducer and check_cache."""
+    a, cold, _ = _reproducer(tiny, deterministic=False)
+    leaky = dataclasses.replace(a.cache, deterministic=True)  # decode entries planted past the admission rule
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, tiny.config.vocab_size, 100).tolist()
+    b_prompt = prompt + a[0].tokens[:40] + rng.integers(0, tiny.config.vocab_size, 10).tolist()
+    warm = jaxgdn.generate(tiny, [b_prompt], max_new_tokens=24, cache=leaky)
+    assert warm[0].cached_tokens == 128
+    assert not np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
+    with pytest.raises(AssertionError, match="not prefill-produced"):
+        jaxgdn.check_cache(leaky, tiny)
+
+
+def _prefill(model, tokens, capacity=256, state=None, stride=None):
+    tokens = jnp.asarray([tokens], jnp.int32)
+    state = model.init_state(1, capacity) if state is None else state
+    return jax.jit(jaxgdn.prefill_chunk, static_argnames="checkpoint_stride")(
+        model, state, tokens, jnp.asarray([tokens.shape[1]], jnp.int32), checkpoint_stride=stride)
+
+
+def test_in_call_checkpoints_equal_separate_prefills(tiny):
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, tiny.config.vocab_size, 200).tolist()
+    state0 = tiny.init_state(1, 256)
+    state, _, ckpts = _prefill(tiny, toks, stride=INTERVAL)
+    found = jaxgdn.cache.checkpoints_from_prefill([0], [200], state.provenance, [toks], ckpts, state, INTERVAL,
+                                                  INTERVAL)
+    assert [c.position for c in found] == [64, 128, 192]
+    for ck in found:
+        sep, _ = _prefill(tiny, toks[:ck.position], state=state0)
+        ref = checkpoint_from_state(sep, 0, toks[:ck.position])
+        chex.assert_trees_all_equal((ck.gdn, ck.kv), (ref.gdn, ref.kv))  # bitwise
+
+
+def test_fresh_state_is_exactly_zero(tiny):
+    state = tiny.init_state(2, 64)
+    for leaf in jax.tree.leaves(state):
+        assert not np.any(np.asarray(leaf))
+
+
+def test_admission_rule_and_predicate(tiny):
+    toks = list(range(1, 65))
+    state, _ = _prefill(tiny, toks, capacity=128)
+    good = checkpoint_from_state(state, 0, toks)
+    decoded, _ = tiny.decode_step(state, jnp.array([7], jnp.int32))
+    # make a decode-touched state sit on the grid: prefill 63, decode 1
+    s63, _ = _prefill(tiny, toks[:63], capacity=128)
+    s64, _ = tiny.decode_step(s63, jnp.array([toks[63]], jnp.int32))
+    bad = checkpoint_from_state(s64, 0, toks)
+    det = jaxgdn.PrefixCache(interval=INTERVAL, deterministic=True)
+    assert det.accepts(good) and not det.accepts(bad)
+    with pytest.raises(jaxgdn.CheckpointRefused, match="only prefill-produced"):
+        det.insert(bad)
+    skipped = det.insert(bad, skip_refused=True)
+    assert len(skipped) == 0 and skipped.stats().refused_writes == 1
+    nondet = jaxgdn.PrefixCache(interval=INTERVAL, deterministic=False)
+    assert nondet.accepts(bad) and len(nondet.insert(bad)) == 1
+    off_grid = checkpoint_from_state(decoded, 0, toks + [7])
+    with pytest.raises(jaxgdn.CheckpointRefused, match="not on the cache grid"):
+        nondet.insert(off_grid)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        jaxgdn.PrefixCache(interval=100)
+
+
+def test_insert_is_functional_and_lookup_longest_prefix(tiny):
+    rng = np.random.default_rng(6)
+    toks = rng.integers(0, tiny.config.vocab_size, 192).tolist()
+    state, _, ckpts = _prefill(tiny, toks, stride=INTERVAL)
+    found = jaxgdn.cache.checkpoints_from_prefill([0], [192], state.provenance, [toks], ckpts, state, INTERVAL,
+                                                  INTERVAL)
+    empty = jaxgdn.PrefixCache(interval=INTERVAL)
+    one = empty.insert(found[0])
+    full = one.insert(found[1:])
+    assert (len(empty), len(one), len(full)) == (0, 1, 3)  # the old caches are unchanged
+    assert empty.stats().bytes == 0 and one.stats().bytes == found[0].nbytes
+    # longest cached prefix of at most len - 1 tokens: a 192-token prompt hits 128, a 193-token one hits 192
+    hits, after = full.lookup([toks, toks + [1], toks[:64], toks[:10] + [999 % 256] * 60, [5] * 70])
+    assert [h.position if h else None for h in hits] == [128, 192, None, None, None]
+    assert after.stats().hits == 2 and after.stats().misses == 3 and after.stats().hit_tokens == 320
+    assert full.stats().hits == 0  # lookup returned a new cache
+    # a restored state continues exactly like the original prefill
+    restored = state_from_checkpoints(tiny.init_state(2, 256), [hits[0], None])
+    assert np.asarray(restored.position).tolist() == [128, 0]
+    s_full, logits_full = _prefill(tiny, toks)
+    s_cont, logits_cont = jax.jit(jaxgdn.prefill_chunk)(
+        tiny, restored, jnp.asarray([toks[128:], toks[128:]], jnp.int32), jnp.asarray([64, 64], jnp.int32))
+    assert np.array_equal(np.asarray(logits_cont[0]), np.asarray(logits_full[0, 128:]))
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[0], jaxgdn.model.gdn_states(s_cont)),
+                                jax.tree.map(lambda x: x[0], jaxgdn.model.gdn_states(s_full)))
+
+
+def test_lru_eviction_whole_entries(tiny):
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(0, tiny.config.vocab_size, 64).tolist() for _ in range(3)]
+    cks = [checkpoint_from_state(_prefill(tiny, s, capacity=64)[0], 0, s) for s in seqs]
+    size = cks[0].nbytes
+    cache = jaxgdn.PrefixCache(interval=INTERVAL, max_bytes=2 * size)
+    cache = cache.insert(cks[0]).insert(cks[1])
+    _, cache = cache.lookup([seqs[0] + [1]])  # touch entry 0: entry 1 is now least recent
+    cache = cache.insert(cks[2])
+    assert cache.stats().evictions == 1 and cache.stats().entries == 2 and cache.stats().bytes == 2 * size
+    hits, _ = cache.lookup([s + [1] for s in seqs])
+    assert [h is not None for h in hits] == [True, False, True]
+    too_small = jaxgdn.PrefixCache(interval=INTERVAL, max_bytes=size - 1)
+    assert len(too_small.insert(cks[0], skip_refused=True)) == 0
+
+
+def _plant(cache, ck):
+    key = _prefix_keys(ck.tokens, cache.interval, ck.position)[-1][1] if ck.position >= cache.interval else b"x"
+    return dataclasses.replace(cache, _entries={**cache._entries, key: _Entry(ck, 0)})
+
+
+def test_check_cache_catches_planted_entries(tiny):
+    toks = list(range(3, 67))
+    state, _ = _prefill(tiny, toks, capacity=128)
+    good = checkpoint_from_state(state, 0, toks)
+    cache = jaxgdn.PrefixCache(interval=INTERVAL).insert(good)
+    jaxgdn.check_cache(cache, tiny, recompute=True)
+    decode_made = dataclasses.replace(good, provenance=int(Provenance.DECODE))
+    with pytest.raises(AssertionError, match="not prefill-produced"):
+        jaxgdn.check_cache(_plant(jaxgdn.PrefixCache(interval=INTERVAL), decode_made), tiny)
+    s65, _ = tiny.decode_step(state, jnp.array([1], jnp.int32))
+    off = checkpoint_from_state(s65, 0, toks + [1])
+    with pytest.raises(AssertionError, match="off the grid"):
+        jaxgdn.check_cache(_plant(jaxgdn.PrefixCache(interval=INTERVAL, deterministic=False), off), tiny)
+    gdn = list(good.gdn)
+    gdn[1] = gdn[1]._replace(recurrent=gdn[1].recurrent.at[0, 0, 0].set(jnp.nan))
+    with pytest.raises(AssertionError, match="not finite"):
+        jaxgdn.check_cache(_plant(jaxgdn.PrefixCache(interval=INTERVAL), dataclasses.replace(good, gdn=tuple(gdn))),
+                           tiny)
+    tampered = list(good.gdn)
+    tampered[0] = tampered[0]._replace(recurrent=tampered[0].recurrent * (1 + 1e-6))
+    planted = _plant(jaxgdn.PrefixCache(interval=INTERVAL), dataclasses.replace(good, gdn=tuple(tampered)))
+    jaxgdn.check_cache(planted, tiny)  # structurally fine ...
+    with pytest.raises(AssertionError, match="differs from a fresh prefill"):
+        jaxgdn.check_cache(planted, tiny, recompute=True)  # ... but not what a prefill computes
+
+
+def test_batched_lookup_and_generation(tiny):
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, tiny.config.vocab_size, n).tolist() for n in (70, 130, 5)]
+    cache = jaxgdn.PrefixCache(interval=INTERVAL)
+    first = jaxgdn.generate(tiny, prompts, max_new_tokens=8, cache=cache)
+    assert sorted(c.position for c in first.cache.checkpoints()) == [64, 64, 128]
+    again = jaxgdn.generate(tiny, prompts, max_new_tokens=8, cache=first.cache)
+    assert [r.cached_tokens for r in again] == [64, 128, 0]
+    for r1, r2 in zip(first, again):
+        assert r1.tokens == r2.tokens and np.array_equal(np.array(r1.logprobs), np.array(r2.logprobs))
+
+
+# ---- property-based: random insert / lookup / evict sequences -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool(tiny):
+    """Checkpoints of a few random sequences at 64 and 128 (two share their first 64 tokens)."""
+    rng = np.random.default_rng(9)
+    base = rng.integers(0, tiny.config.vocab_size, 128).tolist()
+    other = base[:64] + rng.integers(0, tiny.config.vocab_size, 64).tolist()
+    third = rng.integers(0, tiny.config.vocab_size, 128).tolist()
+    out = []
+    for s in (base, other, third):
+        state, _, ck = _prefill(tiny, s, stride=INTERVAL)
+        out += jaxgdn.cache.checkpoints_from_prefill([0], [128], state.provenance, [s], ck, state, INTERVAL, INTERVAL)
+    return out, [base, other, third]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "lookup"]), st.integers(0, 5), st.integers(0, 2),
+                              st.integers(0, 70)), max_size=25),
+       budget_entries=st.one_of(st.none(), st.integers(1, 4)))
+def test_cache_properties(pool, ops, budget_entries):
+    checkpoints, seqs = pool
+    size = checkpoints[0].nbytes
+    cache = jaxgdn.PrefixCache(interval=INTERVAL, max_bytes=None if budget_entries is None else budget_entries * size)
+    inserted = set()
+    for op, ci, si, extra in ops:
+        if op == "insert":
+            ck = checkpoints[ci]
+            before = (len(cache), cache.nbytes)
+            cache = cache.insert(ck, skip_refused=True)  # a checkpoint larger than the budget is refused
+            inserted.add(ck.tokens)
+            fits = cache.max_bytes is None or ck.nbytes <= cache.max_bytes
+            assert (len(cache) >= 1) if fits else (len(cache), cache.nbytes) == before
+        else:
+            query = seqs[si][: max(1, 64 + extra)] + [1]
+            [hit], cache = cache.lookup([query])
+            if hit is not None:
+                assert hit.tokens in inserted  # never a state for a prefix that was not inserted
+                assert tuple(query[:hit.position]) == hit.tokens and hit.position <= len(query) - 1
+        stats = cache.stats()
+        assert stats.bytes == sum(c.nbytes for c in cache.checkpoints())  # byte accounting matches the entries
+        assert stats.entries == len(cache.checkpoints())
+        if cache.max_bytes is not None:
+            assert stats.bytes <= cache.max_bytes
