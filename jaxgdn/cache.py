@@ -30,7 +30,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 
 from .errors import JaxGDNError
-from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
+from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance
 
 DEFAULT_INTERVAL = 256
 
@@ -68,31 +68,23 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int]) ->
     return Checkpoint(tokens=tuple(int(t) for t in tokens), provenance=int(state.provenance[row]), gdn=gdn, kv=kv)
 
 
-def checkpoints_from_prefill(starts, lengths, provenance, histories: Sequence[Sequence[int]],
-                             gdn_checkpoints: Sequence[GDNLayerState], kv_state: ModelState, stride: int,
-                             interval: int) -> list[Checkpoint]:
-    """The grid checkpoints a prefill call crossed, from its in-call states (`prefill_chunk(..., checkpoint_stride)`).
+def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: Sequence[Sequence[int]],
+                             kv_state: ModelState, interval: int) -> list[Checkpoint]:
+    """The cache checkpoints among a prefill's in-call states (`prefill_chunk(..., checkpoint_stride=...)`).
 
-    starts, lengths, provenance: [B] position before the call, valid tokens, provenance after it.
-    histories[b]: the tokens row b has absorbed (at least up to each checkpoint). gdn_checkpoints: per GDN layer,
-    leaves [B, M, ...]. kv_state: any later state of the same rows (prefix keys/values never change).
-    A checkpoint is kept where the absolute position start + stride*(j+1) is a multiple of `interval` and lies
-    within the row's valid tokens.
+    provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
+    up to each checkpoint). kv_state: the state after the call, or any later state of the same rows (the keys
+    and values of a prefix never change). Kept: valid checkpoints at positive multiples of `interval`.
     """
     out = []
-    starts, lengths, provenance = (np.asarray(x) for x in (starts, lengths, provenance))
-    m = gdn_checkpoints[0].recurrent.shape[1] if gdn_checkpoints else 0
+    pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
     attn = [s for s in kv_state.layers if isinstance(s, AttentionLayerState)]
-    for b in range(len(starts)):
-        for j in range(m):
-            r = stride * (j + 1)
-            p = int(starts[b]) + r
-            if r > lengths[b] or p % interval:
-                continue
-            gdn = tuple(GDNLayerState(conv=c.conv[b, j], recurrent=c.recurrent[b, j]) for c in gdn_checkpoints)
-            kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
-            out.append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
-                                  gdn=gdn, kv=kv))
+    for b, j in zip(*np.nonzero(valid & (pos > 0) & (pos % interval == 0))):
+        p = int(pos[b, j])
+        gdn = tuple(jax.tree.map(lambda x: x[b, j], g) for g in found.gdn)
+        kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
+        out.append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
+                              gdn=gdn, kv=kv))
     return out
 
 
@@ -115,8 +107,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         if ck.position > template.capacity and attn_ids:
             raise ValueError(f"checkpoint of {ck.position} tokens exceeds the state's capacity {template.capacity}")
         for i, g in zip(gdn_ids, ck.gdn):
-            layers[i] = GDNLayerState(conv=layers[i].conv.at[b].set(g.conv),
-                                      recurrent=layers[i].recurrent.at[b].set(g.recurrent))
+            layers[i] = jax.tree.map(lambda whole, row: whole.at[b].set(row), layers[i], g)
         for i, kv in zip(attn_ids, ck.kv):
             layers[i] = AttentionLayerState(keys=layers[i].keys.at[b, :ck.position].set(kv.keys),
                                             values=layers[i].values.at[b, :ck.position].set(kv.values))

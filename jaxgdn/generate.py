@@ -26,7 +26,7 @@ from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, state_from_checkpoints
 from .errors import InputError
 from .model import Model, decode_step, gdn_states, prefill_chunk
-from .state import AttentionLayerState, GDNLayerState, Provenance
+from .state import AttentionLayerState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _generate_core(model: Model, state, tokens, lengths, seeds, temperature, top
     B = tokens.shape[0]
     out = prefill_chunk(model, state, tokens, lengths, checkpoint_stride=stride)
     state, logits = out[0], out[1]
-    prefill_ckpts = out[2] if stride else ()
+    prefill_ckpts = out[2] if stride else None
     prefill_provenance = state.provenance
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, Vocab]
     base_keys = jax.vmap(jax.random.key)(seeds)
@@ -147,7 +147,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if cache is not None:
         state = state_from_checkpoints(state, hits)
     stops = np.array(list(stop_token_ids) or [-1], np.int32)
-    snap_interval = cache.interval if cache is not None and not cache.deterministic else None
+    # Decode checkpoints: always admissible in a non-deterministic cache; in a deterministic one only when replay
+    # decode keeps the states prefill-produced.
+    snapshots = cache is not None and (not cache.deterministic or model.decode_mode == "replay")
+    snap_interval = cache.interval if snapshots else None
     out = _generate_core(
         model, state, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(seeds, jnp.uint32),
         jnp.full((B,), temperature, jnp.float32), jnp.full((B,), top_p, jnp.float32), jnp.asarray(stops),
@@ -163,8 +166,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                                         cached_tokens=int(starts[b])))
     if cache is not None:
         histories = [p + toks[b].tolist() for b, p in enumerate(prompts)]
-        new = checkpoints_from_prefill(starts, lens, out["prefill_provenance"], histories,
-                                       out["prefill_checkpoints"], out["state"], cache.interval, cache.interval)
+        new = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories, out["state"],
+                                       cache.interval)
         if snap_interval:
             new += _decode_checkpoints(out, prompts, histories, [len(r.tokens) for r in results], snap_interval)
         results.cache = cache.insert(new, skip_refused=True)
@@ -172,8 +175,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
 
 def _decode_checkpoints(out, prompts, histories, n_emitted, interval) -> list[Checkpoint]:
-    """Checkpoints at the grid boundaries reached by decode (provenance DECODE), within emitted tokens."""
+    """Checkpoints at the grid boundaries reached by decode, within emitted tokens (provenance: the final state's,
+    DECODE after recurrent decode, PREFILL after replay decode)."""
     state = out["state"]
+    provenance = np.asarray(state.provenance)
     attn = [s for s in state.layers if isinstance(s, AttentionLayerState)]
     n_snap = np.asarray(out["n_snap"])
     found = []
@@ -183,7 +188,7 @@ def _decode_checkpoints(out, prompts, histories, n_emitted, interval) -> list[Ch
             p = first + i * interval
             if p - len(prompt) > n_emitted[b]:
                 break
-            gdn = tuple(GDNLayerState(conv=s.conv[i, b], recurrent=s.recurrent[i, b]) for s in out["snaps"])
+            gdn = tuple(jax.tree.map(lambda x: x[i, b], s) for s in out["snaps"])
             kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
-            found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(Provenance.DECODE), gdn=gdn, kv=kv))
+            found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(provenance[b]), gdn=gdn, kv=kv))
     return found

@@ -33,11 +33,11 @@ from .layers.linear import linear
 from .layers.mlp import feed_forward
 from .layers.norm import rms_norm
 from .params import ModelParams
-from .state import GDNLayerState, ModelState, Provenance, init_state
+from .state import GDNLayerState, ModelState, PrefillCheckpoints, Provenance, init_state
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
-                   meta_fields=["config", "dtype", "backend", "deterministic"])
+                   meta_fields=["config", "dtype", "backend", "deterministic", "decode_mode"])
 @dataclasses.dataclass(frozen=True)
 class Model:
     params: ModelParams
@@ -47,9 +47,18 @@ class Model:
     # Batch-invariant numerics: a row's logits depend neither on the other rows of the call nor on how its
     # prompt was split on the 64-token grid (every prefill call must then start on the grid).
     deterministic: bool = False
+    # "recurrent": decode with the one-token recurrent update (fast; the state differs from prefill's, and is
+    # tainted DECODE). "replay": decode recomputes the open 64-token chunk with the prefill arithmetic from the
+    # last grid boundary, so decoded states and logits are bitwise what a prefill computes (provenance stays
+    # PREFILL) — in deterministic mode this makes generated text cacheable.
+    decode_mode: str = "recurrent"
+
+    def __post_init__(self):
+        if self.decode_mode not in ("recurrent", "replay"):
+            raise ValueError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
-        return init_state(self.config, batch_size, capacity, self.dtype)
+        return init_state(self.config, batch_size, capacity, self.dtype, replay=self.decode_mode == "replay")
 
     def with_backend(self, backend: str | None) -> "Model":
         return dataclasses.replace(self, backend=backend)
@@ -57,13 +66,17 @@ class Model:
     def with_deterministic(self, deterministic: bool = True) -> "Model":
         return dataclasses.replace(self, deterministic=deterministic)
 
+    def with_decode_mode(self, decode_mode: str) -> "Model":
+        return dataclasses.replace(self, decode_mode=decode_mode)
+
     def prefill_chunk(self, state: ModelState, tokens, lengths=None):
         """Absorb a batch of token runs. tokens: int32 [B, T]; lengths: int32 [B] valid tokens per row (None: T).
 
         Continues from whatever `state` holds. Returns (new_state, logits fp32 [B, T, Vocab]); logits at
         padded positions are meaningless. Padded tokens leave the state bit-identical.
         """
-        tokens, lengths = _check_prefill(self.config, state, tokens, lengths, self.deterministic)
+        tokens, lengths = _check_prefill(self.config, state, tokens, lengths,
+                                         self.deterministic and self.decode_mode == "recurrent")
         return _prefill_jit(self, state, tokens, lengths)
 
     def decode_step(self, state: ModelState, token):
@@ -104,7 +117,7 @@ def _check_capacity(state: ModelState, advance):
         raise CapacityError(f"row {row} would reach position {int(end[row])}, beyond the state's KV capacity {cap}")
 
 
-def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, deterministic: bool = False):
+def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False):
     tokens = _check_tokens(cfg, tokens, 2, "tokens")
     B, T = tokens.shape
     if B != state.batch_size:
@@ -122,7 +135,7 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, determi
             raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
         lengths = jnp.asarray(lengths, jnp.int32)
     _check_capacity(state, lengths)
-    if deterministic and _concrete(state.position) and _concrete(lengths):
+    if grid_rule and _concrete(state.position) and _concrete(lengths):
         pos, lens = np.asarray(state.position), np.asarray(lengths)
         off = (pos % CHUNK != 0) & (lens > 0)
         if np.any(off):
@@ -159,32 +172,56 @@ def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) ->
 
 def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array,
                   checkpoint_stride: int | None = None):
-    """Pure prefill. tokens int32 [B, T]; lengths int32 [B]. Returns (state, logits fp32 [B, T, Vocab]), and with
-    `checkpoint_stride` also the GDN recurrent states every `stride` tokens: a tuple over GDN layers of
-    [B, T//stride, HV, K, V]."""
+    """Pure prefill. tokens int32 [B, T]; lengths int32 [B]. Returns (state, logits fp32 [B, T, Vocab]).
+
+    With `checkpoint_stride` (a multiple of 64) it also returns `PrefillCheckpoints`: the GDN states every
+    `stride` tokens of the call (recurrent mode) or at every 64-token grid boundary from the last boundary on
+    (replay mode), each bitwise equal to the final state of a separate prefill ending there.
+    """
+    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
+        raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
+    replay = model.decode_mode == "replay"
     cfg, p, det = model.config, model.params, model.deterministic
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
     for lp, ls, kind in zip(p.layers, state.layers, cfg.layer_types):
         h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
         if kind == LINEAR:
-            h, ls, ck = gdn_prefill(cfg, lp.mixer, h, ls, lengths, model.backend, checkpoint_stride, det)
+            h, ls, ck = gdn_prefill(cfg, lp.mixer, h, ls, lengths, state.position, model.backend, checkpoint_stride,
+                                    det)
             ckpts.append(ck)
         else:
             h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths, det)
         x = x + h
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
-    on_grid = (state.position % CHUNK) == 0
+    on_grid = replay | ((state.position % CHUNK) == 0)  # replay continues exactly from anywhere
     taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
     new_state = _advance(state, new_layers, lengths, taint)
     if checkpoint_stride is None:
         return new_state, _logits(model, x)
-    return new_state, _logits(model, x), tuple(ckpts)
+    T = tokens.shape[1]
+    if replay:
+        start = state.position - state.position % CHUNK
+        rel = CHUNK * jnp.arange(1, ckpts[0].recurrent.shape[1] + 1) if ckpts else jnp.zeros((0,), jnp.int32)
+        span = state.position % CHUNK + lengths
+    else:
+        start, span = state.position, lengths
+        rel = checkpoint_stride * jnp.arange(1, T // checkpoint_stride + 1)
+    found = PrefillCheckpoints(position=start[:, None] + rel[None, :], valid=rel[None, :] <= span[:, None],
+                               gdn=tuple(ckpts))
+    return new_state, _logits(model, x), found
 
 
 def decode_step(model: Model, state: ModelState, token: jax.Array):
-    """Pure recurrent decode of one token per row. token int32 [B]. Returns (state, logits fp32 [B, Vocab])."""
+    """Pure decode of one token per row. token int32 [B]. Returns (state, logits fp32 [B, Vocab]).
+
+    Recurrent mode: the one-token recurrent update (taints the state DECODE). Replay mode: a one-token prefill,
+    which replays the open chunk from the last grid boundary: bitwise what a prefill computes.
+    """
+    if model.decode_mode == "replay":
+        state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))
+        return state, logits[:, 0]
     cfg, p, det = model.config, model.params, model.deterministic
     x = p.embed[token].astype(model.dtype)  # [B, D]
     ones = jnp.ones_like(state.position)

@@ -9,6 +9,8 @@ from typing import NamedTuple, Union
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import CHUNK
+
 from .config import LINEAR, ModelConfig
 
 
@@ -23,7 +25,13 @@ class Provenance(enum.IntEnum):
 
 class GDNLayerState(NamedTuple):
     conv: jax.Array  # [B, KC-1, C] the last KC-1 pre-conv inputs, model dtype (exact)
-    recurrent: jax.Array  # [B, HV, K, V] fp32
+    # [B, HV, K, V] fp32: the state at `position` (recurrent decode mode), or at the last 64-token grid boundary
+    # at or before `position` (replay decode mode)
+    recurrent: jax.Array
+    # Replay decode mode only (None otherwise): the open chunk since that boundary, position % 64 tokens valid,
+    # zeros after them: post-conv q|k|v [B, 64, C] in model dtype, and the gates g, beta [B, 64, 2, HV] fp32
+    open_qkv: jax.Array | None = None
+    open_gates: jax.Array | None = None
 
 
 class AttentionLayerState(NamedTuple):
@@ -32,6 +40,14 @@ class AttentionLayerState(NamedTuple):
 
 
 LayerState = Union[GDNLayerState, AttentionLayerState]
+
+
+class PrefillCheckpoints(NamedTuple):
+    """GDN states at grid points inside one prefill call (`prefill_chunk(..., checkpoint_stride=...)`)."""
+
+    position: jax.Array  # [B, M] int32 absolute position of each checkpoint
+    valid: jax.Array  # [B, M] bool: the checkpoint lies within the row's tokens of this call
+    gdn: tuple[GDNLayerState, ...]  # per GDN layer, leaves [B, M, ...] (open buffers, if any, are zeros)
 
 
 class ModelState(NamedTuple):
@@ -52,17 +68,22 @@ class ModelState(NamedTuple):
         return 0
 
 
-def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelState:
-    """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens."""
+def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32,
+               replay: bool = False) -> ModelState:
+    """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens (`replay`: with the open
+    chunk buffers of replay decode mode)."""
     if batch_size < 1 or capacity < 1:
         raise ValueError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
     layers = []
     for t in config.layer_types:
         if t == LINEAR:
+            hv = config.linear_num_value_heads
             layers.append(GDNLayerState(
                 conv=jnp.zeros((batch_size, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim), dtype),
-                recurrent=jnp.zeros((batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
-                                     config.linear_value_head_dim), jnp.float32)))
+                recurrent=jnp.zeros((batch_size, hv, config.linear_key_head_dim, config.linear_value_head_dim),
+                                    jnp.float32),
+                open_qkv=jnp.zeros((batch_size, CHUNK, config.gdn_conv_dim), dtype) if replay else None,
+                open_gates=jnp.zeros((batch_size, CHUNK, 2, hv), jnp.float32) if replay else None))
         else:
             shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
             layers.append(AttentionLayerState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype)))

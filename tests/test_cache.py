@@ -88,8 +88,7 @@ def test_in_call_checkpoints_equal_separate_prefills(tiny):
     toks = rng.integers(0, tiny.config.vocab_size, 200).tolist()
     state0 = tiny.init_state(1, 256)
     state, _, ckpts = _prefill(tiny, toks, stride=INTERVAL)
-    found = jaxgdn.cache.checkpoints_from_prefill([0], [200], state.provenance, [toks], ckpts, state, INTERVAL,
-                                                  INTERVAL)
+    found = jaxgdn.cache.checkpoints_from_prefill(ckpts, state.provenance, [toks], state, INTERVAL)
     assert [c.position for c in found] == [64, 128, 192]
     for ck in found:
         sep, _ = _prefill(tiny, toks[:ck.position], state=state0)
@@ -131,8 +130,7 @@ def test_insert_is_functional_and_lookup_longest_prefix(tiny):
     rng = np.random.default_rng(6)
     toks = rng.integers(0, tiny.config.vocab_size, 192).tolist()
     state, _, ckpts = _prefill(tiny, toks, stride=INTERVAL)
-    found = jaxgdn.cache.checkpoints_from_prefill([0], [192], state.provenance, [toks], ckpts, state, INTERVAL,
-                                                  INTERVAL)
+    found = jaxgdn.cache.checkpoints_from_prefill(ckpts, state.provenance, [toks], state, INTERVAL)
     empty = jaxgdn.PrefixCache(interval=INTERVAL)
     one = empty.insert(found[0])
     full = one.insert(found[1:])
@@ -225,7 +223,7 @@ def pool(tiny):
     out = []
     for s in (base, other, third):
         state, _, ck = _prefill(tiny, s, stride=INTERVAL)
-        out += jaxgdn.cache.checkpoints_from_prefill([0], [128], state.provenance, [s], ck, state, INTERVAL, INTERVAL)
+        out += jaxgdn.cache.checkpoints_from_prefill(ck, state.provenance, [s], state, INTERVAL)
     return out, [base, other, third]
 
 

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 
 
 def causal_conv1d(x: jax.Array, conv_state: jax.Array, weight: jax.Array, lengths: jax.Array | None = None,
-                  checkpoint_stride: int | None = None):
+                  checkpoint_ends: jax.Array | None = None):
     """Multi-token conv. x: [B, T, C]; conv_state: [B, KC-1, C]; weight: [KC, C]; lengths: [B] or None.
 
     Returns (y [B, T, C] in x.dtype, new_state [B, KC-1, C]): the last KC-1 *valid* inputs of each row, exact;
-    with `checkpoint_stride` also the conv state after every `stride` tokens, [B, T//stride, KC-1, C].
+    with `checkpoint_ends` ([B, M] tokens of this call absorbed at each checkpoint, 1..T) also the conv state at
+    each of those points, [B, M, KC-1, C].
     """
     kc = weight.shape[0]
     B, T, C = x.shape
@@ -25,10 +26,11 @@ def causal_conv1d(x: jax.Array, conv_state: jax.Array, weight: jax.Array, length
     ends = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     idx = ends[:, None] + jnp.arange(kc - 1)[None, :]  # [B, KC-1] rows of `full`
     new_state = jnp.take_along_axis(full, idx[..., None], axis=1)
-    if checkpoint_stride is None:
+    if checkpoint_ends is None:
         return y, new_state
-    ends = checkpoint_stride * jnp.arange(1, T // checkpoint_stride + 1)  # [M] tokens absorbed at each checkpoint
-    ckpt = full[:, ends[:, None] + jnp.arange(kc - 1)[None, :]]  # [B, M, KC-1, C]
+    B, M = checkpoint_ends.shape
+    rows = jnp.clip(checkpoint_ends[..., None] + jnp.arange(kc - 1), 0, T + kc - 2).reshape(B, M * (kc - 1))
+    ckpt = jnp.take_along_axis(full, rows[..., None], axis=1).reshape(B, M, kc - 1, C)
     return y, new_state, ckpt
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels import CHUNK
 
 from ..config import ModelConfig
 from ..params import GDNParams
@@ -33,22 +34,80 @@ def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array, det: boo
     return linear(y.reshape(*y.shape[:-2], cfg.gdn_value_dim), p.out_proj, det)
 
 
-def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, lengths: jax.Array | None,
-                backend: str | None, checkpoint_stride: int | None = None, det: bool = False):
-    """x: [B, T, D]. Returns (y [B, T, D], new_state, checkpoints or None).
+def _gather_rows(x: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:
+    """x: [B, S, ...]; idx, valid: [B, W] -> [B, W, ...] rows x[b, idx[b, w]], zero where not valid."""
+    idx = jnp.clip(idx, 0, x.shape[1] - 1)
+    shape = idx.shape + (1,) * (x.ndim - 2)
+    out = jnp.take_along_axis(x, idx.reshape(shape), axis=1)
+    return jnp.where(valid.reshape(shape), out, jnp.zeros((), x.dtype))
 
-    Checkpoints (with `checkpoint_stride`): the layer state after every `stride` tokens, as a GDNLayerState whose
-    leaves carry an extra axis: conv [B, M, KC-1, C], recurrent [B, M, HV, K, V] (M = T // stride).
+
+def _splice(open_buf, new, open_len, lengths, width):
+    """[B, 64, ...] open chunk (open_len valid) ++ [B, T, ...] new (lengths valid) -> [B, width, ...], zero-padded."""
+    t = jnp.arange(width)[None, :]
+    from_new = t - open_len[:, None]
+    a = _gather_rows(open_buf, jnp.broadcast_to(t, from_new.shape), t < open_len[:, None])
+    b = _gather_rows(new, from_new, (from_new >= 0) & (from_new < lengths[:, None]))
+    return a + b  # disjoint supports: exact
+
+
+def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, lengths: jax.Array,
+                position: jax.Array, backend: str | None, checkpoint_stride: int | None = None, det: bool = False):
+    """x: [B, T, D]; lengths, position: [B]. Returns (y [B, T, D], new_state, checkpoints or None).
+
+    Recurrent mode (state.open_qkv is None): the chunked rule runs from the state at `position`.
+    Replay mode: it runs from the last grid boundary over the open chunk followed by the new tokens, so the
+    result is bitwise what an unsplit prefill computes (the kernel is row-causal inside a chunk), whatever
+    `position` is; the state keeps the newest boundary state and the new open chunk.
+
+    Checkpoints: a GDNLayerState whose leaves carry an extra axis M: conv [B, M, KC-1, C], recurrent
+    [B, M, HV, K, V] — every `checkpoint_stride` tokens of the call (recurrent mode), or every 64-token grid
+    boundary from the last boundary on (replay mode); see `model.prefill_chunk` for their positions.
     """
-    conv = causal_conv1d(linear(x, p.in_proj_qkv, det), state.conv, p.conv_weight, lengths, checkpoint_stride)
-    mixed, conv_state = conv[0], conv[1]
-    q, k, v = _split_qkv(cfg, mixed)
+    B, T, _ = x.shape
+    replay = state.open_qkv is not None
+    pre = linear(x, p.in_proj_qkv, det)
     g, beta = pallas_kernels.gdn_gates(p.A_log, linear(x, p.in_proj_a, det), p.dt_bias, linear(x, p.in_proj_b, det))
-    out = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent, lengths=lengths,
-                                                checkpoint_stride=checkpoint_stride, backend=backend)
-    o, recurrent = out[0], out[1]
-    ckpt = None if checkpoint_stride is None else GDNLayerState(conv=conv[2], recurrent=out[2])
-    return _output(cfg, p, o, linear(x, p.in_proj_z, det), det), GDNLayerState(conv=conv_state, recurrent=recurrent), ckpt
+    z = linear(x, p.in_proj_z, det)
+    if not replay:
+        ends = None
+        if checkpoint_stride is not None:
+            ends = jnp.broadcast_to(checkpoint_stride * jnp.arange(1, T // checkpoint_stride + 1), (B, T // checkpoint_stride))
+        conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends)
+        q, k, v = _split_qkv(cfg, conv[0])
+        out = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent, lengths=lengths,
+                                                    checkpoint_stride=checkpoint_stride, backend=backend)
+        ckpt = None if checkpoint_stride is None else GDNLayerState(conv=conv[2], recurrent=out[2])
+        new_state = GDNLayerState(conv=conv[1], recurrent=out[1])
+        return _output(cfg, p, out[0], z, det), new_state, ckpt
+
+    open_len = position % CHUNK  # [B] tokens since the boundary
+    width = -(-(CHUNK - 1 + T) // CHUNK) * CHUNK
+    m = width // CHUNK
+    ends = CHUNK * jnp.arange(1, m + 1)[None, :] - open_len[:, None]  # [B, M] call tokens absorbed at each boundary
+    conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends if checkpoint_stride is not None else None)
+    gates = jnp.stack([g, beta], axis=2)  # [B, T, 2, HV]
+    qkv_all = _splice(state.open_qkv, conv[0], open_len, lengths, width)  # [B, W, C]
+    gates_all = _splice(state.open_gates, gates, open_len, lengths, width)  # [B, W, 2, HV]
+    total = open_len + lengths
+    q, k, v = _split_qkv(cfg, qkv_all)
+    o_all, _, boundaries = pallas_kernels.chunk_gated_delta_rule(
+        q, k, v, gates_all[:, :, 0], gates_all[:, :, 1], initial_state=state.recurrent, lengths=total,
+        checkpoint_stride=CHUNK, backend=backend)  # boundaries: [B, M, HV, K, V]
+    o = _gather_rows(o_all, open_len[:, None] + jnp.arange(T)[None, :], jnp.ones((B, T), bool))
+    n_full = total // CHUNK  # boundaries crossed
+    newest = jnp.take_along_axis(boundaries, jnp.maximum(n_full - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+    recurrent = jnp.where((n_full > 0)[:, None, None, None], newest, state.recurrent)
+    tail = CHUNK * n_full[:, None] + jnp.arange(CHUNK)[None, :]  # rows of the new open chunk
+    tail_valid = tail < total[:, None]
+    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=_gather_rows(qkv_all, tail, tail_valid),
+                              open_gates=_gather_rows(gates_all, tail, tail_valid))
+    ckpt = None
+    if checkpoint_stride is not None:
+        ckpt = GDNLayerState(conv=conv[2], recurrent=boundaries,
+                             open_qkv=jnp.zeros((B, m) + state.open_qkv.shape[1:], state.open_qkv.dtype),
+                             open_gates=jnp.zeros((B, m) + state.open_gates.shape[1:], jnp.float32))
+    return _output(cfg, p, o, z, det), new_state, ckpt
 
 
 def gdn_decode(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, backend: str | None,
