@@ -1,0 +1,108 @@
+"""Replay decode: decoded tokens' logprobs and states are bitwise what a prefill (teacher forcing) computes."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgdn
+from jaxgdn.state import Provenance
+from pallas_kernels.invariant import log_softmax
+
+NEW = 200  # generated tokens: crosses at least three 64-token grid boundaries
+
+
+def _model(name):
+    return jaxgdn.tiny_model(name, seed=11, deterministic=True).with_decode_mode("replay")
+
+
+def _teacher_forced(model, sequences, starts):
+    """Logprob of each token from `starts[i]` on, by one padded prefill of all sequences."""
+    width = -(-max(len(s) for s in sequences) // 64) * 64
+    toks = np.zeros((len(sequences), width), np.int32)
+    for i, s in enumerate(sequences):
+        toks[i, :len(s)] = s
+    lengths = jnp.asarray([len(s) for s in sequences], jnp.int32)
+    _, logits = jax.jit(jaxgdn.prefill_chunk)(model, model.init_state(len(sequences), width), jnp.asarray(toks),
+                                              lengths)
+    lp = np.asarray(log_softmax(logits))
+    return [np.array([lp[i, t - 1, s[t]] for t in range(st, len(s))], np.float32)
+            for i, (s, st) in enumerate(zip(sequences, starts))]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-next"])
+def test_generation_logprobs_equal_teacher_forced_scoring(name):
+    model = _model(name)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (37, 64, 5, 100)]
+    batch = jaxgdn.generate(model, prompts, max_new_tokens=NEW, temperature=0.8, seed=[1, 2, 3, 4])
+    alone = jaxgdn.generate(model, prompts[:1], max_new_tokens=NEW, temperature=0.8, seed=1)
+    assert all(len(r.tokens) == NEW for r in batch)
+    # batch of 1 == row 0 of the batch of 4, bitwise (tokens and logprobs)
+    assert alone[0].tokens == batch[0].tokens
+    assert np.array_equal(np.array(alone[0].logprobs, np.float32), np.array(batch[0].logprobs, np.float32))
+    scored = _teacher_forced(model, [p + r.tokens for p, r in zip(prompts, batch)], [len(p) for p in prompts])
+    for r, s in zip(batch, scored):
+        assert np.array_equal(np.array(r.logprobs, np.float32), s)  # bitwise: score == generation
+
+
+def test_greedy_generation_equals_scoring_batch_of_one():
+    model = _model("tiny")
+    prompt = np.random.default_rng(1).integers(0, 256, 70).tolist()
+    [r] = jaxgdn.generate(model, [prompt], max_new_tokens=NEW)
+    [s] = _teacher_forced(model, [prompt + r.tokens], [len(prompt)])
+    assert np.array_equal(np.array(r.logprobs, np.float32), s)
+
+
+def test_replay_state_at_grid_boundary_equals_prefill():
+    model = _model("tiny")
+    toks = np.random.default_rng(2).integers(0, 256, 140).tolist()
+    step = jax.jit(jaxgdn.decode_step)
+    state, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks[:50]], jnp.int32))
+    for t in toks[50:128]:
+        state, _ = step(model, state, jnp.asarray([t], jnp.int32))
+    ref, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks[:128]], jnp.int32))
+    chex.assert_trees_all_equal(state, ref)  # every leaf, bitwise: GDN boundary states, open chunks, KV, position
+    assert int(state.provenance[0]) == Provenance.PREFILL
+    # off the grid too: replay prefill continuing from position 128 + decode matches a prefill to 140
+    for t in toks[128:140]:
+        state, _ = step(model, state, jnp.asarray([t], jnp.int32))
+    ref, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks], jnp.int32))
+    chex.assert_trees_all_equal(state, ref)
+
+
+def test_recurrent_mode_still_shows_the_difference():
+    model = jaxgdn.tiny_model("tiny", seed=11, deterministic=True)  # recurrent decode
+    toks = np.random.default_rng(2).integers(0, 256, 128).tolist()
+    state, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks[:50]], jnp.int32))
+    for t in toks[50:]:
+        state, _ = model.decode_step(state, jnp.asarray([t], jnp.int32))
+    ref, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks], jnp.int32))
+    gdn, gdn_ref = jaxgdn.model.gdn_states(state), jaxgdn.model.gdn_states(ref)
+    assert any(not np.array_equal(a.recurrent, b.recurrent) for a, b in zip(gdn, gdn_ref))
+    assert int(state.provenance[0]) == Provenance.DECODE
+
+
+def test_multi_turn_reuses_answer_prefixes_bitwise():
+    model = _model("tiny")
+    rng = np.random.default_rng(3)
+    cache = jaxgdn.PrefixCache(interval=64, deterministic=True)
+    turn1 = rng.integers(0, 256, 90).tolist()
+    first = jaxgdn.generate(model, [turn1], max_new_tokens=120, cache=cache)
+    # replay-decoded checkpoints inside the answer were admitted by the deterministic cache
+    positions = sorted(c.position for c in first.cache.checkpoints())
+    assert positions == [64, 128, 192]
+    assert all(c.provenance == Provenance.PREFILL for c in first.cache.checkpoints())
+    message = rng.integers(0, 256, 20).tolist()
+    turn2 = turn1 + first[0].tokens + message  # 230 tokens
+    warm = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=first.cache)
+    cold = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=cache)
+    assert warm[0].cached_tokens == 192 and cold[0].cached_tokens == 0
+    recomputed = len(turn2) - warm[0].cached_tokens
+    assert recomputed <= 64 + len(message)  # at most one interval plus the new message
+    assert warm[0].tokens == cold[0].tokens
+    assert np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
+    jaxgdn.check_cache(warm.cache, model, recompute=True)
