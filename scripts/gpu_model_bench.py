@@ -1,0 +1,238 @@
+"""Model-level GPU benchmark and checks on a Qwen3.5-9B-shaped model with random bf16 weights.
+
+Measures, in one process: copy bandwidth and bf16 matmul rate (the ceilings); prefill of 8k tokens (tokens/s
+against its compute roofline); decode at batch 64 (step time against its memory roofline: weights + GDN
+states + KV bytes over copy bandwidth); the cost of deterministic mode (deterministic / normal throughput);
+bitwise batch-invariance and split checks in deterministic mode; replay vs recurrent decode step time.
+
+  PYTHONPATH=. python3 scripts/gpu_model_bench.py [--preset qwen3.5-9b] [--layers N] [--out DIR] [--stages ...]
+
+On a CPU it runs end to end with `--preset tiny` (small shapes), which is how it is tested before a GPU run.
+Prints a table per stage and writes results.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxgdn  # noqa: E402
+from jaxgdn.config import LINEAR, PRESETS  # noqa: E402
+from jaxgdn.init import random_params  # noqa: E402
+
+RESULTS: dict = {"errors": []}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timed(fn, *args, reps=5, warm=1):
+    """Median wall time (s) of fn(*args) with a device sync, after `warm` untimed calls."""
+    for _ in range(warm):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def ceilings(small: bool):
+    n = (1 << 20) if small else (1 << 30)  # floats: 4 MiB / 4 GiB
+    x = jnp.ones((n,), jnp.float32) * 1.5
+    copy = jax.jit(lambda a: a * 1.0000001)
+    t = timed(copy, x, reps=10)
+    bw = 2 * x.nbytes / t
+    m = 512 if small else 8192
+    a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    tm = timed(mm, a, b, reps=10)
+    rate = 2 * m**3 / tm
+    RESULTS["ceilings"] = {"copy_bytes_per_s": bw, "bf16_flops_per_s": rate}
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {rate / 1e12:.0f} TFLOP/s ({m}^3)")
+    return bw, rate
+
+
+def param_bytes(params) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def build(preset: str, layers: int | None, dtype=jnp.bfloat16):
+    cfg = PRESETS[preset]()
+    if layers:
+        cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:layers])
+    params = jax.jit(lambda k: random_params(cfg, k, dtype))(jax.random.key(0))
+    return jaxgdn.Model(params=params, config=cfg, dtype=dtype)
+
+
+def prefill_flops(cfg, T: int) -> float:
+    """Matmul FLOPs of one prefill of T tokens (projections, MLP, lm_head, attention, GDN chunk algebra)."""
+    D, f = cfg.hidden_size, 0.0
+    for kind in cfg.layer_types:
+        if kind == LINEAR:
+            HV, K, V = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            f += 2 * T * D * (cfg.gdn_conv_dim + cfg.gdn_value_dim + 2 * HV) + 2 * T * cfg.gdn_value_dim * D
+            # per chunk of 64 and value head: kk^T, T@v, T@k, w@S, q@S, qk^T, qk@v, k^T v  (~8 matmuls)
+            f += T * HV * 2 * (64 * K * 3 + 64 * V * 2 + K * V * 3)
+        else:
+            H, HKV, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            f += 2 * T * D * (2 * H * Dh + 2 * HKV * Dh) + 2 * T * H * Dh * D
+            f += 2 * 2 * T * T * H * Dh / 2  # causal QK^T and PV
+        f += 2 * T * D * cfg.intermediate_size * 3
+    return f + 2 * T * D * cfg.vocab_size
+
+
+def stage_prefill(model, T: int, rate: float, tag: str):
+    cfg = model.config
+    state = model.init_state(1, T)
+    toks = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size, jnp.int32)
+    f = jax.jit(jaxgdn.prefill_chunk)
+    lengths = jnp.array([T], jnp.int32)
+    t = timed(f, model, state, toks, lengths, reps=3)
+    flops = prefill_flops(cfg, T)
+    out = {"T": T, "seconds": t, "tokens_per_s": T / t, "flops": flops, "compute_roofline_s": flops / rate}
+    RESULTS[f"prefill_{tag}"] = out
+    log(f"prefill[{tag}] T={T}: {t * 1e3:.1f} ms, {T / t:,.0f} tok/s; compute roofline {flops / rate * 1e3:.1f} ms "
+        f"({flops / rate / t:.0%} of it)")
+    return t
+
+
+def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 16):
+    cfg = model.config
+    cap = context + steps + 64
+    state = model.init_state(B, cap)
+    toks = jax.random.randint(jax.random.key(2), (B, context), 0, cfg.vocab_size, jnp.int32)
+    state, _ = jax.jit(jaxgdn.prefill_chunk)(model, state, toks, jnp.full((B,), context, jnp.int32))
+
+    def loop(model, state, tok):
+        def body(c, _):
+            s, t = c
+            s, logits = jaxgdn.decode_step(model, s, t)
+            return (s, jnp.argmax(logits, -1).astype(jnp.int32)), None
+        (s, t), _ = jax.lax.scan(body, (state, tok), None, length=steps)
+        return s, t
+
+    f = jax.jit(loop)
+    tok0 = jnp.zeros((B,), jnp.int32)
+    t = timed(f, model, state, tok0, reps=3) / steps
+    step1 = jax.jit(jaxgdn.decode_step)
+    t_call = timed(step1, model, state, tok0, reps=5)
+    weights = param_bytes(model.params) - model.params.embed.nbytes + B * cfg.hidden_size * 2
+    gdn = sum(x.nbytes for x in jax.tree.leaves(jaxgdn.model.gdn_states(state)))
+    kv_bytes = sum(s.keys.nbytes + s.values.nbytes for s in state.layers
+                   if isinstance(s, jaxgdn.AttentionLayerState)) * (context + steps / 2) / cap
+    traffic = weights + 2 * gdn + kv_bytes
+    out = {"B": B, "context": context, "step_s_in_loop": t, "step_s_per_call": t_call, "bytes": traffic,
+           "memory_roofline_s": traffic / bw, "tokens_per_s": B / t}
+    RESULTS[f"decode_{tag}"] = out
+    log(f"decode[{tag}] B={B} ctx={context}: {t * 1e3:.2f} ms/step in a compiled loop ({t_call * 1e3:.2f} ms per "
+        f"call), {B / t:,.0f} tok/s; memory roofline {traffic / bw * 1e3:.2f} ms ({t / (traffic / bw):.2f}x)")
+    return t
+
+
+def stage_bitwise(model, max_len: int, batches=(1, 2, 8, 64)):
+    """Deterministic mode: a sequence's logits alone == inside batches (as row 0, middle, last) == split."""
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    target = rng.integers(0, cfg.vocab_size, max_len).astype(np.int32)
+    width = max_len
+    f = jax.jit(jaxgdn.prefill_chunk)
+
+    def run(rows, lengths):
+        toks = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            toks[i, :len(r)] = r
+        _, lg = f(model, model.init_state(len(rows), width), jnp.asarray(toks), jnp.asarray(lengths, jnp.int32))
+        return np.asarray(lg)
+
+    alone = run([target], [max_len])[0]
+    checks = {}
+    for B in batches:
+        for where in sorted({0, B // 2, B - 1}):
+            rows = [rng.integers(0, cfg.vocab_size, rng.integers(1, max_len + 1)).astype(np.int32) for _ in range(B)]
+            rows[where] = target
+            lg = run(rows, [len(r) for r in rows])[where]
+            checks[f"B={B} row={where}"] = bool(np.array_equal(lg, alone))
+    # split on the grid: first half then second half
+    half = (max_len // 2) // 64 * 64
+    s, lg1 = f(model, model.init_state(1, width), jnp.asarray(target[None, :half]), jnp.array([half], jnp.int32))
+    _, lg2 = f(model, s, jnp.asarray(target[None, half:]), jnp.array([max_len - half], jnp.int32))
+    checks[f"split at {half}"] = bool(np.array_equal(np.concatenate([lg1[0], lg2[0]]), alone))
+    RESULTS[f"bitwise_len{max_len}"] = checks
+    for k, v in checks.items():
+        log(f"  [{'PASS' if v else 'FAIL'}] len {max_len} {k}")
+    return all(checks.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (faster compiles)")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--bitwise-lengths", default="512,4096")
+    ap.add_argument("--stages", default="ceilings,prefill,decode,det,bitwise")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    stages = set(args.stages.split(","))
+    small = args.preset.startswith("tiny")
+    RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
+                   host=platform.node(), preset=args.preset, layers=args.layers)
+    log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")
+    bw, rate = ceilings(small)
+    t0 = time.time()
+    model = build(args.preset, args.layers)
+    log(f"built {param_bytes(model.params) / 1e9:.2f} GB of bf16 parameters in {time.time() - t0:.1f}s")
+    for name, fn in [
+        ("prefill", lambda: stage_prefill(model, args.prefill_tokens, rate, "normal")),
+        ("decode", lambda: stage_decode(model, args.decode_batch, args.context, bw, "normal")),
+        ("det", lambda: (stage_prefill(model.with_deterministic(), args.prefill_tokens, rate, "deterministic"),
+                         stage_decode(model.with_deterministic(), args.decode_batch, args.context, bw,
+                                      "deterministic"))),
+        ("replay", lambda: stage_decode(model.with_deterministic().with_decode_mode("replay"), args.decode_batch,
+                                        args.context, bw, "replay")),
+        ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n))
+                             for n in args.bitwise_lengths.split(",")]),
+    ]:
+        if name not in stages:
+            continue
+        t1 = time.time()
+        try:
+            fn()
+        except Exception as e:  # one broken stage must not hide the others
+            traceback.print_exc()
+            RESULTS["errors"].append(f"{name}: {type(e).__name__}: {e}"[:2000])
+        log(f"  ({name}: {time.time() - t1:.0f}s)")
+        with open(os.path.join(args.out, "model_bench.json"), "w") as fh:
+            json.dump(RESULTS, fh, indent=1, default=float)
+    if "prefill_normal" in RESULTS and "prefill_deterministic" in RESULTS:
+        r = RESULTS["prefill_normal"]["seconds"] / RESULTS["prefill_deterministic"]["seconds"]
+        log(f"deterministic/normal prefill throughput {r:.2f}")
+    if "decode_normal" in RESULTS and "decode_deterministic" in RESULTS:
+        r = RESULTS["decode_normal"]["step_s_in_loop"] / RESULTS["decode_deterministic"]["step_s_in_loop"]
+        log(f"deterministic/normal decode throughput {r:.2f}")
+    if "decode_normal" in RESULTS and "decode_replay" in RESULTS:
+        r = RESULTS["decode_replay"]["step_s_in_loop"] / RESULTS["decode_normal"]["step_s_in_loop"]
+        log(f"replay/recurrent decode step time {r:.2f}")
+    log("errors: " + ("; ".join(RESULTS["errors"]) or "none"))
+
+
+if __name__ == "__main__":
+    main()
