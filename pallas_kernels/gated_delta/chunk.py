@@ -1,0 +1,361 @@
+"""Chunked (WY/UT, chunk 64) gated delta rule prefill: Pallas-Triton kernels for the H200 (interpretable on CPU).
+
+Two kernels (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)):
+
+1. `_prep_kernel`, grid (NT, HV, B), fully parallel: everything that does not depend on the carried state. Per
+   chunk and value head: fp32 L2-norm of q and k, masking of padded tokens, in-chunk cumulative log-decay gc, the
+   masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i), qg = scale q exp(gc),
+   kd = k exp(gc_last - gc), the strictly-lower A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) (j < i), its
+   unit-lower inverse X = (I + A)^-1 (four 16x16 diagonal blocks by exact fp32 forward substitution, merged with
+   three block-Neumann products), w = X (beta exp(gc) k) and u = X (beta v). All written in fp32.
+2. `_state_kernel`, grid (V // BV, HV, B): sequential over chunks, fp32 state block S [K, BV] kept on chip.
+   Per chunk, four dots: v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new. Stores o, the
+   final state, and (optionally) the exact fp32 state after every `checkpoint_stride` tokens.
+
+Determinism properties (tested on CPU in interpret mode and on the GPU):
+- every chunk's arithmetic depends only on that chunk's (masked) inputs and the incoming fp32 state, with fixed
+  tile shapes, so a call split on the 64 grid, the same call twice, and a row alone vs inside a batch agree bit
+  for bit, and in-call checkpoints equal separate calls' final states;
+- row-causal inside a chunk: masked terms are exact zeros (`where` before `exp`, lower-triangular factors), no
+  reduction's order depends on how many rows are real, so a call of j < 64 tokens starting on the grid gives the
+  same output rows as the full-chunk call;
+- padded tokens (t >= lengths[b], or the tail of the last chunk) get k = q = v = 0, g = 0, beta = 0: they leave the
+  state bit-identical (decay exp(0) = 1, zero update).
+Every dot states its precision (an fp32 dot in Triton otherwise runs as TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+CHUNK = 64
+_SUB = 16  # diagonal block size of the triangular inverse
+_EPS = 1e-6
+
+# Precision names -> what each dot does on the GPU. In interpret mode (CPU) every dot is exact fp32 (HIGHEST).
+#   "ieee":   fp32 FMA (no tensor cores)          "tf32": TF32 tensor cores (10-bit mantissa inputs)
+#   "tf32x3": three TF32 products (~fp32)         "bf16": operands rounded to bf16, fp32 accumulation
+_PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
+
+# Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
+#   bv: V block of the state kernel; inv: "block16" (16x16 diagonal blocks by forward substitution + block-Neumann
+#   merge), "doubling" (loop-free: diagonal blocks by repeated squaring, see `_unit_lower_inverse_doubling`;
+#   not yet measured on the GPU) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
+#   p_kk, p_inv, p_wu, p_qk: prep-kernel dots (gram matrix, inverse merge, w/u, q k^T);
+#   p_ws, p_qs, p_av, p_kv: state-kernel dots (w S, q S, A v_new, k^T v_new).
+# Measured on the H200 (BENCHMARKS.md): bv=64 was the fastest over (1, 8192, 16, 32) + (8, 4096, 16, 32); the
+# all-TF32 state kernel keeps states within 4e-4 of the float64 oracle (tf32x3 on p_ws/p_kv: 3e-5, ~10% slower).
+# Benchmark-only key: only_prep=True returns the prep kernel's outputs (w, u, qg, kd, aqk, gc) and stops.
+DEFAULT_CONFIG = dict(
+    bv=64, inv="block16", warps_prep=8, stages_prep=1, warps_state=4, stages_state=1,
+    p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
+)
+
+
+def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
+    """2-D dot with an explicit precision, fp32 result."""
+    ca = 0 if trans_a else 1
+    cb = 1 if trans_b else 0
+    dn = (((ca,), (cb,)), ((), ()))
+    if interpret:
+        return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if prec == "bf16":
+        return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
+                               preferred_element_type=jnp.float32)
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    if prec == "ieee":
+        p = lax.Precision.HIGHEST
+    elif prec == "tf32":
+        p = lax.Precision.HIGH
+    elif prec == "tf32x3":
+        p = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    else:
+        raise ValueError(f"unknown precision {prec!r}; expected one of {_PRECISIONS}")
+    return lax.dot_general(a, b, dn, precision=p, preferred_element_type=jnp.float32)
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + _EPS)
+
+
+def _unit_lower_inverse(a, prec, interpret):
+    """(I + a)^-1 for a strictly lower [64, 64] fp32 matrix; row i of the result depends only on rows <= i of a.
+
+    Diagonal 16x16 blocks: exact fp32 forward substitution on a [4, 16, 16] stack (elementwise, fixed-order
+    reductions over 16). Then, with D the block-diagonal part (inverse Di) and E the strictly block-lower rest,
+    N = Di E is nilpotent (N^4 = 0) and (I + a)^-1 = (I - N + N^2 - N^3) Di.
+    """
+    c, s = CHUNK, _SUB
+    nb = c // s
+    a4 = a.reshape(nb, s, nb, s)
+    bi = lax.broadcasted_iota(jnp.int32, (nb, s, nb, s), 0)
+    bj = lax.broadcasted_iota(jnp.int32, (nb, s, nb, s), 2)
+    ad = jnp.sum(jnp.where(bi == bj, a4, 0.0), axis=2)  # [nb, s, s] diagonal blocks (exact: one term is non-zero)
+    r = lax.broadcasted_iota(jnp.int32, (nb, s, s), 1)
+    col = lax.broadcasted_iota(jnp.int32, (nb, s, s), 2)
+    t0 = jnp.where(r == col, 1.0, 0.0).astype(jnp.float32)
+
+    def body(i, t):
+        arow = jnp.sum(jnp.where(r == i, ad, 0.0), axis=1)  # [nb, s]: a[b, i, :]
+        contrib = jnp.sum(arow[:, :, None] * t, axis=1)  # [nb, s]: sum_j a[b, i, j] t[b, j, :]
+        return jnp.where(r == i, t - contrib[:, None, :], t)
+
+    t = lax.fori_loop(1, s, body, t0)
+    di = jnp.where(bi == bj, jnp.broadcast_to(t[:, :, None, :], (nb, s, nb, s)), 0.0).reshape(c, c)
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    cc = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    e = jnp.where(row // s > cc // s, a, 0.0)
+    n1 = _dot(di, e, prec, interpret)
+    n2 = _dot(n1, n1, prec, interpret)
+    n3 = _dot(n2, n1, prec, interpret)
+    eye = jnp.where(row == cc, 1.0, 0.0).astype(jnp.float32)
+    p = eye - n1 + n2 - n3
+    return _dot(p, di, prec, interpret)
+
+
+def _unit_lower_inverse_doubling(a, prec, interpret):
+    """(I + a)^-1 without loops or reshapes (candidate for speed; measure before making it the default).
+
+    Diagonal 16x16 blocks: with Nd the within-block part of a (nilpotent, Nd^16 = 0),
+    (I + Nd)^-1 = (I - Nd)(I + Nd^2)(I + Nd^4)(I + Nd^8); then the same block-Neumann merge as `_unit_lower_inverse`.
+    All factors are lower triangular, so row i still depends only on rows <= i. The doubling products can have
+    large intermediate entries when keys in a block are nearly parallel (beta ~ 1, g ~ 0), so run it with an
+    accurate precision (tf32x3 or ieee).
+    """
+    c, s = CHUNK, _SUB
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+    same = row // s == col // s
+    nd = jnp.where(same, a, 0.0)
+    e = jnp.where(row // s > col // s, a, 0.0)
+    n2 = _dot(nd, nd, prec, interpret)
+    n4 = _dot(n2, n2, prec, interpret)
+    n8 = _dot(n4, n4, prec, interpret)
+    di = _dot(eye - nd, eye + n2, prec, interpret)
+    di = _dot(di, eye + n4, prec, interpret)
+    di = _dot(di, eye + n8, prec, interpret)
+    di = jnp.where(same, di, 0.0)  # exact block-diagonal structure
+    n1 = _dot(di, e, prec, interpret)
+    n2 = _dot(n1, n1, prec, interpret)
+    n3 = _dot(n2, n1, prec, interpret)
+    return _dot(eye - n1 + n2 - n3, di, prec, interpret)
+
+
+def _unit_lower_inverse_fwd64(a):
+    """(I + a)^-1 by plain forward substitution over all 64 rows on [64, 64] tiles (exact fp32; slower fallback)."""
+    row = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    col = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+
+    def body(i, t):
+        arow = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # [C]: a[i, :]
+        contrib = jnp.sum(arow[:, None] * t, axis=0)  # [C]: sum_j a[i, j] t[j, :]
+        return jnp.where(row == i, t - contrib[None, :], t)
+
+    return lax.fori_loop(1, CHUNK, body, jnp.where(row == col, 1.0, 0.0).astype(jnp.float32))
+
+
+def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
+                 scale, use_l2, cfg, interpret):
+    c = pl.program_id(0)
+    length = len_ref[0]
+    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    valid = (c * CHUNK + iota) < length
+    q = q_ref[...].astype(jnp.float32)  # [C, K]
+    k = k_ref[...].astype(jnp.float32)
+    if use_l2:
+        q = _l2norm(q)
+        k = _l2norm(k)
+    q = jnp.where(valid[:, None], q * scale, 0.0)
+    k = jnp.where(valid[:, None], k, 0.0)
+    v = jnp.where(valid[:, None], v_ref[...].astype(jnp.float32), 0.0)  # [C, V]
+    g = jnp.where(valid, g_ref[...].astype(jnp.float32), 0.0)
+    beta = jnp.where(valid, beta_ref[...].astype(jnp.float32), 0.0)
+    gc = jnp.cumsum(g)  # [C]; padded tokens add exact zeros
+    gc_ref[...] = gc
+    g_last = jnp.sum(jnp.where(iota == CHUNK - 1, gc, 0.0))
+    row = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    col = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    lower = row >= col
+    decay = jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))  # where before exp: no overflow
+    # intra-chunk attention (lower incl. diagonal), scale folded into q
+    qk = _dot(q, k, cfg["p_qk"], interpret, trans_b=True)
+    aqk_ref[...] = jnp.where(lower, qk * decay, 0.0)
+    qg_ref[...] = q * jnp.exp(gc)[:, None]
+    kd_ref[...] = k * jnp.exp(g_last - gc)[:, None]
+    # WY/UT: X = (I + A)^-1, A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) for j < i
+    kb = k * beta[:, None]
+    kk = _dot(kb, k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
+    a = jnp.where(row > col, kk * decay, 0.0)
+    if cfg["inv"] == "fwd64":
+        x = _unit_lower_inverse_fwd64(a)
+    elif cfg["inv"] == "doubling":
+        x = _unit_lower_inverse_doubling(a, cfg["p_inv"], interpret)
+    else:
+        x = _unit_lower_inverse(a, cfg["p_inv"], interpret)
+    u_ref[...] = _dot(x, v * beta[:, None], cfg["p_wu"], interpret)
+    w_ref[...] = _dot(x, kb * jnp.exp(gc)[:, None], cfg["p_wu"], interpret)
+
+
+def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
+                  interpret):
+    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+
+    def body(c, s):
+        sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+        g_last = jnp.sum(jnp.where(iota == CHUNK - 1, gc_ref[sl], 0.0))
+        v_new = u_ref[sl, :] - _dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
+        o = _dot(qg_ref[sl, :], s, cfg["p_qs"], interpret) + _dot(aqk_ref[sl, :], v_new, cfg["p_av"], interpret)
+        o_ref[sl, :] = o.astype(o_ref.dtype)
+        s = s * jnp.exp(g_last) + _dot(kd_ref[sl, :], v_new, cfg["p_kv"], interpret, trans_a=True)
+        if per:
+            m = lax.div(c + 1, per)
+
+            @pl.when((lax.rem(c + 1, per) == 0) & (m <= nck))
+            def _():
+                ck_refs[0][m - 1] = s
+
+        return s
+
+    s = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
+    st_ref[...] = s
+
+
+def _check_pow2(name, x, lo=16):
+    if x < lo or x & (x - 1):
+        raise ValueError(f"{name}={x}: the Pallas-Triton kernels need a power of two >= {lo}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
+def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret,
+                config):
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update(dict(config or ()))
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // HK
+    nt = -(-T // CHUNK)
+    tp = nt * CHUNK
+    if tp != T:
+        pad = tp - T
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    bv = min(cfg["bv"], V)
+    nv = V // bv
+    f32 = jnp.float32
+
+    prep = pl.pallas_call(
+        functools.partial(_prep_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
+        grid=(nt, HV, B),
+        in_specs=[
+            pl.BlockSpec((1,), lambda c, h, b: (b,)),
+            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0)),
+            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0)),
+            pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)),
+            pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h)),
+            pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, V), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, CHUNK), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # w
+            jax.ShapeDtypeStruct((B, HV, tp, V), f32),  # u
+            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # q * scale * exp(gc)
+            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # k * exp(gc_last - gc)
+            jax.ShapeDtypeStruct((B, HV, tp, CHUNK), f32),  # masked intra-chunk attention
+            jax.ShapeDtypeStruct((B, HV, tp), f32),  # gc
+        ],
+        compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
+        interpret=interpret,
+        name="gdn_chunk_prep",
+    )
+    w, u, qg, kd, aqk, gc = prep(lengths, q, k, v, g, beta)
+    if cfg.get("only_prep"):  # benchmarking hook: time the parallel kernel alone
+        return w, u, qg, kd, aqk, gc
+
+    per = 0 if checkpoint_stride is None else checkpoint_stride // CHUNK
+    nck = 0 if checkpoint_stride is None else T // checkpoint_stride
+    out_specs = [
+        pl.BlockSpec((None, tp, None, bv), lambda j, h, b: (b, 0, h, j)),
+        pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+    ]
+    out_shape = [jax.ShapeDtypeStruct((B, tp, HV, V), v.dtype), jax.ShapeDtypeStruct((B, HV, K, V), f32)]
+    if nck:
+        out_specs.append(pl.BlockSpec((None, nck, None, K, bv), lambda j, h, b: (b, 0, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, nck, HV, K, V), f32))
+    state = pl.pallas_call(
+        functools.partial(_state_kernel, nt=nt, per=per if nck else 0, nck=nck, cfg=cfg, interpret=interpret),
+        grid=(nv, HV, B),
+        in_specs=[
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp, CHUNK), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
+        interpret=interpret,
+        name="gdn_chunk_state",
+    )
+    outs = state(w, u, qg, kd, aqk, gc, initial_state)
+    o = outs[0][:, :T] if tp != T else outs[0]
+    if checkpoint_stride is None:
+        return o, outs[1]
+    ck = outs[2] if nck else jnp.zeros((B, 0, HV, K, V), f32)
+    return o, outs[1], ck
+
+
+def _triton_params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                                  lengths=None, checkpoint_stride=None, interpret=False, config=None):
+    """Chunked gated delta rule (prefill) with Pallas kernels. Shapes and semantics: `reference.py`.
+
+    q, k: [B,T,HK,K] (bf16 or fp32); v: [B,T,HV,V]; g: fp32 log-decay [B,T,HV]; beta: [B,T,HV];
+    initial_state fp32 [B,HV,K,V] or None; lengths int32 [B] or None; checkpoint_stride None or a multiple of 64.
+    Returns (o [B,T,HV,V] in v.dtype, final_state fp32 [B,HV,K,V]) or (o, final_state, checkpoints
+    [B, T // stride, HV, K, V]). `config` (a dict, see DEFAULT_CONFIG) overrides launch/precision choices.
+    """
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"expected q, k [B,T,HK,K] and v [B,T,HV,V]; got {q.shape}, {k.shape}, {v.shape}")
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
+        raise ValueError(f"g and beta must be [B,T,HV]={(B, T, HV)}; got {g.shape}, {beta.shape}")
+    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
+        raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
+    _check_pow2("K", K)
+    _check_pow2("V", V)
+    scale = float(K**-0.5 if scale is None else scale)
+    if initial_state is None:
+        initial_state = jnp.zeros((B, HV, K, V), jnp.float32)
+    elif initial_state.shape != (B, HV, K, V):
+        raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
+    lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
+               else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
+    config = None if config is None else tuple(sorted(dict(config).items()))
+    return _chunk_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+                       initial_state.astype(jnp.float32), lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                       checkpoint_stride=checkpoint_stride, interpret=bool(interpret), config=config)

@@ -1,0 +1,126 @@
+"""One-token recurrent gated delta rule (decode): a Pallas-Triton kernel for the H200 (interpretable on CPU).
+
+Grid (V // BV, HV, B): one program per (batch row, value head, V block). Each program reads its fp32 state block
+S [K, BV] once, applies
+    S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = scale S^T q      (q, k fp32-L2-normalised)
+with elementwise fp32 FMAs and fixed-order reductions over K (no tensor cores: no TF32 rounding), and writes S back
+once, in place (`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
+carry the raw `a` and `b` and the gates are computed inside in fp32: g = -exp(A_log) softplus(a + dt_bias),
+beta = sigmoid(b).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_EPS = 1e-6
+# Measured on the H200 (BENCHMARKS.md), kernel-only, B=64/256: bv=64, 4 warps 3.37/3.64 TB/s; bv=32, 4 warps
+# 3.34/3.53; bv=128, 8 warps 2.65/2.81.
+DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1)
+
+
+def _softplus(x):
+    # log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)), as jax.nn.softplus (logaddexp(x, 0)).
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _decode_kernel(*refs, scale, use_l2, fused):
+    if fused:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, s_ref, o_ref, so_ref = refs
+    else:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref = refs
+    q = q_ref[...].astype(jnp.float32)  # [K]
+    k = k_ref[...].astype(jnp.float32)
+    if use_l2:
+        q = q * lax.rsqrt(jnp.sum(q * q) + _EPS)
+        k = k * lax.rsqrt(jnp.sum(k * k) + _EPS)
+    q = q * scale
+    v = v_ref[...].astype(jnp.float32)  # [BV]
+    g = g_ref[...].astype(jnp.float32)  # [1]
+    beta = beta_ref[...].astype(jnp.float32)
+    if fused:
+        g = -jnp.exp(alog_ref[...].astype(jnp.float32)) * _softplus(g + dtb_ref[...].astype(jnp.float32))
+        beta = 1.0 / (1.0 + jnp.exp(-beta))
+    s = s_ref[...] * jnp.exp(g)[:, None]  # [K, BV] * [1, 1]
+    kv = jnp.sum(s * k[:, None], axis=0)  # [BV]
+    u = beta * (v - kv)
+    s = s + k[:, None] * u[None, :]
+    so_ref[...] = s
+    o_ref[...] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "fused", "interpret", "config"))
+def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2norm, fused, interpret, config):
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update(dict(config or ()))
+    B, HK, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    G = HV // HK
+    bv = min(cfg["bv"], V)
+    nv = V // bv
+    g = g.reshape(B, HV, 1)
+    beta = beta.reshape(B, HV, 1)
+    in_specs = [
+        pl.BlockSpec((None, None, K), lambda j, h, b: (b, h // G, 0)),
+        pl.BlockSpec((None, None, K), lambda j, h, b: (b, h // G, 0)),
+        pl.BlockSpec((None, None, bv), lambda j, h, b: (b, h, j)),
+        pl.BlockSpec((None, None, 1), lambda j, h, b: (b, h, 0)),
+        pl.BlockSpec((None, None, 1), lambda j, h, b: (b, h, 0)),
+    ]
+    args = [q, k, v, g, beta]
+    if fused:
+        in_specs += [pl.BlockSpec((None, 1), lambda j, h, b: (h, 0))] * 2
+        args += [A_log.astype(jnp.float32).reshape(HV, 1), dt_bias.astype(jnp.float32).reshape(HV, 1)]
+    in_specs.append(pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)))
+    args.append(state)
+    from jax.experimental.pallas import triton as pltriton
+
+    o, new_state = pl.pallas_call(
+        functools.partial(_decode_kernel, scale=scale, use_l2=use_qk_l2norm, fused=fused),
+        grid=(nv, HV, B),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, bv), lambda j, h, b: (b, h, j)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct((B, HV, K, V), jnp.float32)],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name="gdn_decode",
+    )(*args)
+    return o, new_state
+
+
+def recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True,
+                                      A_log=None, dt_bias=None, interpret=False, config=None):
+    """One recurrent step per row. q, k: [B,HK,K]; v: [B,HV,V]; g, beta: [B,HV] (or raw a, b with A_log/dt_bias
+    [HV]); initial_state fp32 [B,HV,K,V], updated in place
+    when the caller donates it (inside the caller's jit, or `jax.jit(..., donate_argnames=...)`). Returns (o [B,HV,V] in v.dtype, new_state).
+    """
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"expected q, k [B,HK,K] and v [B,HV,V]; got {q.shape}, {k.shape}, {v.shape}")
+    B, HK, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    if g.shape != (B, HV) or beta.shape != (B, HV):
+        raise ValueError(f"g and beta must be [B,HV]={(B, HV)}; got {g.shape}, {beta.shape}")
+    if initial_state.shape != (B, HV, K, V) or initial_state.dtype != jnp.float32:
+        raise ValueError(f"initial_state must be fp32 [B,HV,K,V]={(B, HV, K, V)}; got "
+                         f"{initial_state.dtype} {initial_state.shape}")
+    for name, n in (("K", K), ("V", V)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name}={n}: the Pallas-Triton kernel needs a power of two >= 16")
+    fused = A_log is not None
+    if fused != (dt_bias is not None):
+        raise ValueError("A_log and dt_bias go together")
+    scale = float(K**-0.5 if scale is None else scale)
+    config = None if config is None else tuple(sorted(dict(config).items()))
+    return _decode_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, scale=scale,
+                        use_qk_l2norm=bool(use_qk_l2norm), fused=fused, interpret=bool(interpret), config=config)

@@ -1,0 +1,187 @@
+"""Chunked prefill kernel (interpret mode on CPU) against the pure-JAX reference and the float64 oracle, plus the
+bitwise properties the prefix cache and the determinism contract rely on.
+
+Shapes are tiny (K = V = 32, one or two key heads) so the file runs in well under a minute on two CPU cores.
+Tolerances (interpret mode computes every dot in exact fp32):
+  fp32 inputs: relative (Frobenius) error <= 2e-5 against the float64 oracle; <= 1e-4 against the fp32 reference
+  (the reference has its own fp32 rounding: with g very negative the state is tiny and it sits ~3e-5 from the oracle);
+  bf16 inputs: states <= 2e-5 (the oracle gets the same bf16-rounded inputs), outputs <= 8e-3 (bf16 output rounding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.reference import chunk_gated_delta_rule_reference
+from tests.gdn_oracle import gated_delta_rule_oracle, random_gdn_inputs, rel_err
+
+K = V = 32
+
+
+def run(d, *, lengths=None, initial_state="from_inputs", checkpoint_stride=None, sl=slice(None)):
+    """Call the kernel (interpret mode) on tokens `sl` of the inputs dict `d`."""
+    s0 = d["initial_state"] if isinstance(initial_state, str) else initial_state
+    out = chunk_gated_delta_rule_pallas(
+        jnp.asarray(d["q"][:, sl]), jnp.asarray(d["k"][:, sl]), jnp.asarray(d["v"][:, sl]),
+        jnp.asarray(d["g"][:, sl]), jnp.asarray(d["beta"][:, sl]),
+        initial_state=None if s0 is None else jnp.asarray(s0),
+        lengths=None if lengths is None else jnp.asarray(lengths, jnp.int32),
+        checkpoint_stride=checkpoint_stride, interpret=True)
+    return tuple(np.asarray(x) for x in out)
+
+
+def valid_rows(o, lengths):
+    return [o[b, : int(n)] for b, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize(
+    "B,T,HK,HV,g_kind,beta_kind,lengths",
+    [
+        (1, 1, 1, 2, "realistic", "realistic", None),
+        (2, 63, 1, 4, "near_zero", "mixed", None),
+        (2, 65, 2, 4, "very_negative", "realistic", [65, 30]),
+        (3, 130, 1, 2, "realistic", "one", [130, 64, 1]),
+        (1, 130, 1, 4, "realistic", "zero", None),
+    ],
+)
+def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths):
+    rng = np.random.default_rng(1000 + T + 7 * HV)
+    d = random_gdn_inputs(rng, B, T, HK, HV, K, V, np.float32, g_kind=g_kind, beta_kind=beta_kind)
+    o, s = run(d, lengths=lengths)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    ro, rs = gated_delta_rule_oracle(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                     lengths=lengths)
+    jo, js = chunk_gated_delta_rule_reference(
+        jnp.asarray(d["q"]), jnp.asarray(d["k"]), jnp.asarray(d["v"]), jnp.asarray(d["g"]), jnp.asarray(d["beta"]),
+        initial_state=jnp.asarray(d["initial_state"]),
+        lengths=None if lengths is None else jnp.asarray(lengths, jnp.int32))
+    lens = [T] * B if lengths is None else lengths
+    for b, n in enumerate(lens):
+        if n:
+            assert rel_err(o[b, :n], ro[b, :n]) <= 2e-5, ("output vs oracle", b)
+            assert rel_err(o[b, :n], np.asarray(jo)[b, :n]) <= 1e-4, ("output vs reference", b)
+    assert rel_err(s, rs) <= 2e-5, "state vs oracle"
+    assert rel_err(s, np.asarray(js)) <= 1e-4, "state vs reference"
+
+
+def test_bf16_inputs_and_zero_initial_state():
+    rng = np.random.default_rng(7)
+    d = random_gdn_inputs(rng, 2, 70, 1, 2, K, V, np.float32, with_state=False)
+    for n in ("q", "k", "v"):
+        d[n] = np.asarray(jnp.asarray(d[n], jnp.bfloat16))
+    o, s = run(d, initial_state=None)
+    assert o.dtype == jnp.bfloat16 and s.dtype == np.float32
+    ro, rs = gated_delta_rule_oracle(*(np.asarray(d[n], np.float64) for n in ("q", "k", "v", "g", "beta")))
+    assert rel_err(o, ro) <= 8e-3  # bf16 output rounding
+    assert rel_err(s, rs) <= 2e-5
+
+
+@pytest.fixture(scope="module")
+def seq():
+    """Three rows of 192 tokens, HK=1, HV=2, non-zero initial state; row lengths 192, 100, 37."""
+    rng = np.random.default_rng(42)
+    d = random_gdn_inputs(rng, 3, 192, 1, 2, K, V, np.float32, beta_kind="mixed")
+    return d
+
+
+def test_split_on_grid_is_bitwise(seq):
+    o, s = run(seq)
+    for cut in (64, 128):
+        o1, s1 = run(seq, sl=slice(0, cut))
+        o2, s2 = run(seq, sl=slice(cut, None), initial_state=s1)
+        assert np.array_equal(o1, o[:, :cut])
+        assert np.array_equal(o2, o[:, cut:])
+        assert np.array_equal(s2, s)
+
+
+def test_same_call_twice_is_bitwise(seq):
+    a = run(seq, lengths=[192, 100, 37])
+    b = run(seq, lengths=[192, 100, 37])
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
+
+
+def test_row_alone_equals_row_in_batch(seq):
+    lengths = [192, 100, 37]
+    d = {n: np.array(x) for n, x in seq.items()}
+    # Garbage (large values) in the padding must not matter.
+    for b, n in enumerate(lengths):
+        for name in ("q", "k", "v"):
+            d[name][b, n:] = 1e3
+        d["g"][b, n:] = -1e3
+        d["beta"][b, n:] = 0.5
+    o, s = run(d, lengths=lengths)
+    for b, n in enumerate(lengths):
+        alone = {name: x[b: b + 1] for name, x in d.items()}
+        oa, sa = run(alone, sl=slice(0, n))
+        assert np.array_equal(oa[0], o[b, :n]), b
+        assert np.array_equal(sa[0], s[b]), b
+        assert np.isfinite(o[b]).all()
+
+
+def test_nan_padding_does_not_leak(seq):
+    lengths = [192, 100, 37]
+    d = {n: np.array(x) for n, x in seq.items()}
+    for b, n in enumerate(lengths):
+        for name in ("q", "k", "v", "g", "beta"):
+            d[name][b, n:] = np.nan
+    o, s = run(d, lengths=lengths)
+    o_ref, s_ref = run(seq, lengths=lengths)
+    assert np.array_equal(s, s_ref)
+    for b, n in enumerate(lengths):
+        assert np.array_equal(o[b, :n], o_ref[b, :n])
+
+
+def test_checkpoints_equal_separate_calls(seq):
+    lengths = [192, 100, 37]
+    o, s, ck = run(seq, lengths=lengths, checkpoint_stride=64)
+    assert ck.shape == (3, 3, 2, K, V) and ck.dtype == np.float32
+    assert np.array_equal(ck[:, -1], s)
+    for i in range(3):
+        end = 64 * (i + 1)
+        _, si = run(seq, sl=slice(0, end), lengths=[min(n, end) for n in lengths])
+        assert np.array_equal(ck[:, i], si), i
+    # A row past its length: checkpoint == its final state.
+    assert np.array_equal(ck[2, 1], s[2]) and np.array_equal(ck[1, 2], s[1])
+    # stride 128 on 192 tokens: one checkpoint; T not a multiple of 64.
+    _, _, ck2 = run(seq, checkpoint_stride=128, sl=slice(0, 150))
+    _, s128 = run(seq, sl=slice(0, 128))
+    assert ck2.shape[1] == 1 and np.array_equal(ck2[:, 0], s128)
+
+
+@pytest.mark.parametrize("start", [0, 64])
+def test_partial_chunk_rows_equal_full_chunk_rows(seq, start):
+    """A call of j < 64 tokens starting on the grid gives the same output rows as the full-chunk call."""
+    if start:
+        _, s_start = run(seq, sl=slice(0, start))
+    else:
+        s_start = seq["initial_state"]
+    o_full, _ = run(seq, sl=slice(start, start + 64), initial_state=s_start)
+    for j in (1, 2, 7, 33, 63):
+        o_j, _ = run(seq, sl=slice(start, start + j), initial_state=s_start)
+        assert np.array_equal(o_j, o_full[:, :j]), j
+
+
+@pytest.mark.parametrize("inv", ["doubling", "fwd64"])
+def test_alternative_inverses(inv):
+    """The loop-free ('doubling') and the plain forward-substitution ('fwd64') inverses, on an adversarial input
+    (identical keys in every chunk, beta = 1, g ~ 0). Tolerance vs the oracle: 1e-4 for 'doubling' (its repeated
+    squaring amplifies fp32 rounding on nearly parallel keys: ~3e-5 seen), 2e-5 for 'fwd64'. Row-causality: bitwise."""
+    rng = np.random.default_rng(11)
+    d = random_gdn_inputs(rng, 1, 100, 1, 2, K, V, np.float32, g_kind="near_zero", beta_kind="one")
+    d["k"][:] = d["k"][:, :1]
+    cfg = {"inv": inv}
+    out = chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")),
+                                        initial_state=jnp.asarray(d["initial_state"]), interpret=True, config=cfg)
+    o, s = (np.asarray(x) for x in out)
+    ro, rs = gated_delta_rule_oracle(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"])
+    tol = 1e-4 if inv == "doubling" else 2e-5
+    assert rel_err(o, ro) <= tol and rel_err(s, rs) <= tol
+    o7 = chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n][:, :7]) for n in ("q", "k", "v", "g", "beta")),
+                                       initial_state=jnp.asarray(d["initial_state"]), interpret=True, config=cfg)[0]
+    assert np.array_equal(np.asarray(o7), o[:, :7])
