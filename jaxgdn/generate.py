@@ -68,11 +68,10 @@ def _sample(logits, keys, temperature, top_k: int | None, top_p):
 def _generate_core(model: Model, state, tokens, lengths, seeds, temperature, top_p, stop_ids, *,
                    max_new_tokens: int, top_k: int | None, stride: int | None, snap_interval: int | None):
     B = tokens.shape[0]
-    out = prefill_chunk(model, state, tokens, lengths, checkpoint_stride=stride)
-    state, logits = out[0], out[1]
+    out = prefill_chunk(model, state, tokens, lengths, checkpoint_stride=stride, last_only=True)
+    state, last = out[0], out[1]  # last: [B, Vocab] logits of each prompt's last token
     prefill_ckpts = out[2] if stride else None
     prefill_provenance = state.provenance
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, Vocab]
     base_keys = jax.vmap(jax.random.key)(seeds)
     n_slots = max_new_tokens // snap_interval + 1 if snap_interval else 0
     snaps = tuple(jax.tree.map(lambda x: jnp.zeros((n_slots,) + x.shape, x.dtype), s) for s in gdn_states(state))

@@ -171,8 +171,11 @@ def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) ->
 
 
 def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array,
-                  checkpoint_stride: int | None = None):
+                  checkpoint_stride: int | None = None, last_only: bool = False):
     """Pure prefill. tokens int32 [B, T]; lengths int32 [B]. Returns (state, logits fp32 [B, T, Vocab]).
+
+    `last_only`: logits only for each row's last valid token, [B, Vocab] (bitwise the same rows; saves the
+    [B, T, Vocab] tensor — 8 GB for one 8k-token prompt of a 248k vocabulary — and its matmul).
 
     With `checkpoint_stride` (a multiple of 64) it also returns `PrefillCheckpoints`: the GDN states every
     `stride` tokens of the call (recurrent mode) or at every 64-token grid boundary from the last boundary on
@@ -198,6 +201,8 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     on_grid = replay | ((state.position % CHUNK) == 0)  # replay continues exactly from anywhere
     taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
     new_state = _advance(state, new_layers, lengths, taint)
+    if last_only:
+        x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
     if checkpoint_stride is None:
         return new_state, _logits(model, x)
     T = tokens.shape[1]
@@ -240,7 +245,7 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
     return _advance(state, new_layers, ones, taint), _logits(model, x)
 
 
-_prefill_jit = jax.jit(prefill_chunk, static_argnames=("checkpoint_stride",))
+_prefill_jit = jax.jit(prefill_chunk, static_argnames=("checkpoint_stride", "last_only"))
 _decode_jit = jax.jit(decode_step)
 
 
