@@ -138,7 +138,10 @@ def _chunk_step(s, xs):
     o = (jnp.einsum("bhik,bhkv->bhiv", q * jnp.exp(gc)[..., None], s, precision=_HI)
          + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI))
     g_last = gc[..., -1]
-    k_tail = k * jnp.exp(g_last[..., None] - gc)[..., None]
+    # Decay from token i to the chunk end, as an exclusive suffix sum rather than g_last - gc_i: the difference of
+    # two large cumulative sums loses ~1e-4 when g is very negative, and trailing padding (g = 0) must add exactly 0.
+    to_end = jnp.concatenate([jnp.flip(prefix_sum(jnp.flip(g[..., 1:], -1)), -1), jnp.zeros_like(g[..., :1])], -1)
+    k_tail = k * jnp.exp(to_end)[..., None]
     s = s * jnp.exp(g_last)[..., None, None] + jnp.einsum("bhik,bhiv->bhkv", k_tail, v_new, precision=_HI)
     return s, (o, s)
 

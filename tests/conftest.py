@@ -1,0 +1,93 @@
+"""Shared fixtures for the CPU test suite.
+
+Loaded models are session-scoped and every model test uses the same few shapes (batch 2, KV capacity `CAP`),
+so each state function is compiled once per shape for the whole session: the tiny presets and the fixture
+checkpoints have equal (hashable) configs and therefore share compiled programs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxgdn
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE_NAMES = ("qwen3_5_tiny", "qwen3_next_tiny")
+PRESET_NAMES = ("tiny", "tiny-next")
+CAP = 256  # KV capacity of every batch-2 state in the model tests (one compiled program per token shape)
+
+
+# ---- helpers (imported by the test modules) ---------------------------------------------------------------------
+
+def tree_equal_leaves(a, b) -> list[bool]:
+    """Per-leaf bitwise equality of two pytrees of the same structure."""
+    return [bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+
+
+def tree_max_abs_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def max_abs_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def random_tokens(rng: np.random.Generator, shape, vocab: int = 256) -> np.ndarray:
+    return rng.integers(0, vocab, shape).astype(np.int32)
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------------------
+
+# This suite's modules run under JAX's strict dtype promotion (as equinox's tests do): an implicit bf16 <-> fp32
+# or int <-> float promotion anywhere in the code they exercise raises instead of silently changing precision.
+STRICT_MODULES = ("test_reference_gdn", "test_layers", "test_model", "test_checkpoint", "test_generate",
+                  "test_full_size_shapes")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _strict_dtype_promotion(request):
+    if request.module.__name__.rsplit(".", 1)[-1] in STRICT_MODULES:
+        with jax.numpy_dtype_promotion("strict"):
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(scope="session")
+def fixture_models():
+    """The two tiny Hugging Face checkpoints, loaded in fp32: name -> Model."""
+    return {name: jaxgdn.load_pretrained(FIXTURES / name) for name in FIXTURE_NAMES}
+
+
+@pytest.fixture(scope="session")
+def expected():
+    """transformers' recorded logits: name -> dict of arrays (full_tokens, full_logits, prefill_*, decode_*)."""
+    out = {}
+    for name in FIXTURE_NAMES:
+        with np.load(FIXTURES / name / "expected.npz") as z:
+            out[name] = {k: z[k] for k in z.files}
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The embedded random tiny dense Qwen3.5 model, fp32 (default, non-deterministic mode)."""
+    return jaxgdn.tiny_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def preset_models(tiny):
+    """The embedded random tiny models ("tiny": dense Qwen3.5, "tiny-next": MoE Qwen3-Next), fp32."""
+    return {"tiny": tiny, "tiny-next": jaxgdn.tiny_model("tiny-next")}
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's name (reproducible, different for every test)."""
+    seed = int.from_bytes(request.node.nodeid.encode(), "little") % (2**63)
+    return np.random.default_rng(seed)

@@ -1,0 +1,142 @@
+"""jaxgdn.generate: greedy decoding equals a manual prefill + argmax + decode_step loop, batching does not change
+results, stop tokens, seeded sampling, no recompilation within a size bucket, invalid parameters.
+
+All batched calls use 2 prompts of at most 64 tokens and max_new_tokens=NEW, so `_generate_core` is compiled once
+for batch 2 and once for batch 1."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxgdn
+from jaxgdn.generate import _generate_core
+from tests.conftest import CAP, random_tokens
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(4242)
+    return [random_tokens(rng, 5).tolist(), random_tokens(rng, 40).tolist()]
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny, prompts):
+    return jaxgdn.generate(tiny, prompts, max_new_tokens=NEW)
+
+
+def test_greedy_equals_manual_loop(tiny, prompts, greedy):
+    """Tokens equal; logprobs equal to log_softmax of the manually computed logits within 1e-5."""
+    B = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((B, 80), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    state, logits = tiny.prefill_chunk(tiny.init_state(B, CAP), tokens, lengths)
+    last = np.asarray(logits)[np.arange(B), lengths - 1]
+    manual_tokens, manual_lp = [], []
+    for _ in range(NEW):
+        tok = last.argmax(-1).astype(np.int32)
+        lp = np.asarray(jax.nn.log_softmax(last, axis=-1))[np.arange(B), tok]
+        manual_tokens.append(tok)
+        manual_lp.append(lp)
+        state, last = tiny.decode_step(state, tok)
+        last = np.asarray(last)
+    manual_tokens, manual_lp = np.stack(manual_tokens, 1), np.stack(manual_lp, 1)
+    for b, r in enumerate(greedy):
+        assert r.finish_reason == "length" and len(r.tokens) == NEW == len(r.logprobs)
+        assert r.tokens == manual_tokens[b].tolist(), f"row {b}: greedy tokens differ from the manual loop"
+        d = float(np.max(np.abs(np.array(r.logprobs) - manual_lp[b])))
+        assert d <= 1e-5, f"row {b}: logprobs max abs diff {d:.3g} > 1e-5 vs log_softmax of manual logits"
+
+
+def test_batched_prompts_equal_each_alone(tiny, prompts, greedy):
+    for b, p in enumerate(prompts):
+        alone = jaxgdn.generate(tiny, [p], max_new_tokens=NEW)[0]
+        assert alone.tokens == greedy[b].tokens, f"prompt {b}: tokens differ when generated alone"
+        d = float(np.max(np.abs(np.array(alone.logprobs) - greedy[b].logprobs)))
+        assert d <= 1e-5, f"prompt {b}: logprobs alone vs batched max abs diff {d:.3g} > 1e-5"
+
+
+def test_stop_tokens(tiny, prompts, greedy):
+    stop = greedy[0].tokens[3]
+    out = jaxgdn.generate(tiny, prompts, max_new_tokens=NEW, stop_token_ids=[stop])
+    for b, (r, g) in enumerate(zip(out, greedy)):
+        if stop in g.tokens:
+            n = g.tokens.index(stop) + 1
+            assert r.finish_reason == "stop", f"row {b}"
+            assert r.tokens == g.tokens[:n] and r.tokens[-1] == stop, f"row {b}: must end at the first stop token"
+            assert np.array_equal(r.logprobs, g.logprobs[:n])
+        else:
+            assert r.finish_reason == "length" and r.tokens == g.tokens
+
+
+def test_seeded_sampling(tiny, prompts, greedy):
+    a = jaxgdn.generate(tiny, prompts, max_new_tokens=NEW, temperature=1.0, seed=11)
+    b = jaxgdn.generate(tiny, prompts, max_new_tokens=NEW, temperature=1.0, seed=11)
+    c = jaxgdn.generate(tiny, prompts, max_new_tokens=NEW, temperature=1.0, seed=12)
+    assert [r.tokens for r in a] == [r.tokens for r in b], "same seed must reproduce the same tokens"
+    assert all(np.array_equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
+    assert [r.tokens for r in a] != [r.tokens for r in c], "another seed should give other tokens"
+    assert [r.tokens for r in a] != [r.tokens for r in greedy]
+    for r in a + c:
+        assert all(np.isfinite(r.logprobs)) and max(r.logprobs) <= 0.0
+        assert all(0 <= t < tiny.config.vocab_size for t in r.tokens)
+
+
+def test_sampling_randomness_follows_the_request_not_the_batch_slot(tiny, prompts):
+    """Row 0 with its own seed gives the same samples whatever the other row holds (prompt and seed)."""
+    other = random_tokens(np.random.default_rng(9), 23).tolist()
+    a = jaxgdn.generate(tiny, prompts, max_new_tokens=NEW, temperature=1.0, seed=[5, 6])
+    b = jaxgdn.generate(tiny, [prompts[0], other], max_new_tokens=NEW, temperature=1.0, seed=[5, 99])
+    assert a[0].tokens == b[0].tokens
+    assert np.max(np.abs(np.array(a[0].logprobs) - b[0].logprobs)) <= 1e-5
+    same = jaxgdn.generate(tiny, [prompts[0], prompts[0]], max_new_tokens=NEW, temperature=1.0, seed=[5, 5])
+    assert same[0].tokens == same[1].tokens == a[0].tokens
+
+
+def test_tiny_top_p_is_greedy(tiny, prompts, greedy):
+    """top_p so small that only the most likely token survives: sampling must return the greedy tokens."""
+    out = jaxgdn.generate(tiny, prompts, max_new_tokens=NEW, temperature=1.0, top_p=1e-6, seed=3)
+    assert [r.tokens for r in out] == [r.tokens for r in greedy]
+
+
+def test_no_recompilation_within_a_bucket(tiny, prompts, greedy):
+    """Prompts of other lengths with the same 64-token buckets (prompt: 64, capacity: 64 for up to 56 prompt
+    tokens + NEW), other values, seeds, sampling parameters and stop tokens: no new compilation."""
+    n = _generate_core._cache_size()
+    assert n >= 1
+    rng = np.random.default_rng(1)
+    jaxgdn.generate(tiny, [random_tokens(rng, 17).tolist(), random_tokens(rng, 50).tolist()], max_new_tokens=NEW)
+    jaxgdn.generate(tiny, [random_tokens(rng, 1).tolist(), random_tokens(rng, 56).tolist()], max_new_tokens=NEW,
+                    temperature=0.7, top_p=0.9, seed=[1, 2], stop_token_ids=[3])
+    assert _generate_core._cache_size() == n, "generate recompiled for prompts of the same bucket"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=4, temperature=-1.0), "temperature"),
+    (dict(max_new_tokens=4, top_p=0.0), "top_p"),
+    (dict(max_new_tokens=4, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=4, top_k=0), "top_k"),
+    (dict(max_new_tokens=4, top_k=257), "top_k"),
+    (dict(max_new_tokens=4, stop_token_ids=[256]), "stop_token_ids"),
+    (dict(max_new_tokens=4, seed=[1, 2, 3]), "seeds"),
+])
+def test_invalid_parameters(tiny, prompts, kwargs, match):
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.generate(tiny, prompts, **kwargs)
+
+
+@pytest.mark.parametrize("bad_prompts, match", [
+    ([], "no prompts"),
+    ([[1, 2], []], "prompt 1 is empty"),
+    ([[1, 256]], "prompt 0"),
+    ([[-1, 2]], "prompt 0"),
+])
+def test_invalid_prompts(tiny, bad_prompts, match):
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.generate(tiny, bad_prompts, max_new_tokens=4)
