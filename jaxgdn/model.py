@@ -178,8 +178,8 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     [B, T, Vocab] tensor — 8 GB for one 8k-token prompt of a 248k vocabulary — and its matmul).
 
     With `checkpoint_stride` (a multiple of 64) it also returns `PrefillCheckpoints`: the GDN states every
-    `stride` tokens of the call (recurrent mode) or at every 64-token grid boundary from the last boundary on
-    (replay mode), each bitwise equal to the final state of a separate prefill ending there.
+    `stride` tokens counted from the call's start (recurrent mode) or from the last grid boundary (replay mode),
+    each bitwise equal to the final state of a separate prefill ending there.
     """
     if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
         raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
@@ -206,13 +206,13 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     if checkpoint_stride is None:
         return new_state, _logits(model, x)
     T = tokens.shape[1]
-    if replay:
+    if replay:  # counted from the last grid boundary (the replayed open chunk comes first)
         start = state.position - state.position % CHUNK
-        rel = CHUNK * jnp.arange(1, ckpts[0].recurrent.shape[1] + 1) if ckpts else jnp.zeros((0,), jnp.int32)
         span = state.position % CHUNK + lengths
     else:
         start, span = state.position, lengths
-        rel = checkpoint_stride * jnp.arange(1, T // checkpoint_stride + 1)
+    m = ckpts[0].recurrent.shape[1] if ckpts else 0
+    rel = checkpoint_stride * jnp.arange(1, m + 1)
     found = PrefillCheckpoints(position=start[:, None] + rel[None, :], valid=rel[None, :] <= span[:, None],
                                gdn=tuple(ckpts))
     return new_state, _logits(model, x), found

@@ -61,8 +61,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     `position` is; the state keeps the newest boundary state and the new open chunk.
 
     Checkpoints: a GDNLayerState whose leaves carry an extra axis M: conv [B, M, KC-1, C], recurrent
-    [B, M, HV, K, V] — every `checkpoint_stride` tokens of the call (recurrent mode), or every 64-token grid
-    boundary from the last boundary on (replay mode); see `model.prefill_chunk` for their positions.
+    [B, M, HV, K, V] — every `checkpoint_stride` tokens from the call's start (recurrent mode) or from the last
+    grid boundary (replay mode); see `model.prefill_chunk` for their positions.
     """
     B, T, _ = x.shape
     replay = state.open_qkv is not None
@@ -83,28 +83,47 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
 
     open_len = position % CHUNK  # [B] tokens since the boundary
     width = -(-(CHUNK - 1 + T) // CHUNK) * CHUNK
-    m = width // CHUNK
-    ends = CHUNK * jnp.arange(1, m + 1)[None, :] - open_len[:, None]  # [B, M] call tokens absorbed at each boundary
-    conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends if checkpoint_stride is not None else None)
+    stride = checkpoint_stride
+    ends = None
+    if stride is not None:  # conv checkpoints at the same points as the GDN ones (relative to the boundary)
+        ends = stride * jnp.arange(1, width // stride + 1)[None, :] - open_len[:, None]
+    conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends)
     gates = jnp.stack([g, beta], axis=2)  # [B, T, 2, HV]
     qkv_all = _splice(state.open_qkv, conv[0], open_len, lengths, width)  # [B, W, C]
     gates_all = _splice(state.open_gates, gates, open_len, lengths, width)  # [B, W, 2, HV]
     total = open_len + lengths
-    q, k, v = _split_qkv(cfg, qkv_all)
-    o_all, _, boundaries = pallas_kernels.chunk_gated_delta_rule(
-        q, k, v, gates_all[:, :, 0], gates_all[:, :, 1], initial_state=state.recurrent, lengths=total,
-        checkpoint_stride=CHUNK, backend=backend)  # boundaries: [B, M, HV, K, V]
-    o = _gather_rows(o_all, open_len[:, None] + jnp.arange(T)[None, :], jnp.ones((B, T), bool))
     n_full = total // CHUNK  # boundaries crossed
-    newest = jnp.take_along_axis(boundaries, jnp.maximum(n_full - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
-    recurrent = jnp.where((n_full > 0)[:, None, None, None], newest, state.recurrent)
     tail = CHUNK * n_full[:, None] + jnp.arange(CHUNK)[None, :]  # rows of the new open chunk
     tail_valid = tail < total[:, None]
-    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=_gather_rows(qkv_all, tail, tail_valid),
-                              open_gates=_gather_rows(gates_all, tail, tail_valid))
+    tail_qkv, tail_gates = _gather_rows(qkv_all, tail, tail_valid), _gather_rows(gates_all, tail, tail_valid)
+
+    def rule(qkv, gts, init, lens, stride):
+        q, k, v = _split_qkv(cfg, qkv)
+        return pallas_kernels.chunk_gated_delta_rule(q, k, v, gts[:, :, 0], gts[:, :, 1], initial_state=init,
+                                                     lengths=lens, checkpoint_stride=stride, backend=backend)
+
+    ckpt_states = None
+    if stride is None and width <= 2 * CHUNK:
+        # Short calls (decode): one pass; the new boundary is the in-call state at the last boundary crossed.
+        o_all, _, boundaries = rule(qkv_all, gates_all, state.recurrent, total, CHUNK)  # [B, W/64, HV, K, V]
+        newest = jnp.take_along_axis(boundaries, jnp.maximum(n_full - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+        recurrent = jnp.where((n_full > 0)[:, None, None, None], newest, state.recurrent)
+    else:
+        # Long calls: the full chunks in one pass (its final state is the new boundary: padding leaves the state
+        # bit-identical), then the open tail from that boundary; no state per chunk is kept beyond `stride`'s.
+        out = rule(qkv_all, gates_all, state.recurrent, CHUNK * n_full, stride)
+        o_full, recurrent = out[0], out[1]
+        ckpt_states = out[2] if stride is not None else None
+        o_tail, _ = rule(tail_qkv, tail_gates, recurrent, total - CHUNK * n_full, None)  # [B, 64, HV, V]
+        in_tail = jnp.arange(width)[None, :] - CHUNK * n_full[:, None]  # [B, W] row within the tail chunk
+        o_all = jnp.where((in_tail < 0)[..., None, None], o_full,
+                          _gather_rows(o_tail, in_tail, jnp.ones_like(in_tail, bool)))
+    o = _gather_rows(o_all, open_len[:, None] + jnp.arange(T)[None, :], jnp.ones((B, T), bool))
+    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates)
     ckpt = None
-    if checkpoint_stride is not None:
-        ckpt = GDNLayerState(conv=conv[2], recurrent=boundaries,
+    if stride is not None:
+        m = ckpt_states.shape[1]
+        ckpt = GDNLayerState(conv=conv[2], recurrent=ckpt_states,
                              open_qkv=jnp.zeros((B, m) + state.open_qkv.shape[1:], state.open_qkv.dtype),
                              open_gates=jnp.zeros((B, m) + state.open_gates.shape[1:], jnp.float32))
     return _output(cfg, p, o, z, det), new_state, ckpt
