@@ -10,14 +10,18 @@ from .checkpoint import load_pretrained
 from .config import ModelConfig, qwen3_5_9b, tiny_qwen3_5, tiny_qwen3_next
 from .errors import CapacityError, CheckpointError, InputError, JaxGDNError, UnsupportedModelError
 from .cache import Checkpoint, CheckpointRefused, PrefixCache, check_cache
+from .engine import Conversation, ConversationResult, Engine, EngineOutput, EngineStats, Request, SamplingParams
 from .generate import GenerationResult, Generations, generate
 from .model import Model, decode_step, prefill_chunk
 from .presets import tiny_model
+from .score import score
+from .tokenizer import load_tokenizer
 from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
 
 __all__ = [
     "load_pretrained", "ModelConfig", "qwen3_5_9b", "tiny_qwen3_5", "tiny_qwen3_next", "CapacityError",
     "CheckpointError", "InputError", "JaxGDNError", "UnsupportedModelError", "GenerationResult", "generate", "Model",
     "decode_step", "prefill_chunk", "tiny_model", "Checkpoint", "CheckpointRefused", "PrefixCache", "check_cache",
-    "Generations", "AttentionLayerState", "GDNLayerState", "ModelState", "Provenance",
+    "Generations", "score", "Engine", "Request", "Conversation", "SamplingParams", "EngineOutput", "EngineStats",
+    "ConversationResult", "load_tokenizer", "AttentionLayerState", "GDNLayerState", "ModelState", "Provenance",
 ]

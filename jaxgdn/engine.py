@@ -1,0 +1,328 @@
+"""An offline engine: many generation requests (and multi-turn conversations) through batched `generate` calls
+that share one prefix cache.
+
+    engine = jaxgdn.Engine(model, max_batch=8, cache=jaxgdn.PrefixCache(interval=64))
+    out = engine.run([
+        jaxgdn.Request([1, 2, 3], jaxgdn.SamplingParams(max_new_tokens=16)),
+        jaxgdn.Conversation([system_and_question, follow_up], jaxgdn.SamplingParams(max_new_tokens=32, seed=7)),
+    ])
+    out.results[0]           # GenerationResult of the request
+    out.results[1].turns     # one GenerationResult per turn of the conversation
+    print(out.stats.summary())
+
+Requests are token ids; a `Conversation` is a list of messages (token ids, chat-template tokens included) where
+turn i's prompt is turn i-1's prompt + turn i-1's answer + message i, so each turn extends the previous one and
+finds its prompt's prefix in the cache.
+
+Scheduling. The engine runs in waves: wave 0 holds every plain request and the first turn of every conversation;
+wave t the t-th turns (they need the previous answers). Inside a wave, requests with equal sampling settings
+(temperature, top_k, top_p, stop ids) are batched up to `max_batch` rows; a request whose first cache block
+(the first `cache.interval` tokens) was already seen in the wave is scheduled after the batches holding the
+first such request, so it finds that prefix cached. Each batch is one `generate(..., cache=cache)` call and the
+returned `.cache` is carried to the next, so the cache spans all batches, waves and `run` calls.
+
+Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket`,
+and its row count is padded to a power of two (repeating its first request; the copies' results are dropped), so
+a stream of similar batches reuses a few compiled programs. Rows get exactly what they asked for: sampling
+draws from the request's seed and the token position, never the batch slot, so a row that generates beyond its
+own `max_new_tokens` is simply cut back (and its finish reason recomputed).
+
+Stats: prompt tokens = cache hit tokens (restored from the cache) + prefill tokens (recomputed by prefill);
+generated tokens; wall time, time inside `generate`, and — when `generate` reports it (`Generations.timings`)
+— prefill versus decode time. Padding rows are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence, Union
+
+from .cache import PrefixCache
+from .errors import CapacityError, InputError
+from .generate import GenerationResult, _check_request, generate
+from .model import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (see `jaxgdn.generate`)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def batch_key(self):
+        """Requests with equal keys can share a `generate` call."""
+        return (float(self.temperature), self.top_k, float(self.top_p), self.stop_token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt (token ids) to complete."""
+
+    prompt: Sequence[int]
+    params: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """A multi-turn conversation: turn i's prompt = prompt(i-1) + answer(i-1) + messages[i] (token ids).
+
+    Every turn uses `params`; the seed of turn i is `params.seed + i` so sampled turns do not repeat each other.
+    """
+
+    messages: Sequence[Sequence[int]]
+    params: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversationResult:
+    prompts: list[list[int]]  # the prompt of each turn
+    turns: list[GenerationResult]  # the answer of each turn
+
+    @property
+    def history(self) -> list[int]:
+        """The whole conversation: last prompt + last answer."""
+        return self.prompts[-1] + self.turns[-1].tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    requests: int  # generation rows run (a conversation counts one per turn); padding rows excluded
+    batches: int  # generate calls
+    prompt_tokens: int  # = cache_hit_tokens + prefill_tokens
+    cache_hit_tokens: int  # prompt tokens restored from the prefix cache
+    prefill_tokens: int  # prompt tokens recomputed by prefill
+    generated_tokens: int  # tokens returned (after cutting rows back to their max_new_tokens)
+    wall_s: float  # the whole run, host work included
+    generate_s: float  # inside generate calls (compilation included)
+    prefill_s: float | None  # of generate_s, in prefill (None when generate does not report it)
+    decode_s: float | None  # of generate_s, in the decode loop
+    cache_entries: int = 0
+    cache_bytes: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prefilled + generated tokens per second of wall time."""
+        return (self.prefill_tokens + self.generated_tokens) / max(self.wall_s, 1e-9)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return None if not self.prefill_s else self.prefill_tokens / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return None if not self.decode_s else self.generated_tokens / self.decode_s
+
+    def summary(self) -> str:
+        def rate(x):
+            return "n/a" if x is None else f"{x:,.1f}"
+
+        split = ("prefill/decode split n/a (generate does not report it)" if self.prefill_s is None else
+                 f"prefill {self.prefill_s:.2f} s ({rate(self.prefill_tokens_per_s)} tok/s), "
+                 f"decode {self.decode_s:.2f} s ({rate(self.decode_tokens_per_s)} tok/s)")
+        return (f"{self.requests} requests in {self.batches} batches, {self.wall_s:.2f} s wall "
+                f"({self.tokens_per_s:,.1f} tok/s); prompt tokens {self.prompt_tokens} = {self.cache_hit_tokens} "
+                f"cache hits + {self.prefill_tokens} prefilled; {self.generated_tokens} generated; generate "
+                f"{self.generate_s:.2f} s: {split}; cache {self.cache_entries} entries, {self.cache_bytes:,} bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOutput:
+    results: list[Union[GenerationResult, ConversationResult]]  # in request order
+    stats: EngineStats
+    cache: PrefixCache | None
+
+
+Item = Union[Request, Conversation, Sequence[int]]
+
+
+@dataclasses.dataclass
+class _Job:
+    item: int  # index of the request / conversation
+    turn: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Engine:
+    """Offline batched generation over one prefix cache (see the module docstring).
+
+    cache: the prefix cache to start from; None with `use_cache=True` makes an empty one (deterministic when the
+    model is). The engine keeps the newest cache in `.cache` across `run` calls.
+    max_length: optional limit on prompt + generated tokens per row (`CapacityError` beyond it).
+    """
+
+    def __init__(self, model: Model, *, max_batch: int = 8, cache: PrefixCache | None = None,
+                 use_cache: bool = True, max_length: int | None = None, progress: bool = True,
+                 pad_batches: bool = True, decode_bucket: int = 16,
+                 default_params: SamplingParams = SamplingParams()):
+        if max_batch < 1:
+            raise InputError(f"max_batch must be >= 1; got {max_batch}")
+        if decode_bucket < 1:
+            raise InputError(f"decode_bucket must be >= 1; got {decode_bucket}")
+        if max_length is not None and max_length < 2:
+            raise InputError(f"max_length must be >= 2; got {max_length}")
+        self.model = model
+        self.max_batch = max_batch
+        self.cache = cache if cache is not None else (PrefixCache(deterministic=model.deterministic)
+                                                      if use_cache else None)
+        self.max_length = max_length
+        self.progress = progress
+        self.pad_batches = pad_batches
+        self.decode_bucket = decode_bucket
+        self.default_params = default_params
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def _normalise(self, items: Sequence[Item]) -> list[Request | Conversation]:
+        if len(items) == 0:
+            raise InputError("no requests given")
+        out = []
+        for i, it in enumerate(items):
+            if not isinstance(it, (Request, Conversation)):
+                it = Request(prompt=it, params=self.default_params)
+            prompts = [it.prompt] if isinstance(it, Request) else list(it.messages)
+            what = f"request {i}" if isinstance(it, Request) else f"conversation {i}"
+            if not prompts:
+                raise InputError(f"{what} has no messages")
+            p = it.params
+            for j, msg in enumerate(prompts):
+                where = what if isinstance(it, Request) else f"{what}, message {j}"
+                try:
+                    ids = [int(t) for t in msg]
+                    if any(ids[k] != msg[k] for k in range(len(ids))):
+                        raise ValueError
+                except (TypeError, ValueError):
+                    raise InputError(f"{where}: a prompt must be a sequence of integer token ids") from None
+                try:
+                    _check_request(self.model, [ids], p.max_new_tokens, p.temperature, p.top_k, p.top_p,
+                                   p.stop_token_ids)
+                except InputError as e:
+                    raise type(e)(f"{where}: {e}") from None
+            need = sum(len(m) for m in prompts) + len(prompts) * p.max_new_tokens
+            if self.max_length is not None and need > self.max_length:
+                raise CapacityError(f"{what} needs up to {need} tokens (prompts + max_new_tokens per turn), beyond "
+                                    f"max_length {self.max_length}")
+            out.append(it)
+        return out
+
+    # ---- scheduling ----------------------------------------------------------------------------------------
+    def _batches(self, jobs: list[_Job]) -> list[list[_Job]]:
+        block = self.cache.interval if self.cache is not None else None
+        groups: dict = {}
+        for job in jobs:
+            groups.setdefault(job.params.batch_key, []).append(job)
+        batches = []
+        for group in groups.values():
+            first, later, seen = [], [], set()
+            for job in group:  # a request whose first cache block an earlier one shares goes after it
+                key = tuple(job.prompt[:block]) if block and len(job.prompt) > block else None
+                (later if key is not None and key in seen else first).append(job)
+                if key is not None:
+                    seen.add(key)
+            for part in (first, later):
+                batches += [part[k:k + self.max_batch] for k in range(0, len(part), self.max_batch)]
+        return batches
+
+    def _run_batch(self, batch: list[_Job]):
+        rows = list(batch)
+        if self.pad_batches:
+            rows += [batch[0]] * (min(_pow2(len(batch)), _pow2(self.max_batch)) - len(batch))
+        new = max(j.params.max_new_tokens for j in batch)
+        new = -(-new // self.decode_bucket) * self.decode_bucket
+        p = batch[0].params
+        t0 = time.perf_counter()
+        out = generate(self.model, [j.prompt for j in rows], max_new_tokens=new, temperature=p.temperature,
+                       top_k=p.top_k, top_p=p.top_p, seed=[j.params.seed for j in rows],
+                       stop_token_ids=p.stop_token_ids, cache=self.cache)
+        elapsed = time.perf_counter() - t0
+        if self.cache is not None:
+            self.cache = out.cache
+        results = [_cut(r, j.params.max_new_tokens) for r, j in zip(out, batch)]
+        return results, elapsed, getattr(out, "timings", None)
+
+    # ---- the run -------------------------------------------------------------------------------------------
+    def run(self, items: Sequence[Item]) -> EngineOutput:
+        """Generate for every request / conversation; results in request order, with stats and the new cache."""
+        from tqdm.auto import tqdm
+
+        t_start = time.perf_counter()
+        items = self._normalise(items)
+        total = sum(1 if isinstance(it, Request) else len(it.messages) for it in items)
+        results: list = [None] * len(items)
+        conv_prompts = {i: [] for i, it in enumerate(items) if isinstance(it, Conversation)}
+        conv_turns = {i: [] for i in conv_prompts}
+        counts = dict(requests=0, batches=0, prompt=0, hit=0, generated=0)
+        gen_s, prefill_s, decode_s, split = 0.0, 0.0, 0.0, True
+
+        with tqdm(total=total, unit="req", desc="jaxgdn engine", disable=not self.progress, leave=False) as bar:
+            turn = 0
+            while True:
+                jobs = []
+                for i, it in enumerate(items):
+                    if isinstance(it, Request) and turn == 0:
+                        jobs.append(_Job(i, 0, [int(t) for t in it.prompt], it.params))
+                    elif isinstance(it, Conversation) and turn < len(it.messages):
+                        prev = conv_prompts[i][-1] + conv_turns[i][-1].tokens if turn else []
+                        params = dataclasses.replace(it.params, seed=it.params.seed + turn)
+                        jobs.append(_Job(i, turn, prev + [int(t) for t in it.messages[turn]], params))
+                if not jobs:
+                    break
+                for batch in self._batches(jobs):
+                    res, elapsed, timings = self._run_batch(batch)
+                    gen_s += elapsed
+                    if timings is None:
+                        split = False
+                    else:
+                        prefill_s += timings.prefill_s
+                        decode_s += timings.decode_s
+                    counts["batches"] += 1
+                    for job, r in zip(batch, res):
+                        counts["requests"] += 1
+                        counts["prompt"] += len(job.prompt)
+                        counts["hit"] += r.cached_tokens
+                        counts["generated"] += len(r.tokens)
+                        if isinstance(items[job.item], Conversation):
+                            conv_prompts[job.item].append(job.prompt)
+                            conv_turns[job.item].append(r)
+                        else:
+                            results[job.item] = r
+                    bar.update(len(batch))
+                    done = counts["prompt"] - counts["hit"] + counts["generated"]
+                    bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - t_start, 1e-9):.0f}")
+                turn += 1
+
+        for i in conv_prompts:
+            results[i] = ConversationResult(prompts=conv_prompts[i], turns=conv_turns[i])
+        cstats = self.cache.stats() if self.cache is not None else None
+        stats = EngineStats(
+            requests=counts["requests"], batches=counts["batches"], prompt_tokens=counts["prompt"],
+            cache_hit_tokens=counts["hit"], prefill_tokens=counts["prompt"] - counts["hit"],
+            generated_tokens=counts["generated"], wall_s=time.perf_counter() - t_start, generate_s=gen_s,
+            prefill_s=prefill_s if split else None, decode_s=decode_s if split else None,
+            cache_entries=cstats.entries if cstats else 0, cache_bytes=cstats.bytes if cstats else 0)
+        return EngineOutput(results=results, stats=stats, cache=self.cache)
+
+
+def _cut(r: GenerationResult, n: int) -> GenerationResult:
+    """A result cut back to n tokens (as if generated with max_new_tokens=n)."""
+    if len(r.tokens) <= n:
+        return r
+    return dataclasses.replace(r, tokens=r.tokens[:n], logprobs=r.logprobs[:n], finish_reason="length")
+
+
+def run_requests(model: Model, items: Sequence[Item], **engine_kwargs) -> EngineOutput:
+    """One-shot: `Engine(model, **engine_kwargs).run(items)`."""
+    return Engine(model, **engine_kwargs).run(items)
