@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -35,12 +36,24 @@ class GenerationResult:
     logprobs: list[float]  # log p(token) under the model's own distribution (temperature 1, no top-k/top-p)
     finish_reason: str  # "stop" or "length"
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not recomputed)
+    # with return_top_logprobs=k: per generated token, the k most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationTimings:
+    """Where a generate call's time went (seconds, device work awaited; compilation included when it compiled)."""
+
+    prefill_s: float  # the prompt prefill
+    decode_s: float  # the compiled decode loop
 
 
 class Generations(list):
-    """The results, in prompt order (a list), plus `.cache`: the new prefix cache (None without one)."""
+    """The results, in prompt order (a list), plus `.cache`: the new prefix cache (None without one), and
+    `.timings`: the call's prefill and decode time."""
 
     cache: PrefixCache | None = None
+    timings: GenerationTimings | None = None
 
 
 def _bucket(n: int, step: int = CHUNK) -> int:
@@ -64,14 +77,18 @@ def _sample(logits, keys, temperature, top_k: int | None, top_p):
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "stride", "snap_interval"))
-def _generate_core(model: Model, state, tokens, lengths, seeds, temperature, top_p, stop_ids, *,
-                   max_new_tokens: int, top_k: int | None, stride: int | None, snap_interval: int | None):
-    B = tokens.shape[0]
+@functools.partial(jax.jit, static_argnames=("stride",))
+def _prefill_core(model: Model, state, tokens, lengths, *, stride: int | None):
+    """The prompt prefill: (state, last-token logits [B, Vocab], in-call checkpoints or None)."""
     out = prefill_chunk(model, state, tokens, lengths, checkpoint_stride=stride, last_only=True)
-    state, last = out[0], out[1]  # last: [B, Vocab] logits of each prompt's last token
-    prefill_ckpts = out[2] if stride else None
-    prefill_provenance = state.provenance
+    return out[0], out[1], (out[2] if stride else None)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "snap_interval", "n_top"))
+def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_ids, *, max_new_tokens: int,
+                   top_k: int | None, snap_interval: int | None, n_top: int = 0):
+    """The whole decode loop, compiled (`lax.scan`), from the prefilled state and its last logits [B, Vocab]."""
+    B = last.shape[0]
     base_keys = jax.vmap(jax.random.key)(seeds)
     n_slots = max_new_tokens // snap_interval + 1 if snap_interval else 0
     snaps = tuple(jax.tree.map(lambda x: jnp.zeros((n_slots,) + x.shape, x.dtype), s) for s in gdn_states(state))
@@ -80,8 +97,10 @@ def _generate_core(model: Model, state, tokens, lengths, seeds, temperature, top
         state, logits, done, snaps, n_snap = carry
         keys = jax.vmap(jax.random.fold_in)(base_keys, state.position)
         tok = _sample(logits, keys, temperature, top_k, top_p)
-        logprob = jnp.take_along_axis(log_softmax(logits), tok[:, None], axis=-1)[:, 0]
-        stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        lsm = log_softmax(logits)
+        logprob = jnp.take_along_axis(lsm, tok[:, None], axis=-1)[:, 0]
+        top = jax.lax.top_k(lsm, n_top) if n_top else (jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32))
+        stopped = jnp.any(tok[:, None] == stop_ids, axis=-1)  # stop_ids: [B, S], -1 padded
         emitted = ~done
         state, logits = decode_step(model, state, tok)
         if n_slots:  # keep the GDN states at each grid boundary the decode reaches (slot n_snap[b] of row b)
@@ -91,45 +110,78 @@ def _generate_core(model: Model, state, tokens, lengths, seeds, temperature, top
                 lambda buf, new: jnp.where(write.reshape(write.shape + (1,) * (new.ndim - 1)), new[None], buf),
                 snaps, gdn_states(state))
             n_snap = n_snap + at
-        return (state, logits, done | stopped, snaps, n_snap), (tok, logprob, emitted, stopped & emitted)
+        return (state, logits, done | stopped, snaps, n_snap), (tok, logprob, emitted, stopped & emitted, top)
 
     init = (state, last, jnp.zeros((B,), bool), snaps, jnp.zeros((B,), jnp.int32))
-    (state, _, _, snaps, n_snap), (toks, lps, emitted, stop_hit) = jax.lax.scan(
+    (state, _, _, snaps, n_snap), (toks, lps, emitted, stop_hit, top) = jax.lax.scan(
         step, init, None, length=max_new_tokens)
-    return dict(tokens=toks.T, logprobs=lps.T, emitted=emitted.T, stop_hit=stop_hit.T, state=state,
-                prefill_provenance=prefill_provenance, prefill_checkpoints=prefill_ckpts, snaps=snaps, n_snap=n_snap)
+    return dict(tokens=toks.T, logprobs=lps.T, emitted=emitted.T, stop_hit=stop_hit.T, state=state, snaps=snaps,
+                n_snap=n_snap, top_values=jnp.swapaxes(top[0], 0, 1), top_ids=jnp.swapaxes(top[1], 0, 1))
 
 
-def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids):
+def _per_request(value, n: int, name: str) -> list:
+    """A scalar for every request, or a sequence of one value per request."""
+    if np.ndim(value) == 0:
+        return [value.item() if isinstance(value, np.generic) else value] * n
+    value = list(value)
+    if len(value) != n:
+        raise InputError(f"{name}: {len(value)} values for {n} prompts")
+    return value
+
+
+def _stop_lists(stop_token_ids, n: int) -> list[list[int]]:
+    """Shared stop ids (a flat sequence) or one sequence per request."""
+    stops = list(stop_token_ids)
+    if stops and np.ndim(stops[0]) > 0:
+        if len(stops) != n:
+            raise InputError(f"{len(stops)} stop lists for {n} prompts")
+        return [[int(s) for s in row] for row in stops]
+    return [[int(s) for s in stops]] * n
+
+
+def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
+                   return_top_logprobs: int = 0):
+    """Validate a generation request (scalars or per-request sequences); raises InputError naming the problem."""
     V = model.config.vocab_size
-    if not prompts:
+    if prompts is None or len(prompts) == 0:
         raise InputError("no prompts given")
+    n = len(prompts)
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or (top_k is not None and not 1 <= top_k <= V):
-        raise InputError(f"invalid sampling parameters: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    for t, p in zip(_per_request(temperature, n, "temperature"), _per_request(top_p, n, "top_p")):
+        if not (t >= 0 and 0 < p <= 1):  # also rejects NaN
+            raise InputError(f"invalid sampling parameters: temperature={t}, top_p={p}")
+    if top_k is not None and not 1 <= top_k <= V:
+        raise InputError(f"invalid sampling parameters: top_k={top_k} (must lie in [1, {V}])")
+    if not 0 <= return_top_logprobs <= V:
+        raise InputError(f"return_top_logprobs must lie in [0, {V}]; got {return_top_logprobs}")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise InputError(f"prompt {i} is empty")
         if min(p) < 0 or max(p) >= V:
             raise InputError(f"prompt {i} holds token ids outside [0, {V})")
-    if any(not 0 <= s < V for s in stop_token_ids):
+    if any(not 0 <= s < V for row in _stop_lists(stop_token_ids, n) for s in row):
         raise InputError(f"stop_token_ids must lie in [0, {V})")
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float = 1.0, seed: int | Sequence[int] = 0,
-             stop_token_ids: Sequence[int] = (), cache: PrefixCache | None = None) -> Generations:
-    """Generate from a batch of prompts (lists of token ids, any lengths). Greedy when temperature == 0.
+def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float | Sequence[float] = 0.0, top_k: int | None = None,
+             top_p: float | Sequence[float] = 1.0, seed: int | Sequence[int] = 0,
+             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (), return_top_logprobs: int = 0,
+             cache: PrefixCache | None = None) -> Generations:
+    """Generate from a batch of prompts (lists of token ids, any lengths). Greedy where temperature == 0.
 
-    seed: one int for all requests or one per request. Returns a `Generations` list with one
-    `GenerationResult` per prompt, in order, and `.cache`, the new prefix cache when `cache` was given.
+    temperature, top_p, seed: one value for all requests or one per request (top_k is shared: it is a compile-time
+    size). stop_token_ids: ids shared by all requests, or one list per request. return_top_logprobs=k also returns,
+    per generated token, the k most likely tokens and their logprobs. Returns a `Generations` list with one
+    `GenerationResult` per prompt, in order, `.cache` (the new prefix cache when `cache` was given) and `.timings`.
     """
-    _check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids)
+    _check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids, return_top_logprobs)
     B = len(prompts)
-    seeds = [seed] * B if isinstance(seed, int) else list(seed)
-    if len(seeds) != B:
-        raise InputError(f"{len(seeds)} seeds for {B} prompts")
+    seeds = [int(s) for s in _per_request(seed, B, "seeds")]
+    temperatures = _per_request(temperature, B, "temperature")
+    top_ps = _per_request(top_p, B, "top_p")
+    stop_rows = _stop_lists(stop_token_ids, B)
     prompts = [[int(t) for t in p] for p in prompts]
 
     hits: list[Checkpoint | None] = [None] * B
@@ -145,24 +197,38 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     state = model.init_state(B, capacity)
     if cache is not None:
         state = state_from_checkpoints(state, hits)
-    stops = np.array(list(stop_token_ids) or [-1], np.int32)
+    stops = np.full((B, max(1, max(len(r) for r in stop_rows))), -1, np.int32)
+    for b, row in enumerate(stop_rows):
+        stops[b, :len(row)] = row
     # Decode checkpoints: always admissible in a non-deterministic cache; in a deterministic one only when replay
     # decode keeps the states prefill-produced.
     snapshots = cache is not None and (not cache.deterministic or model.decode_mode == "replay")
     snap_interval = cache.interval if snapshots else None
+    t0 = time.perf_counter()
+    state, last, prefill_ckpts = _prefill_core(model, state, jnp.asarray(tokens), jnp.asarray(lens),
+                                               stride=cache.interval if cache is not None else None)
+    prefill_provenance = state.provenance
+    jax.block_until_ready(last)  # only to time prefill apart from decode
+    t1 = time.perf_counter()
     out = _generate_core(
-        model, state, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(seeds, jnp.uint32),
-        jnp.full((B,), temperature, jnp.float32), jnp.full((B,), top_p, jnp.float32), jnp.asarray(stops),
-        max_new_tokens=max_new_tokens, top_k=top_k, stride=cache.interval if cache is not None else None,
-        snap_interval=snap_interval)
+        model, state, last, jnp.asarray(seeds, jnp.uint32), jnp.asarray(temperatures, jnp.float32),
+        jnp.asarray(top_ps, jnp.float32), jnp.asarray(stops), max_new_tokens=max_new_tokens, top_k=top_k,
+        snap_interval=snap_interval, n_top=return_top_logprobs)
+    out = dict(jax.block_until_ready(out), prefill_provenance=prefill_provenance, prefill_checkpoints=prefill_ckpts)
+    timings = GenerationTimings(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
     toks, lps, emitted, stop_hit = (np.asarray(out[k]) for k in ("tokens", "logprobs", "emitted", "stop_hit"))
 
+    top_ids, top_values = np.asarray(out["top_ids"]), np.asarray(out["top_values"])  # [B, steps, k]
     results = Generations()
+    results.timings = timings
     for b in range(B):
         n = int(emitted[b].sum())
+        top = None
+        if return_top_logprobs:
+            top = [list(zip(top_ids[b, i].tolist(), top_values[b, i].tolist())) for i in range(n)]
         results.append(GenerationResult(tokens=toks[b, :n].tolist(), logprobs=lps[b, :n].tolist(),
                                         finish_reason="stop" if stop_hit[b].any() else "length",
-                                        cached_tokens=int(starts[b])))
+                                        cached_tokens=int(starts[b]), top_logprobs=top))
     if cache is not None:
         histories = [p + toks[b].tolist() for b, p in enumerate(prompts)]
         new = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories, out["state"],

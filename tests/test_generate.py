@@ -140,3 +140,22 @@ def test_invalid_parameters(tiny, prompts, kwargs, match):
 def test_invalid_prompts(tiny, bad_prompts, match):
     with pytest.raises(jaxgdn.InputError, match=match):
         jaxgdn.generate(tiny, bad_prompts, max_new_tokens=4)
+
+
+def test_per_request_sampling_stops_and_top_logprobs(tiny, prompts):
+    """Per-request temperature / seed / stop lists, and top-k logprobs consistent with the chosen tokens."""
+    greedy_first = jaxgdn.generate(tiny, prompts[:2], max_new_tokens=6)
+    stop = greedy_first[1].tokens[2]
+    out = jaxgdn.generate(tiny, prompts[:2], max_new_tokens=6, temperature=[0.0, 0.0], seed=np.array([1, 2]),
+                          stop_token_ids=[[], [stop]], return_top_logprobs=3)
+    assert out[0].tokens == greedy_first[0].tokens and out[0].finish_reason == "length"
+    assert out[1].finish_reason == "stop" and out[1].tokens[-1] == stop
+    for r in out:
+        assert len(r.top_logprobs) == len(r.tokens)
+        for tok, lp, top in zip(r.tokens, r.logprobs, r.top_logprobs):
+            assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            assert top[0][0] == tok and top[0][1] == lp  # greedy: the chosen token is the most likely one
+    with pytest.raises(jaxgdn.InputError, match="temperature: 1 values for 2 prompts"):
+        jaxgdn.generate(tiny, prompts[:2], max_new_tokens=2, temperature=[0.5])
+    with pytest.raises(jaxgdn.InputError, match="no prompts"):
+        jaxgdn.generate(tiny, np.zeros((0, 3), np.int32), max_new_tokens=2)
