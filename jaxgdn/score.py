@@ -10,7 +10,8 @@ a multiple of 64 (or to `window` columns per call for long batches) and the row 
 repeated calls with similar sizes reuse one compiled program.
 
 Long batches are prefilled in windows of `window` tokens (a multiple of 64); every window starts on the 64-token
-grid, so the result is bitwise what one prefill of the whole sequence computes, while the logits held at once
+grid, so the result is what one prefill of the whole sequence computes (bitwise with `deterministic=True`,
+within fp32 rounding otherwise), while the logits held at once
 are [rows, window, vocab] fp32 (8 x 512 x 248k x 4 B = 4 GiB for a Qwen3.5 vocabulary: lower `batch_size` or
 `window` on a small device).
 

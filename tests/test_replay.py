@@ -10,7 +10,6 @@ import pytest
 
 import jaxgdn
 from jaxgdn.state import Provenance
-from pallas_kernels.invariant import log_softmax
 
 NEW = 200  # generated tokens: crosses at least three 64-token grid boundaries
 
@@ -20,17 +19,8 @@ def _model(name):
 
 
 def _teacher_forced(model, sequences, starts):
-    """Logprob of each token from `starts[i]` on, by one padded prefill of all sequences."""
-    width = -(-max(len(s) for s in sequences) // 64) * 64
-    toks = np.zeros((len(sequences), width), np.int32)
-    for i, s in enumerate(sequences):
-        toks[i, :len(s)] = s
-    lengths = jnp.asarray([len(s) for s in sequences], jnp.int32)
-    _, logits = jax.jit(jaxgdn.prefill_chunk)(model, model.init_state(len(sequences), width), jnp.asarray(toks),
-                                              lengths)
-    lp = np.asarray(log_softmax(logits))
-    return [np.array([lp[i, t - 1, s[t]] for t in range(st, len(s))], np.float32)
-            for i, (s, st) in enumerate(zip(sequences, starts))]
+    """jaxgdn.score: the logprob of each token from starts[i] on, by prefill (teacher forcing)."""
+    return [np.array(s, np.float32) for s in jaxgdn.score(model, sequences, start=list(starts))]
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-next"])
