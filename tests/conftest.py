@@ -7,6 +7,8 @@ checkpoints have equal (hashable) configs and therefore share compiled programs.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -14,6 +16,14 @@ import numpy as np
 import pytest
 
 import jaxgdn
+
+# Most of this suite's time is XLA compilation, and many programs recur across modules and xdist workers (same
+# tiny configs, same shapes): share them through JAX's persistent compilation cache. Keys hash the program, so
+# a changed model never reuses a stale executable.
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "JAXGDN_TEST_XLA_CACHE", str(Path(tempfile.gettempdir()) / "jaxgdn-test-xla-cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_NAMES = ("qwen3_5_tiny", "qwen3_next_tiny")
