@@ -1,0 +1,469 @@
+"""Tensor parallelism over heads, with JAX's own sharding: where each parameter and state leaf lives on a mesh.
+
+    mesh = jaxgdn.sharding.make_mesh(2)                  # 1-D mesh, axis "tp", AxisType.Auto
+    model = jaxgdn.load_pretrained(path, mesh=mesh)      # or jaxgdn.sharding.shard_model(model, mesh)
+    state = model.init_state(B, N)                       # created already split (jaxgdn.sharding.init_state)
+    state, logits = model.prefill_chunk(state, tokens)   # unchanged; so are decode_step and generate
+    with jax.set_mesh(mesh):                             # for your own jit of the pure functions:
+        state, logits = jax.jit(jaxgdn.prefill_chunk)(model, state, tokens, lengths)
+
+The state functions are unchanged: under `jax.jit` the inputs' `NamedSharding`s are annotations, XLA's SPMD
+partitioner splits the computation and inserts the collectives (two all-reduces per layer — after the mixer's
+output projection and after the MLP's down projection — plus one for the embedding gather). XLA cannot split a
+Pallas call: with the mesh set as JAX's context mesh (`jax.set_mesh`; the Model methods and `generate` set it
+for a model on a mesh), `pallas_kernels.api` runs the GDN kernels per shard inside `shard_map`; without it XLA
+gathers their inputs onto every device (correct, slow). The pure-JAX reference needs nothing of the kind.
+
+Placement (Megatron-style, split over heads; matrices are [in, out]):
+  GDN        in_proj_qkv / conv_weight columns and the conv state's channels: by key-head group (see layout);
+             in_proj_z / in_proj_a / in_proj_b columns, A_log, dt_bias, the recurrent state [B, HV, K, V] and the
+             replay buffers: by value head; out_proj by rows (its input). norm_weight replicated.
+  attention  q_proj columns (per head: query then gate) and o_proj rows by query head; k_proj / v_proj columns and
+             the KV cache [B, N, HKV, Dh] by KV head. q_norm / k_norm replicated.
+  MLP / MoE  gate / up columns and down rows by intermediate index (every expert split the same way; the router
+             and the shared-expert gate replicated).
+  vocabulary embed rows and lm_head columns (logits come out split over the vocabulary).
+  norms, positions, provenance: replicated.
+An axis the mesh size does not divide is replicated instead (`plan` says what is split): a GDN layer is split
+only when tp | HK (each shard keeps whole key groups; HV = r HK then divides too), else the whole GDN mixer and its
+states are replicated; attention KV heads (and the KV cache) are replicated when tp does not divide HKV while the
+query heads may still be split; MLP, expert and vocabulary axes each on their own.
+
+Layout: `in_proj_qkv`'s channels are [q (HK K) | k (HK K) | v (HV V)] in Hugging Face order; a contiguous split
+of that axis would hand one shard all of q and k and the other v. A model split over GDN heads therefore uses
+the grouped order (`ModelConfig.gdn_qkv_groups = HK`): per key head h, [q_h | k_h | v of its r value heads]
+(the order Qwen3-Next's packed in_proj_qkvz already uses), so every split by whole groups is local and needs no
+communication. The conv state and replay buffers follow the parameters' order, so a state belongs to a layout:
+`convert_layout` moves states and cache checkpoints between layouts (`with_layout` moves a model). The grouped
+layout does not depend on the mesh size, so states move between any meshes that split the GDN heads. Without
+that config field (an older jaxgdn) the Hugging Face order is kept and XLA moves the q/k/v pieces between the
+shards itself (correct; three collective-permutes per GDN layer).
+
+Determinism: for a fixed mesh every per-row reduction is local or an all-reduce over the mesh, elementwise and
+independent of the batch; on CPU (tests/test_sharding.py) deterministic mode stays bitwise across runs, batch
+compositions, grid splits and warm/cold cache on a mesh. A sharded model is not bitwise equal to the unsharded
+one (the out/o/down projections sum their inputs in tp pieces), only within rounding. On GPUs the all-reduce is
+NCCL's: with 2 devices each element is a + b whatever the algorithm (the same in either order); with more, the
+summation order of an element can depend on the message size, i.e. on the batch — deterministic mode on meshes
+of more than 2 GPUs needs a fixed-order reduction (all-gather the partial sums, add them in a fixed order; not
+implemented yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .config import LINEAR, ModelConfig
+from .model import Model
+from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
+from .state import AttentionLayerState, GDNLayerState, ModelState
+from .state import init_state as _init_state
+
+TP = "tp"  # the mesh axis heads are split over (pallas_kernels.api.TP_AXIS names the same axis)
+_GROUPED_LAYOUT = "gdn_qkv_groups" in ModelConfig.__dataclass_fields__  # the config field of the grouped layout
+
+
+# ---- the mesh ----------------------------------------------------------------------------------------------------
+
+def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D tensor-parallel mesh: axis "tp" over `tp` devices (default: all of `devices` / `jax.devices()`).
+
+    The axis is `AxisType.Auto` (jax 0.11's `make_mesh` defaults to Explicit, under which slicing a split axis is
+    an error instead of a resharding the partitioner works out)."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp = len(devices) if tp is None else tp
+    if not 1 <= tp <= len(devices):
+        raise ValueError(f"a mesh of {tp} devices needs at least that many; {len(devices)} available")
+    return jax.make_mesh((tp,), (TP,), axis_types=(AxisType.Auto,), devices=devices[:tp])
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the first leaf of `tree` (a Model, params, a state, ...) is placed on; None if not on a mesh."""
+    if isinstance(tree, Model):
+        tree = tree.params
+    if isinstance(tree, ModelParams):
+        tree = tree.embed  # every leaf of a placed model is on the one mesh
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _tp_size(mesh: Mesh | int) -> int:
+    if isinstance(mesh, int):
+        return mesh
+    if TP not in mesh.axis_names:
+        raise ValueError(f"the mesh has no {TP!r} axis (axes: {mesh.axis_names}); build it with make_mesh")
+    return mesh.shape[TP]
+
+
+# ---- what is split -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """Which axes a `tp`-way mesh splits for one config (an axis tp does not divide is replicated)."""
+
+    tp: int
+    gdn_heads: bool  # tp | HK: every GDN head (whole key groups per shard), the q/k/v projection and conv with them
+    grouped_qkv: bool  # gdn_heads in the grouped q/k/v layout (False: Hugging Face order, XLA moves the pieces)
+    attn_heads: bool  # tp | H: q_proj columns, o_proj rows
+    attn_kv: bool  # tp | HKV: k_proj / v_proj columns, the KV cache
+    mlp: bool | None  # tp | intermediate_size (dense MLP layers; None: the model has none)
+    experts: bool | None  # tp | moe_intermediate_size (every routed expert; None: no MoE layer)
+    shared_expert: bool | None  # tp | shared_expert_intermediate_size
+    vocab: bool  # tp | vocab_size: embed rows, lm_head columns
+
+    def describe(self) -> str:
+        parts = {"GDN heads": self.gdn_heads, "attention heads": self.attn_heads,
+                 "KV heads": self.attn_kv, "MLP": self.mlp, "experts": self.experts,
+                 "shared expert": self.shared_expert, "vocabulary": self.vocab}
+        split = [k for k, v in parts.items() if v]
+        rep = [k for k, v in parts.items() if v is False]
+        return f"tp={self.tp}: split {', '.join(split) or 'nothing'}; replicated {', '.join(rep) or 'nothing'}"
+
+
+def plan(config: ModelConfig, mesh: Mesh | int) -> TPPlan:
+    tp = _tp_size(mesh)
+    c = config
+    div = lambda n: n > 0 and n % tp == 0  # noqa: E731
+    heads = div(c.linear_num_key_heads)
+    moe = any(map(c.is_moe_layer, range(c.num_layers)))
+    return TPPlan(tp=tp, gdn_heads=heads, grouped_qkv=heads and tp > 1 and _GROUPED_LAYOUT,
+                  attn_heads=div(c.num_attention_heads),
+                  attn_kv=div(c.num_key_value_heads),
+                  mlp=div(c.intermediate_size) if not all(map(c.is_moe_layer, range(c.num_layers))) else None,
+                  experts=div(c.moe_intermediate_size) if moe else None,
+                  shared_expert=div(c.shared_expert_intermediate_size) if moe else None, vocab=div(c.vocab_size))
+
+
+def _s(flag: bool, *spec) -> P:
+    """PartitionSpec `spec` when `flag`, else replicated."""
+    return P(*spec) if flag else P()
+
+
+def param_specs(config: ModelConfig, mesh: Mesh | int) -> ModelParams:
+    """A ModelParams-shaped tree of PartitionSpecs (None where the params hold None: a tied lm_head)."""
+    c, pl = config, plan(config, mesh)
+    col, row = (None, TP), (TP, None)
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        if kind == LINEAR:
+            h = pl.gdn_heads  # q/k/v and conv columns by key-head group; the rest by value head
+            mixer = GDNParams(in_proj_qkv=_s(h, *col), in_proj_z=_s(h, *col), in_proj_b=_s(h, *col),
+                              in_proj_a=_s(h, *col), conv_weight=_s(h, *col), A_log=_s(h, TP), dt_bias=_s(h, TP),
+                              norm_weight=P(), out_proj=_s(h, *row))
+        else:
+            mixer = AttentionParams(q_proj=_s(pl.attn_heads, *col), k_proj=_s(pl.attn_kv, *col),
+                                    v_proj=_s(pl.attn_kv, *col), o_proj=_s(pl.attn_heads, *row), q_norm=P(), k_norm=P())
+        if c.is_moe_layer(i):
+            e = pl.experts
+            sh = pl.shared_expert
+            mlp = MoEParams(router=P(), gate_proj=_s(e, None, None, TP), up_proj=_s(e, None, None, TP),
+                            down_proj=_s(e, None, TP, None),
+                            shared=MLPParams(_s(sh, *col), _s(sh, *col), _s(sh, *row)), shared_gate=P())
+        else:
+            mlp = MLPParams(_s(pl.mlp, *col), _s(pl.mlp, *col), _s(pl.mlp, *row))
+        layers.append(LayerParams(input_norm=P(), mixer=mixer, post_attention_norm=P(), mlp=mlp))
+    return ModelParams(embed=_s(pl.vocab, TP, None), layers=tuple(layers), final_norm=P(),
+                       lm_head=None if c.tie_word_embeddings else _s(pl.vocab, None, TP))
+
+
+def _gdn_state_specs(pl: TPPlan, replay: bool, lead: tuple = (None,)) -> GDNLayerState:
+    """Specs of one GDN layer's state; `lead`: the axes before the per-sequence ones (batch; batch and M)."""
+    ch = _s(pl.gdn_heads, *lead, None, TP)  # [.., KC-1, C] / [.., 64, C]
+    return GDNLayerState(conv=ch, recurrent=_s(pl.gdn_heads, *lead, TP),
+                         open_qkv=ch if replay else None,
+                         open_gates=_s(pl.gdn_heads, *lead, None, None, TP) if replay else None)
+
+
+def state_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False) -> ModelState:
+    """A ModelState-shaped tree of PartitionSpecs (`replay`: with the replay-mode open-chunk buffers)."""
+    pl = plan(config, mesh)
+    layers = tuple(_gdn_state_specs(pl, replay) if t == LINEAR
+                   else AttentionLayerState(keys=_s(pl.attn_kv, None, None, TP), values=_s(pl.attn_kv, None, None, TP))
+                   for t in config.layer_types)
+    return ModelState(layers=layers, position=P(), provenance=P())
+
+
+def _is_replay(state: ModelState) -> bool:
+    return any(isinstance(s, GDNLayerState) and s.open_qkv is not None for s in state.layers)
+
+
+# ---- the q/k/v channel layout ------------------------------------------------------------------------------------
+
+def layout_groups(config: ModelConfig) -> int:
+    """The config's q/k/v channel layout: 1 (Hugging Face order) or G key-head groups of [q_g | k_g | v_g]."""
+    return getattr(config, "gdn_qkv_groups", 1)
+
+
+def qkv_permutation(config: ModelConfig, groups: int) -> np.ndarray:
+    """perm [C]: channel j of the `groups`-grouped layout is channel perm[j] of the Hugging Face layout."""
+    HK, HV, K, V = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                    config.linear_value_head_dim)
+    if HK % groups:
+        raise ValueError(f"{groups} q/k/v groups do not divide {HK} key heads")
+    kd, kg, vg = HK * K, HK // groups * K, HV // groups * V
+    parts = []
+    for g in range(groups):
+        parts += [np.arange(g * kg, (g + 1) * kg), kd + np.arange(g * kg, (g + 1) * kg),
+                  2 * kd + np.arange(g * vg, (g + 1) * vg)]
+    return np.concatenate(parts)
+
+
+def _relayout_index(config: ModelConfig, src: int, dst: int) -> np.ndarray | None:
+    """idx with x_dst = x_src[..., idx] (None when the layouts are the same)."""
+    if src == dst:
+        return None
+    inv_src = np.argsort(qkv_permutation(config, src))
+    return inv_src[qkv_permutation(config, dst)]
+
+
+def _take_last(x, idx):
+    if idx is None or x is None:
+        return x
+    if isinstance(x, HostArray):
+        return x.take(idx, axis=x.ndim - 1)
+    return jnp.take(x, jnp.asarray(idx), axis=-1)
+
+
+def _relayout_gdn_state(s: GDNLayerState, idx) -> GDNLayerState:
+    return s._replace(conv=_take_last(s.conv, idx), open_qkv=_take_last(s.open_qkv, idx))
+
+
+def with_layout(model: Model, groups: int) -> Model:
+    """The same model with its q/k/v channels in the `groups` layout (params permuted, config updated)."""
+    src = layout_groups(model.config)
+    if src == groups:
+        return model
+    if not _GROUPED_LAYOUT:
+        raise ValueError("this jaxgdn's ModelConfig has no gdn_qkv_groups field: only the Hugging Face layout")
+    idx = _relayout_index(model.config, src, groups)
+    layers = tuple(lp._replace(mixer=lp.mixer._replace(in_proj_qkv=_take_last(lp.mixer.in_proj_qkv, idx),
+                                                       conv_weight=_take_last(lp.mixer.conv_weight, idx)))
+                   if isinstance(lp.mixer, GDNParams) else lp for lp in model.params.layers)
+    return dataclasses.replace(model, params=model.params._replace(layers=layers),
+                               config=dataclasses.replace(model.config, gdn_qkv_groups=groups))
+
+
+def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
+    """Move a ModelState, a cache `Checkpoint`, a PrefillCheckpoints or a tuple of GDNLayerState from `src`'s q/k/v
+    channel layout to `dst`'s (e.g. a state of an unsharded model to continue on a sharded one). Returns x itself
+    when the layouts agree."""
+    from .cache import Checkpoint  # local: the cache module imports nothing from here
+    from .state import PrefillCheckpoints
+
+    src_c = src.config if isinstance(src, Model) else src
+    dst_c = dst.config if isinstance(dst, Model) else dst
+    idx = _relayout_index(src_c, layout_groups(src_c), layout_groups(dst_c))
+    if idx is None:
+        return x
+    if isinstance(x, ModelState):
+        return x._replace(layers=tuple(_relayout_gdn_state(s, idx) if isinstance(s, GDNLayerState) else s
+                                       for s in x.layers))
+    if isinstance(x, Checkpoint):
+        return dataclasses.replace(x, gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn))
+    if isinstance(x, PrefillCheckpoints):
+        return x._replace(gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn))
+    if isinstance(x, GDNLayerState):
+        return _relayout_gdn_state(x, idx)
+    return tuple(_relayout_gdn_state(s, idx) for s in x)
+
+
+# ---- host tensors (the sharded checkpoint loader) ----------------------------------------------------------------
+
+class HostArray:
+    """A tensor still on the host — a view of a memory-mapped file, or a lazy stack / permutation of such views —
+    that is read one shard's slice at a time (`read(index)`), converted to `dtype` on the way.
+
+    `jaxgdn.checkpoint.read_params(..., lazy=True)` builds parameters of these; `place` turns each into a sharded
+    `jax.Array` through `jax.make_array_from_callback`, so no device (and no host buffer) ever holds a whole
+    tensor that is split."""
+
+    def __init__(self, source, dtype, shape=None):
+        self.source, self.dtype = source, jnp.dtype(dtype)
+        self.shape = tuple(source.shape if shape is None else shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _raw(self, index: tuple) -> np.ndarray:
+        return np.asarray(self.source[index])
+
+    def read(self, index=None) -> np.ndarray:
+        """The slice `index` (a tuple of slices, as `make_array_from_callback` passes) in the target dtype."""
+        index = tuple(index) if index is not None else ()
+        index = index + (slice(None),) * (self.ndim - len(index))
+        x = self._raw(index)
+        if x.dtype != self.dtype:  # via fp32, as the eager loader converts (bf16 -> fp32 is exact)
+            x = (x if x.dtype == np.float32 else x.astype(np.float32)).astype(self.dtype)
+        return np.ascontiguousarray(x)
+
+    def take(self, idx: np.ndarray, axis: int) -> "HostArray":
+        """A lazy x.take(idx, axis)."""
+        return _HostTake(self, np.asarray(idx), axis)
+
+    def __array__(self, dtype=None, copy=None):
+        x = self.read()
+        return x if dtype is None else x.astype(dtype)
+
+
+class _HostTake(HostArray):
+    def __init__(self, base: HostArray, idx: np.ndarray, axis: int):
+        shape = base.shape[:axis] + (len(idx),) + base.shape[axis + 1:]
+        super().__init__(base, base.dtype, shape)
+        self.idx, self.axis = idx, axis
+
+    def _raw(self, index):
+        sel = self.idx[index[self.axis]]
+        # read the selected channels as a few contiguous runs (a split of a grouped layout is 3 runs per group)
+        runs = np.split(sel, np.nonzero(np.diff(sel) != 1)[0] + 1) if len(sel) else []
+        pieces = []
+        for r in runs:
+            sub = list(index)
+            sub[self.axis] = slice(int(r[0]), int(r[-1]) + 1)
+            pieces.append(self.source._raw(tuple(sub)))
+        if not pieces:
+            return np.zeros(tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)), self.source.dtype)
+        return np.concatenate(pieces, axis=self.axis)
+
+
+class HostStack(HostArray):
+    """A lazy np.stack(parts) along a new leading axis (MoE experts, one memory-mapped tensor each)."""
+
+    def __init__(self, parts: Sequence[HostArray], dtype=None):
+        first = parts[0]
+        super().__init__(self, first.dtype if dtype is None else dtype, (len(parts),) + tuple(first.shape))
+        self.parts = list(parts)
+
+    def _raw(self, index):
+        rows = range(len(self.parts))[index[0]]
+        return np.stack([self.parts[e]._raw(index[1:]) for e in rows])
+
+
+def host_array(x: np.ndarray, dtype) -> HostArray:
+    """Wrap a host (memory-mapped) array for lazy, sliced reading in `dtype`."""
+    return HostArray(x, dtype)
+
+
+# ---- placement ---------------------------------------------------------------------------------------------------
+
+def _place(x, sharding: NamedSharding):
+    if x is None:
+        return None
+    if isinstance(x, HostArray):
+        return jax.make_array_from_callback(x.shape, sharding, x.read, dtype=x.dtype)
+    return jax.device_put(x, sharding)
+
+
+def place(tree, specs, mesh: Mesh):
+    """device_put every leaf of `tree` with NamedSharding(mesh, spec) (HostArray leaves read shard by shard)."""
+    return jax.tree.map(lambda spec, x: _place(x, NamedSharding(mesh, spec)), specs, tree,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def shard_model(model: Model, mesh: Mesh) -> Model:
+    """The model with its parameters placed for tensor parallelism on `mesh` (see the module docstring).
+
+    A model split over GDN heads is moved to the grouped q/k/v layout first (`with_layout`). Parameters may be
+    jax arrays (device_put: each device receives its slice) or HostArrays from the lazy loader (each device's
+    slice read from the memory map). Config, dtype, backend, determinism and decode mode are kept."""
+    pl = plan(model.config, mesh)
+    if pl.grouped_qkv:
+        model = with_layout(model, model.config.linear_num_key_heads)
+    params = place(model.params, param_specs(model.config, mesh), mesh)
+    return dataclasses.replace(model, params=params)
+
+
+def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> ModelState:
+    """The state placed on `mesh` by `state_specs` (heads / channels split). The state must already be in the
+    model's q/k/v layout (a state made by the sharded model, or `convert_layout` of an unsharded one)."""
+    config = config.config if isinstance(config, Model) else config
+    return place(state, state_specs(config, mesh, _is_replay(state)), mesh)
+
+
+def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None = None) -> ModelState:
+    """A fresh state, created directly in its sharded placement (no device ever holds it whole).
+
+    mesh: default the mesh the model's parameters are on (an unsharded model gets `model.init_state`)."""
+    mesh = mesh_of(model.params) if mesh is None else mesh
+    replay = model.decode_mode == "replay"
+    if mesh is None:
+        return _init_state(model.config, batch_size, capacity, model.dtype, replay)
+    return _sharded_zeros(model.config, batch_size, capacity, jnp.dtype(model.dtype), replay, mesh)()
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_zeros(config, batch_size, capacity, dtype, replay, mesh):
+    """A compiled function creating the fresh state directly in its placement (cached per shape and mesh)."""
+    specs = state_specs(config, mesh, replay)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+    return jax.jit(functools.partial(_init_state, config, batch_size, capacity, dtype, replay),
+                   out_shardings=shardings)
+
+
+def checkpoint_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False):
+    """Specs of a cache `Checkpoint`'s leaves (no batch axis): (gdn, kv) trees."""
+    pl = plan(config, mesh)
+    gdn = tuple(_gdn_state_specs(pl, replay, lead=()) for _ in config.gdn_layers)
+    kv = tuple(AttentionLayerState(keys=_s(pl.attn_kv, None, TP), values=_s(pl.attn_kv, None, TP))
+               for _ in config.attention_layers)
+    return gdn, kv
+
+
+def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
+    """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk)."""
+    config = config.config if isinstance(config, Model) else config
+    replay = any(s.open_qkv is not None for s in ck.gdn)
+    gdn_s, kv_s = checkpoint_specs(config, mesh, replay)
+    return dataclasses.replace(ck, gdn=place(ck.gdn, gdn_s, mesh), kv=place(ck.kv, kv_s, mesh))
+
+
+def unshard_model(model: Model, device: jax.Device | None = None) -> Model:
+    """The model gathered onto one device, in the Hugging Face q/k/v layout (for export and comparison)."""
+    device = jax.devices()[0] if device is None else device
+    model = with_layout(model, 1) if layout_groups(model.config) != 1 else model
+    return dataclasses.replace(model, params=jax.device_put(model.params, device))
+
+
+def spec_of(x) -> P | None:
+    """The PartitionSpec of a jax.Array on a mesh (None for a single-device array)."""
+    s = getattr(x, "sharding", None)
+    return s.spec if isinstance(s, NamedSharding) else None
+
+
+def normalize_spec(spec: P | None, ndim: int) -> tuple:
+    """A spec as a tuple of ndim entries (trailing Nones filled in), for comparing placements."""
+    t = tuple(spec) if spec is not None else ()
+    return t + (None,) * (ndim - len(t))
+
+
+def check_placement(tree, specs) -> list[str]:
+    """The leaves of `tree` whose sharding differs from `specs` (empty when every leaf is placed as planned)."""
+    bad = []
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if len(flat) != len(flat_specs):
+        return [f"{len(flat)} leaves but {len(flat_specs)} specs"]
+    for (path, x), want in zip(flat, flat_specs):
+        got = spec_of(x)
+        if got is None or normalize_spec(got, x.ndim) != normalize_spec(want, x.ndim):
+            bad.append(f"{jax.tree_util.keystr(path)}: {got} != {want}")
+    return bad
+
+
+__all__ = [
+    "TP", "TPPlan", "HostArray", "HostStack", "make_mesh", "mesh_of", "plan", "param_specs", "state_specs",
+    "checkpoint_specs", "layout_groups", "qkv_permutation", "with_layout", "convert_layout", "host_array", "place",
+    "shard_model", "shard_state", "init_state", "shard_checkpoint", "unshard_model", "spec_of", "check_placement",
+]
+
