@@ -17,6 +17,7 @@ from .presets import tiny_model
 from .score import score
 from .tokenizer import load_tokenizer
 from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
+from . import sharding  # tensor parallelism: jaxgdn.sharding.make_mesh, shard_model, init_state, ...
 
 __all__ = [
     "load_pretrained", "ModelConfig", "qwen3_5_9b", "tiny_qwen3_5", "tiny_qwen3_next", "CapacityError",

@@ -3,6 +3,11 @@
 Supported: Qwen3.5 (`qwen3_5`: `model.language_model.*`, ignoring `model.visual.*` and `mtp.*`), Qwen3.5 text
 (`qwen3_5_text`) and Qwen3-Next (`qwen3_next`: packed `in_proj_qkvz` / `in_proj_ba` unpacked per key-head
 group; per-expert MoE weights). Nothing is downloaded. Tensors are read through a memory map, one at a time.
+
+With `mesh=` (`jaxgdn.sharding.make_mesh`), parameters are placed for tensor parallelism and each device's slice is
+read from the memory map on its own (`jax.make_array_from_callback`): no tensor that is split is ever materialised
+whole, on a device or in host memory (except Qwen3-Next's packed in_proj_qkvz / in_proj_ba, unpacked on the host
+one tensor at a time).
 """
 
 from __future__ import annotations
@@ -83,10 +88,11 @@ def _open_tensors(path: Path) -> dict[str, tuple[_SafetensorsFile, str]]:
 
 
 class _Reader:
-    """Hands out tensors by name with shape checks, and remembers what was used."""
+    """Hands out tensors by name with shape checks, and remembers what was used. `lazy`: tensors stay on the host as
+    `jaxgdn.sharding.HostArray`s (memory-map views, read slice by slice when placed)."""
 
-    def __init__(self, tensors, dtype):
-        self.tensors, self.dtype, self.used = tensors, dtype, set()
+    def __init__(self, tensors, dtype, lazy: bool = False):
+        self.tensors, self.dtype, self.used, self.lazy = tensors, dtype, set(), lazy
 
     def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.tensors:
@@ -99,7 +105,18 @@ class _Reader:
         return x
 
     def cast(self, x: np.ndarray, dtype=None):
+        if self.lazy:
+            from .sharding import host_array
+
+            return host_array(x, dtype or self.dtype)
         return jnp.asarray(np.asarray(x, dtype=np.float32) if x.dtype != np.float32 else x, dtype or self.dtype)
+
+    def stack(self, xs):
+        if self.lazy:
+            from .sharding import HostStack
+
+            return HostStack(xs)
+        return jnp.stack(xs)
 
     def linear(self, name: str, out_dim: int, in_dim: int):
         """A torch Linear weight [out, in] as our [in, out]."""
@@ -149,15 +166,16 @@ def _moe(r: _Reader, c: ModelConfig, pre: str) -> MoEParams:
     D, E, I = c.hidden_size, c.num_experts, c.moe_intermediate_size
     experts = [_mlp(r, f"{pre}experts.{e}.", D, I) for e in range(E)]
     return MoEParams(router=r.linear(pre + "gate", E, D),
-                     gate_proj=jnp.stack([x.gate_proj for x in experts]),
-                     up_proj=jnp.stack([x.up_proj for x in experts]),
-                     down_proj=jnp.stack([x.down_proj for x in experts]),
+                     gate_proj=r.stack([x.gate_proj for x in experts]),
+                     up_proj=r.stack([x.up_proj for x in experts]),
+                     down_proj=r.stack([x.down_proj for x in experts]),
                      shared=_mlp(r, pre + "shared_expert.", D, c.shared_expert_intermediate_size),
                      shared_gate=r.linear(pre + "shared_expert_gate", 1, D))
 
 
-def read_params(path: Path, config: ModelConfig, dtype) -> ModelParams:
-    r = _Reader(_open_tensors(path), dtype)
+def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False) -> ModelParams:
+    """The parameters as jax arrays, or (`lazy`) as host arrays read only when placed (`jaxgdn.sharding.place`)."""
+    r = _Reader(_open_tensors(path), dtype, lazy)
     c, D = config, config.hidden_size
     layers = []
     for i, kind in enumerate(c.layer_types):
@@ -179,12 +197,15 @@ def read_params(path: Path, config: ModelConfig, dtype) -> ModelParams:
     return params
 
 
-def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, deterministic: bool = False) -> Model:
+def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, deterministic: bool = False,
+                    mesh=None) -> Model:
     """Load a Hugging Face directory (config.json + model.safetensors or a sharded index) into a `Model`.
 
     dtype: parameter/activation dtype (float32 or bfloat16); A_log and dt_bias always load as fp32.
     backend: kernel backend (None: Pallas on GPU, pure JAX elsewhere).
     deterministic: batch-invariant numerics (see `Model.deterministic`).
+    mesh: a `jax.sharding.Mesh` with a "tp" axis (`jaxgdn.sharding.make_mesh`): parameters placed for tensor
+    parallelism (`jaxgdn.sharding.shard_model`), each device's slice read from the file on its own.
     """
     path = Path(path)
     if not path.exists():
@@ -192,5 +213,10 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
     config = ModelConfig.from_json_file(path / "config.json")
+    if mesh is not None:
+        from .sharding import shard_model
+
+        return shard_model(Model(params=read_params(path, config, dtype, lazy=True), config=config, dtype=dtype,
+                                 backend=backend, deterministic=deterministic), mesh)
     return Model(params=read_params(path, config, dtype), config=config, dtype=dtype, backend=backend,
                  deterministic=deterministic)

@@ -48,12 +48,18 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Channel order of the GDN q/k/v projection (`in_proj_qkv`, `conv_weight`, the conv state): 1 is Hugging Face's
+    # [q (HK*K) | k (HK*K) | v (HV*V)]; G > 1 is G groups of [q_g | k_g | v_g], each holding HK/G key heads and their
+    # value heads. `jaxgdn.sharding` uses G = HK for a model split over heads, so every shard's q, k and v are local.
+    gdn_qkv_groups: int = 1
 
     def __post_init__(self):
         if any(t not in (LINEAR, FULL) for t in self.layer_types):
             raise ValueError(f"layer_types must be {LINEAR!r} or {FULL!r}; got {self.layer_types}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.gdn_qkv_groups < 1 or self.linear_num_key_heads % self.gdn_qkv_groups:
+            raise ValueError(f"gdn_qkv_groups ({self.gdn_qkv_groups}) must divide linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:

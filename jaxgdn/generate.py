@@ -26,7 +26,7 @@ from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, state_from_checkpoints
 from .errors import InputError
-from .model import Model, decode_step, gdn_states, prefill_chunk
+from .model import Model, decode_step, gdn_states, mesh_context, prefill_chunk
 from .state import AttentionLayerState
 
 
@@ -204,17 +204,19 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     # decode keeps the states prefill-produced.
     snapshots = cache is not None and (not cache.deterministic or model.decode_mode == "replay")
     snap_interval = cache.interval if snapshots else None
-    t0 = time.perf_counter()
-    state, last, prefill_ckpts = _prefill_core(model, state, jnp.asarray(tokens), jnp.asarray(lens),
-                                               stride=cache.interval if cache is not None else None)
-    prefill_provenance = state.provenance
-    jax.block_until_ready(last)  # only to time prefill apart from decode
-    t1 = time.perf_counter()
-    out = _generate_core(
-        model, state, last, jnp.asarray(seeds, jnp.uint32), jnp.asarray(temperatures, jnp.float32),
-        jnp.asarray(top_ps, jnp.float32), jnp.asarray(stops), max_new_tokens=max_new_tokens, top_k=top_k,
-        snap_interval=snap_interval, n_top=return_top_logprobs)
-    out = dict(jax.block_until_ready(out), prefill_provenance=prefill_provenance, prefill_checkpoints=prefill_ckpts)
+    with mesh_context(model):  # a model placed on a mesh (jaxgdn.sharding): its Pallas kernels run per shard
+        t0 = time.perf_counter()
+        state, last, prefill_ckpts = _prefill_core(model, state, jnp.asarray(tokens), jnp.asarray(lens),
+                                                   stride=cache.interval if cache is not None else None)
+        prefill_provenance = state.provenance
+        jax.block_until_ready(last)  # only to time prefill apart from decode
+        t1 = time.perf_counter()
+        out = _generate_core(
+            model, state, last, jnp.asarray(seeds, jnp.uint32), jnp.asarray(temperatures, jnp.float32),
+            jnp.asarray(top_ps, jnp.float32), jnp.asarray(stops), max_new_tokens=max_new_tokens, top_k=top_k,
+            snap_interval=snap_interval, n_top=return_top_logprobs)
+        out = dict(jax.block_until_ready(out), prefill_provenance=prefill_provenance,
+                   prefill_checkpoints=prefill_ckpts)
     timings = GenerationTimings(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
     toks, lps, emitted, stop_hit = (np.asarray(out[k]) for k in ("tokens", "logprobs", "emitted", "stop_hit"))
 

@@ -16,6 +16,7 @@ A token's path: `Model.prefill_chunk` -> `prefill_chunk` -> per layer `layers.gd
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -58,6 +59,11 @@ class Model:
             raise ValueError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
+        """A fresh state; for a model placed on a mesh (`jaxgdn.sharding`), created already split over it."""
+        from . import sharding  # local: the sharding module imports this one
+
+        if sharding.mesh_of(self.params) is not None:
+            return sharding.init_state(self, batch_size, capacity)
         return init_state(self.config, batch_size, capacity, self.dtype, replay=self.decode_mode == "replay")
 
     def with_backend(self, backend: str | None) -> "Model":
@@ -77,12 +83,25 @@ class Model:
         """
         tokens, lengths = _check_prefill(self.config, state, tokens, lengths,
                                          self.deterministic and self.decode_mode == "recurrent")
-        return _prefill_jit(self, state, tokens, lengths)
+        with mesh_context(self):
+            return _prefill_jit(self, state, tokens, lengths)
 
     def decode_step(self, state: ModelState, token):
         """Absorb one token per row with the recurrent update. token: int32 [B]. Returns (state, logits [B, Vocab])."""
         token = _check_decode(self.config, state, token)
-        return _decode_jit(self, state, token)
+        with mesh_context(self):
+            return _decode_jit(self, state, token)
+
+
+def mesh_context(model: Model):
+    """A context setting the mesh the model's parameters are on as JAX's mesh (`jax.set_mesh`), so the Pallas
+    kernels run per shard (`shard_map`); a no-op for an unsharded model or when a mesh is already set."""
+    from .sharding import mesh_of
+
+    mesh = mesh_of(model.params)
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
 
 
 # ---- input checks (on concrete values only; under a trace they are skipped) -----------------------------------

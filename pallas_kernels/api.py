@@ -3,8 +3,29 @@ reference or to the Pallas kernel (compiled, or interpreted on CPU). Shapes: see
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
 from .backend import resolve_backend
 from .gated_delta import reference as _ref
+
+TP_AXIS = "tp"  # the tensor-parallel mesh axis (`jaxgdn.sharding`): heads are split over it
+
+
+def _tp_mesh(num_key_heads: int):
+    """The mesh set with `jax.set_mesh` when it has a "tp" axis of size > 1 dividing the key heads (each shard then
+    holds whole key groups), else None. The Pallas kernels run per shard inside `shard_map` over it: XLA cannot
+    split a Pallas call itself and would gather its inputs onto every device instead."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TP_AXIS not in mesh.axis_names:
+        return None
+    tp = mesh.shape[TP_AXIS]
+    return mesh if tp > 1 and num_key_heads % tp == 0 else None
+
+
+def _per_shard(fn, mesh, args, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, lengths=None,
@@ -21,7 +42,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         return _ref.chunk_gated_delta_rule_reference(q, k, v, g, beta, **kw)
     from .gated_delta.chunk import chunk_gated_delta_rule_pallas
 
-    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret", **kw)
+    mesh = _tp_mesh(q.shape[2])
+    if mesh is None:
+        return chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret", **kw)
+    B, T, HV = v.shape[:3]
+    kw.update(initial_state=None, lengths=None)
+    s0 = jnp.zeros((B, HV, q.shape[3], v.shape[3]), jnp.float32) if initial_state is None else initial_state
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+
+    def shard(q, k, v, g, beta, s0, lengths):
+        return chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret",
+                                             **dict(kw, initial_state=s0, lengths=lengths))
+
+    h = P(None, None, TP_AXIS)  # [B, T, H, ...]
+    out = (h, P(None, TP_AXIS)) + ((h,) if checkpoint_stride is not None else ())
+    return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True, A_log=None,
@@ -39,6 +74,15 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, u
                                                use_qk_l2norm=use_qk_l2norm)
     from .gated_delta.recurrent import recurrent_gated_delta_rule_pallas
 
-    return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, initial_state=initial_state, scale=scale,
-                                             use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
-                                             interpret=backend == "interpret")
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
+    mesh = _tp_mesh(q.shape[1])
+    if mesh is None:
+        return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, initial_state=initial_state, A_log=A_log,
+                                                 dt_bias=dt_bias, **kw)
+    h = P(None, TP_AXIS)  # [B, H, ...]
+    if A_log is None:
+        return _per_shard(lambda q, k, v, g, beta, s: recurrent_gated_delta_rule_pallas(
+            q, k, v, g, beta, initial_state=s, **kw), mesh, (q, k, v, g, beta, initial_state), (h,) * 6, (h, h))
+    return _per_shard(lambda q, k, v, g, beta, s, a, d: recurrent_gated_delta_rule_pallas(
+        q, k, v, g, beta, initial_state=s, A_log=a, dt_bias=d, **kw), mesh,
+        (q, k, v, g, beta, initial_state, A_log, dt_bias), (h,) * 6 + (P(TP_AXIS), P(TP_AXIS)), (h, h))

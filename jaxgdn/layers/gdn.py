@@ -18,12 +18,15 @@ from .norm import gated_rms_norm
 
 
 def _split_qkv(cfg: ModelConfig, mixed: jax.Array):
-    """[..., C] -> q, k [..., HK, K], v [..., HV, V]."""
-    kd = cfg.gdn_key_dim
+    """[..., C] -> q, k [..., HK, K], v [..., HV, V]. C holds G = cfg.gdn_qkv_groups groups of [q_g | k_g | v_g]
+    (G = 1: Hugging Face's [q | k | v]); slicing inside a group keeps a split by whole groups local to each shard."""
+    G = cfg.gdn_qkv_groups
+    kd = cfg.gdn_key_dim // G
     lead = mixed.shape[:-1]
-    q = mixed[..., :kd].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    k = mixed[..., kd:2 * kd].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    v = mixed[..., 2 * kd:].reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    grouped = mixed.reshape(*lead, G, mixed.shape[-1] // G)
+    q = grouped[..., :kd].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    k = grouped[..., kd:2 * kd].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    v = grouped[..., 2 * kd:].reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     return q, k, v
 
 
