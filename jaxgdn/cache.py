@@ -263,7 +263,7 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     deterministic mode every entry prefill-produced; with `recompute=True` every entry bitwise equal to a
     fresh prefill of its prefix.
     """
-    from .model import prefill_chunk  # local: the model module does not depend on the cache
+    from .model import _prefill_jit  # local: the model module does not depend on the cache
 
     spec = jax.eval_shape(lambda: model.init_state(1, 1))
     gdn_spec = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), s)
@@ -284,8 +284,8 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
                               custom_message=f"{where} is not prefill-produced in a deterministic cache")
         if recompute:
             toks = jnp.asarray([ck.tokens], jnp.int32)
-            state, _ = jax.jit(prefill_chunk)(model, model.init_state(1, ck.position), toks,
-                                              jnp.asarray([ck.position], jnp.int32))
+            state, _ = _prefill_jit(model, model.init_state(1, ck.position), toks,
+                                    jnp.asarray([ck.position], jnp.int32))
             fresh = checkpoint_from_state(state, 0, ck.tokens)
             chex.assert_trees_all_equal((ck.gdn, ck.kv), (fresh.gdn, fresh.kv),
                                         custom_message=f"{where} differs from a fresh prefill of its prefix")

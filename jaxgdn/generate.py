@@ -26,7 +26,7 @@ from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, state_from_checkpoints
 from .errors import InputError
-from .model import Model, decode_step, gdn_states, mesh_context, prefill_chunk
+from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState
 
 
@@ -77,14 +77,14 @@ def _sample(logits, keys, temperature, top_k: int | None, top_p):
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("stride",))
+@functools.partial(jit, static_argnames=("stride",))
 def _prefill_core(model: Model, state, tokens, lengths, *, stride: int | None):
     """The prompt prefill: (state, last-token logits [B, Vocab], in-call checkpoints or None)."""
     out = prefill_chunk(model, state, tokens, lengths, checkpoint_stride=stride, last_only=True)
     return out[0], out[1], (out[2] if stride else None)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "snap_interval", "n_top"))
+@functools.partial(jit, static_argnames=("max_new_tokens", "top_k", "snap_interval", "n_top"))
 def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_ids, *, max_new_tokens: int,
                    top_k: int | None, snap_interval: int | None, n_top: int = 0):
     """The whole decode loop, compiled (`lax.scan`), from the prefilled state and its last logits [B, Vocab]."""

@@ -264,8 +264,20 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
     return _advance(state, new_layers, ones, taint), _logits(model, x)
 
 
-_prefill_jit = jax.jit(prefill_chunk, static_argnames=("checkpoint_stride", "last_only"))
-_decode_jit = jax.jit(decode_step)
+# XLA may keep bf16 intermediates in fp32 across fused ops ("excess precision"), so a bf16 result's rounding
+# would depend on how its program was fused, i.e. on the call's shapes: a bf16 replay decode then differs from a
+# teacher-forced prefill (measured on CPU). jaxgdn's own compiled entry points round every bf16 op; jit the pure
+# functions yourself with `compiler_options=COMPILER_OPTIONS` for the same guarantee.
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def jit(fn, **kwargs):
+    """`jax.jit` with jaxgdn's compiler options (see COMPILER_OPTIONS)."""
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+
+
+_prefill_jit = jit(prefill_chunk, static_argnames=("checkpoint_stride", "last_only"))
+_decode_jit = jit(decode_step)
 
 
 def gdn_states(state: ModelState) -> tuple[GDNLayerState, ...]:

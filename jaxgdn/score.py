@@ -33,7 +33,7 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
 from .errors import InputError
-from .model import Model, prefill_chunk
+from .model import Model, jit, prefill_chunk
 
 DEFAULT_WINDOW = 512
 
@@ -46,7 +46,7 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, donate_argnums=1)
+@functools.partial(jit, donate_argnums=1)
 def _score_window(model: Model, state, tokens, lengths, targets):
     """One prefill call; returns (state, logprob of targets[b, t] under the logits at [b, t]) -> [B, T] fp32."""
     state, logits = prefill_chunk(model, state, tokens, lengths)

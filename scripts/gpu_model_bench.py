@@ -103,7 +103,7 @@ def stage_prefill(model, T: int, rate: float, tag: str):
     cfg = model.config
     state = model.init_state(1, T)
     toks = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size, jnp.int32)
-    f = jax.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))  # logits of the last token, as a server
+    f = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))  # last-token logits, as a server
     lengths = jnp.array([T], jnp.int32)
     t = timed(f, model, state, toks, lengths, reps=3)
     flops = prefill_flops(cfg, T)
@@ -119,7 +119,7 @@ def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 
     cap = context + steps + 64
     state = model.init_state(B, cap)
     toks = jax.random.randint(jax.random.key(2), (B, context), 0, cfg.vocab_size, jnp.int32)
-    state, _ = jax.jit(jaxgdn.prefill_chunk, static_argnames="last_only")(
+    state, _ = jaxgdn.model.jit(jaxgdn.prefill_chunk, static_argnames="last_only")(
         model, state, toks, jnp.full((B,), context, jnp.int32), last_only=True)
 
     def loop(model, state, tok):
@@ -130,10 +130,10 @@ def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 
         (s, t), _ = jax.lax.scan(body, (state, tok), None, length=steps)
         return s, t
 
-    f = jax.jit(loop)
+    f = jaxgdn.model.jit(loop)
     tok0 = jnp.zeros((B,), jnp.int32)
     t = timed(f, model, state, tok0, reps=3) / steps
-    step1 = jax.jit(jaxgdn.decode_step)
+    step1 = jaxgdn.model.jit(jaxgdn.decode_step)
     t_call = timed(step1, model, state, tok0, reps=5)
     weights = param_bytes(model.params) - model.params.embed.nbytes + B * cfg.hidden_size * 2
     gdn = sum(x.nbytes for x in jax.tree.leaves(jaxgdn.model.gdn_states(state)))
@@ -154,7 +154,7 @@ def stage_bitwise(model, max_len: int, batches=(1, 2, 8, 64)):
     rng = np.random.default_rng(0)
     target = rng.integers(0, cfg.vocab_size, max_len).astype(np.int32)
     width = max_len
-    f = jax.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))  # compare last-token logits
+    f = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))  # compare last-token logits
 
     def run(rows, lengths):
         toks = np.zeros((len(rows), width), np.int32)
@@ -184,6 +184,25 @@ def stage_bitwise(model, max_len: int, batches=(1, 2, 8, 64)):
     return all(checks.values())
 
 
+def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 140, batch: int = 4):
+    """Replay decode, deterministic: generated logprobs == teacher-forced `jaxgdn.score`, bitwise, and a row alone
+    == the same row in a batch; the generation crosses grid boundaries."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.config.vocab_size, prompt_len - 13 * i).tolist() for i in range(batch)]
+    out = jaxgdn.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.8, seed=list(range(batch)))
+    scores = jaxgdn.score(model, [p + r.tokens for p, r in zip(prompts, out)], start=[len(p) for p in prompts])
+    checks = {f"row {i}: generate == score": bool(np.array_equal(np.array(r.logprobs, np.float32),
+                                                                 np.array(s, np.float32)))
+              for i, (r, s) in enumerate(zip(out, scores))}
+    [alone] = jaxgdn.generate(model, prompts[:1], max_new_tokens=new_tokens, temperature=0.8, seed=0)
+    checks["row 0 alone == in batch"] = alone.tokens == out[0].tokens and bool(
+        np.array_equal(np.array(alone.logprobs), np.array(out[0].logprobs)))
+    RESULTS["replay_bitwise"] = checks
+    for k, v in checks.items():
+        log(f"  [{'PASS' if v else 'FAIL'}] replay {k}")
+    return all(checks.values())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-9b")
@@ -192,7 +211,7 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--bitwise-lengths", default="512,4096")
-    ap.add_argument("--stages", default="ceilings,prefill,decode,det,bitwise")
+    ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     stages = set(args.stages.split(","))
@@ -214,6 +233,7 @@ def main():
                                         args.context, bw, "replay")),
         ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n))
                              for n in args.bitwise_lengths.split(",")]),
+        ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"))),
     ]:
         if name not in stages:
             continue
