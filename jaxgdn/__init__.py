@@ -25,4 +25,5 @@ __all__ = [
     "decode_step", "prefill_chunk", "tiny_model", "Checkpoint", "CheckpointRefused", "PrefixCache", "check_cache",
     "Generations", "score", "Engine", "Request", "Conversation", "SamplingParams", "EngineOutput", "EngineStats",
     "ConversationResult", "load_tokenizer", "AttentionLayerState", "GDNLayerState", "ModelState", "Provenance",
+    "sharding",
 ]

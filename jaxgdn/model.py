@@ -224,7 +224,6 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
         x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
     if checkpoint_stride is None:
         return new_state, _logits(model, x)
-    T = tokens.shape[1]
     if replay:  # counted from the last grid boundary (the replayed open chunk comes first)
         start = state.position - state.position % CHUNK
         span = state.position % CHUNK + lengths

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -57,9 +57,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from gpu_model_bench import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
-from jaxgdn.config import LINEAR, PRESETS  # noqa: E402
+from jaxgdn.config import PRESETS  # noqa: E402
 from jaxgdn.init import random_params  # noqa: E402
 from jaxgdn.model import decode_step, prefill_chunk  # noqa: E402
 from jaxgdn.state import AttentionLayerState, GDNLayerState  # noqa: E402
@@ -75,18 +76,6 @@ def log(*a):
 def save():
     with open(os.path.join(OUT, "sharding_bench.json"), "w") as fh:
         json.dump(RESULTS, fh, indent=1, default=lambda x: x.item() if hasattr(x, "item") else str(x))
-
-
-def timed(fn, *args, reps=5, warm=1):
-    """Median wall time (s) of fn(*args), synchronised, after `warm` untimed calls (compilation)."""
-    for _ in range(warm):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def nbytes(tree) -> int:

@@ -42,7 +42,6 @@ def _worker() -> dict:
     import inspect
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import jaxgdn

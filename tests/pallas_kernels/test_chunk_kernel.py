@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas

@@ -11,7 +11,6 @@ of one element type. The decode kernel's state aliasing is checked on the emitte
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
