@@ -576,6 +576,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.time()
@@ -604,6 +605,8 @@ def main():
     }
     if args.quick:
         chunk_configs = {"default": None}
+    if args.configs:
+        chunk_configs = {n: chunk_configs[n] for n in ["default"] + args.configs.split(",") if n in chunk_configs}
     decode_configs = {
         "bv32_w4": dict(bv=32, num_warps=4), "bv16_w2": dict(bv=16, num_warps=2), "bv32_w2": dict(bv=32, num_warps=2),
         "bv64_w4": dict(bv=64, num_warps=4), "bv64_w8": dict(bv=64, num_warps=8), "bv128_w8": dict(bv=128, num_warps=8),

@@ -148,9 +148,12 @@ def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 
     return t
 
 
-def stage_bitwise(model, max_len: int, batches=(1, 2, 8, 64)):
-    """Deterministic mode: a sequence's logits alone == inside batches (as row 0, middle, last) == split."""
+def stage_bitwise(model, max_len: int, max_tokens: int = 65536):
+    """Deterministic mode: a sequence's logits alone == inside batches (as row 0, middle, last) == split.
+
+    Batch sizes 1, 2, 8, 16, 32, 64, keeping those with batch * max_len <= max_tokens (memory)."""
     cfg = model.config
+    batches = [b for b in (1, 2, 8, 16, 32, 64) if b == 1 or b * max_len <= max_tokens]
     rng = np.random.default_rng(0)
     target = rng.integers(0, cfg.vocab_size, max_len).astype(np.int32)
     width = max_len
@@ -211,6 +214,7 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--bitwise-lengths", default="512,4096")
+    ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -231,7 +235,7 @@ def main():
                                       "deterministic"))),
         ("replay", lambda: stage_decode(model.with_deterministic().with_decode_mode("replay"), args.decode_batch,
                                         args.context, bw, "replay")),
-        ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n))
+        ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
                              for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"))),
     ]:
