@@ -512,16 +512,22 @@ def decode_timing(configs):
 
 @section
 def prefill_breakdown(cfg):
-    """Time the parallel prep kernel alone; the sequential state kernel is the rest."""
-    for shp in [(1, 8192, 16, 32), (8, 4096, 16, 32)]:
+    """Time the kernels cumulatively: prep alone, prep + recurrence, all (split design; fused: prep + rest)."""
+    split = dict(cfg or {}).get("design", "split") == "split"
+    for shp in [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32)]:
         q, k, v, g, beta = make_prefill(*shp)
-        f_all = jax.jit(functools.partial(chunk_gated_delta_rule_pallas, config=cfg))
-        f_prep = jax.jit(functools.partial(chunk_gated_delta_rule_pallas, config=dict(cfg or {}, only_prep=True)))
-        t_all = bench_jax(f_all, q, k, v, g, beta, n=10)
-        t_prep = bench_jax(f_prep, q, k, v, g, beta, n=10)
-        RESULTS.setdefault("breakdown", []).append(dict(shape=shp, total_ms=t_all * 1e3, prep_ms=t_prep * 1e3,
-                                                        state_ms=(t_all - t_prep) * 1e3))
-        log(f"{str(shp):>22s} total {t_all * 1e3:.3f} ms = prep {t_prep * 1e3:.3f} + state {(t_all - t_prep) * 1e3:.3f}")
+        row = dict(shape=shp)
+        stops = ["prep", "state", None] if split else ["prep", None]
+        prev = 0.0
+        for stop in stops:
+            c = dict(cfg or {}, stop_after=stop) if stop else cfg
+            f = jax.jit(functools.partial(chunk_gated_delta_rule_pallas, config=c))
+            t = bench_jax(f, q, k, v, g, beta, n=10)
+            row[f"{stop or 'out'}_ms"] = (t - prev) * 1e3
+            prev = t
+        row["total_ms"] = prev * 1e3
+        RESULTS.setdefault("breakdown", []).append(row)
+        log(f"{str(shp):>22s} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")))
         del q, k, v, g, beta
 
 
@@ -592,16 +598,21 @@ def main():
         log(f"torch/triton/fla import: {e}")
     log(json.dumps(RESULTS["meta"]))
 
-    chunk_configs = {
+    chunk_configs = {  # "default" is DEFAULT_CONFIG (split design: prep, state-only recurrence, output)
         "default": None,
+        "fused": dict(design="fused"),
+        "fused_bv32_s2": dict(design="fused", bv=32, stages_state=2),
         "bv32": dict(bv=32),
-        "state_x3": dict(p_ws="tf32x3", p_kv="tf32x3"),
-        "bv64_s2": dict(stages_state=2),
-        "w8": dict(warps_state=8),
         "bv16": dict(bv=16),
+        "s2": dict(stages_state=2),
+        "bv32_s2": dict(bv=32, stages_state=2),
+        "bv16_s2": dict(bv=16, stages_state=2),
+        "bv32_w8": dict(bv=32, warps_state=8),
+        "out_w8": dict(warps_out=8),
+        "out_bv64": dict(bv_out=64),
         "prep_w4": dict(warps_prep=4),
         "doubling": dict(inv="doubling"),
-        "doubling_s2": dict(inv="doubling", stages_state=2),
+        "state_x3": dict(p_ws="tf32x3", p_kv="tf32x3"),
     }
     if args.quick:
         chunk_configs = {"default": None}
@@ -611,6 +622,7 @@ def main():
         "bv32_w4": dict(bv=32, num_warps=4), "bv16_w2": dict(bv=16, num_warps=2), "bv32_w2": dict(bv=32, num_warps=2),
         "bv64_w4": dict(bv=64, num_warps=4), "bv64_w8": dict(bv=64, num_warps=8), "bv128_w8": dict(bv=128, num_warps=8),
         "bv32_w8": dict(bv=32, num_warps=8), "bv64_w2": dict(bv=64, num_warps=2),
+        "bv128_w4": dict(bv=128, num_warps=4), "bv64_w1": dict(bv=64, num_warps=1), "bv32_w1": dict(bv=32, num_warps=1),
     }
     acc = None
     if "accuracy" not in skip:

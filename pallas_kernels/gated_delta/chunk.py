@@ -50,8 +50,10 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #   p_ws, p_qs, p_av, p_kv: state-kernel dots (w S, q S, A v_new, k^T v_new).
 # Measured on the H200 (BENCHMARKS.md): bv=64 was the fastest over (1, 8192, 16, 32) + (8, 4096, 16, 32); the
 # all-TF32 state kernel keeps states within 4e-4 of the float64 oracle (tf32x3 on p_ws/p_kv: 3e-5, ~10% slower).
-# Benchmark-only key: only_prep=True returns the prep kernel's outputs (w, u, qg, kd, aqk, gc) and stops.
+# Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
+# stop_after="state" (split design) returns after the recurrence kernel.
 DEFAULT_CONFIG = dict(
+    design="split", bv_out=128, warps_out=4, stages_out=1,
     bv=64, inv="block16", warps_prep=8, stages_prep=1, warps_state=4, stages_state=1,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
@@ -161,55 +163,84 @@ def _unit_lower_inverse_fwd64(a):
     return lax.fori_loop(1, CHUNK, body, jnp.where(row == col, 1.0, 0.0).astype(jnp.float32))
 
 
-def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
-                 scale, use_l2, cfg, interpret):
-    c = pl.program_id(0)
-    length = len_ref[0]
+def _valid_rows(length):
+    """[C] bool: which rows of this program's chunk (grid axis 0) are real tokens."""
     iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    valid = (c * CHUNK + iota) < length
-    q = q_ref[...].astype(jnp.float32)  # [C, K]
-    k = k_ref[...].astype(jnp.float32)
+    return (pl.program_id(0) * CHUNK + iota) < length
+
+
+def _load_key(ref, valid, use_l2):
+    """q or k chunk [C, K] in fp32: L2-normalised (optional), padded rows exact zeros (`where`: NaN cannot leak)."""
+    x = ref[...].astype(jnp.float32)
     if use_l2:
-        q = _l2norm(q)
-        k = _l2norm(k)
-    q = jnp.where(valid[:, None], q * scale, 0.0)
-    k = jnp.where(valid[:, None], k, 0.0)
-    v = jnp.where(valid[:, None], v_ref[...].astype(jnp.float32), 0.0)  # [C, V]
-    g = jnp.where(valid, g_ref[...].astype(jnp.float32), 0.0)
-    beta = jnp.where(valid, beta_ref[...].astype(jnp.float32), 0.0)
-    gc = jnp.cumsum(g)  # [C]; padded tokens add exact zeros
-    gc_ref[...] = gc
-    g_last = jnp.sum(jnp.where(iota == CHUNK - 1, gc, 0.0))
+        x = _l2norm(x)
+    return jnp.where(valid[:, None], x, 0.0)
+
+
+def _masked(ref, valid):
+    x = ref[...].astype(jnp.float32)
+    return jnp.where(valid[:, None] if x.ndim == 2 else valid, x, 0.0)
+
+
+def _last(x):
+    """x[C - 1] of a [C] vector, as a reduction Triton can lower (exact: one non-zero term)."""
+    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    return jnp.sum(jnp.where(iota == CHUNK - 1, x, 0.0))
+
+
+def _causal_decay(gc, strict):
+    """exp(gc_i - gc_j) on the (strictly) lower triangle, exact zeros above (`where` before `exp`: no overflow)."""
     row = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     col = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    lower = row >= col
-    decay = jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))  # where before exp: no overflow
-    # intra-chunk attention (lower incl. diagonal), scale folded into q
-    qk = _dot(q, k, cfg["p_qk"], interpret, trans_b=True)
-    aqk_ref[...] = jnp.where(lower, qk * decay, 0.0)
-    qg_ref[...] = q * jnp.exp(gc)[:, None]
-    kd_ref[...] = k * jnp.exp(g_last - gc)[:, None]
-    # WY/UT: X = (I + A)^-1, A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) for j < i
+    lower = row > col if strict else row >= col
+    return lower, jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))
+
+
+def _wy(k, v, beta, gc, cfg, interpret):
+    """WY/UT form of one chunk: X = (I + A)^-1 with A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i);
+    returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K]."""
+    lower, decay = _causal_decay(gc, strict=True)
     kb = k * beta[:, None]
     kk = _dot(kb, k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
-    a = jnp.where(row > col, kk * decay, 0.0)
+    a = jnp.where(lower, kk * decay, 0.0)
     if cfg["inv"] == "fwd64":
         x = _unit_lower_inverse_fwd64(a)
     elif cfg["inv"] == "doubling":
         x = _unit_lower_inverse_doubling(a, cfg["p_inv"], interpret)
     else:
         x = _unit_lower_inverse(a, cfg["p_inv"], interpret)
-    u_ref[...] = _dot(x, v * beta[:, None], cfg["p_wu"], interpret)
-    w_ref[...] = _dot(x, kb * jnp.exp(gc)[:, None], cfg["p_wu"], interpret)
+    u = _dot(x, v * beta[:, None], cfg["p_wu"], interpret)
+    w = _dot(x, kb * jnp.exp(gc)[:, None], cfg["p_wu"], interpret)
+    kd = k * jnp.exp(_last(gc) - gc)[:, None]
+    return w, u, kd
+
+
+def _intra(q, k, gc, cfg, interpret):
+    """Masked intra-chunk attention Aqk[i, j] = q_i . k_j exp(gc_i - gc_j) (j <= i) [C, C] and qg = q exp(gc)."""
+    lower, decay = _causal_decay(gc, strict=False)
+    qk = _dot(q, k, cfg["p_qk"], interpret, trans_b=True)
+    return jnp.where(lower, qk * decay, 0.0), q * jnp.exp(gc)[:, None]
+
+
+def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
+                 scale, use_l2, cfg, interpret):
+    """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (written in fp32)."""
+    valid = _valid_rows(len_ref[0])
+    q = _load_key(q_ref, valid, use_l2) * scale  # scale folded into q (padded rows stay exact zeros)
+    k = _load_key(k_ref, valid, use_l2)
+    gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
+    gc_ref[...] = gc
+    aqk_ref[...], qg_ref[...] = _intra(q, k, gc, cfg, interpret)
+    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
                   interpret):
-    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    """Fused design, sequential part: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new."""
 
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        g_last = jnp.sum(jnp.where(iota == CHUNK - 1, gc_ref[sl], 0.0))
+        g_last = _last(gc_ref[sl])
         v_new = u_ref[sl, :] - _dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
         o = _dot(qg_ref[sl, :], s, cfg["p_qs"], interpret) + _dot(aqk_ref[sl, :], v_new, cfg["p_av"], interpret)
         o_ref[sl, :] = o.astype(o_ref.dtype)
@@ -225,6 +256,40 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 
     s = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
     st_ref[...] = s
+
+
+def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
+                       interpret):
+    """Split design, parallel part 1: w, u, kd, gc of one chunk (fp32). Needs no q."""
+    valid = _valid_rows(len_ref[0])
+    k = _load_key(k_ref, valid, use_l2)
+    gc = jnp.cumsum(_masked(g_ref, valid))
+    gc_ref[...] = gc
+    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
+
+
+def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, *, nt, cfg, interpret):
+    """Split design, sequential part: only the state recurrence (two dots per chunk). Writes the fp32 state at the
+    start of every chunk (h) and v_new = u - w S; the output needs nothing else from the recurrence."""
+
+    def body(c, s):
+        sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+        h_ref[c] = s
+        v_new = u_ref[sl, :] - _dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
+        vn_ref[sl, :] = v_new
+        return s * jnp.exp(_last(gc_ref[sl])) + _dot(kd_ref[sl, :], v_new, cfg["p_kv"], interpret, trans_a=True)
+
+    st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
+
+
+def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
+    """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
+    valid = _valid_rows(len_ref[0])
+    q = _load_key(q_ref, valid, use_l2) * scale
+    k = _load_key(k_ref, valid, use_l2)
+    aqk, qg = _intra(q, k, gc_ref[...], cfg, interpret)
+    o = _dot(qg, h_ref[...], cfg["p_qs"], interpret) + _dot(aqk, vn_ref[...], cfg["p_av"], interpret)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 def _check_pow2(name, x, lo=16):
@@ -249,6 +314,11 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
     bv = min(cfg["bv"], V)
     nv = V // bv
     f32 = jnp.float32
+    if cfg["design"] == "split":
+        return _split_calls(q, k, v, g, beta, initial_state, lengths, T=T, scale=scale, use_l2=use_qk_l2norm,
+                            checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
+    if cfg["design"] != "fused":
+        raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
 
     prep = pl.pallas_call(
         functools.partial(_prep_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
@@ -282,7 +352,7 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
         name="gdn_chunk_prep",
     )
     w, u, qg, kd, aqk, gc = prep(lengths, q, k, v, g, beta)
-    if cfg.get("only_prep"):  # benchmarking hook: time the parallel kernel alone
+    if cfg.get("only_prep") or cfg.get("stop_after") == "prep":  # benchmarking hook: the parallel kernel alone
         return w, u, qg, kd, aqk, gc
 
     per = 0 if checkpoint_stride is None else checkpoint_stride // CHUNK
@@ -319,6 +389,97 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
         return o, outs[1]
     ck = outs[2] if nck else jnp.zeros((B, 0, HV, K, V), f32)
     return o, outs[1], ck
+
+
+def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
+    """The split design's three pallas_calls (inputs already padded to the grid): prep -> state -> out."""
+    B, tp, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // HK
+    nt = tp // CHUNK
+    bv = min(cfg["bv"], V)
+    bvo = min(cfg["bv_out"], V)
+    f32 = jnp.float32
+    len_spec = pl.BlockSpec((1,), lambda c, h, b: (b,))
+    key_spec = pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0))
+    tok_spec = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
+    w, u, kd, gc = pl.pallas_call(
+        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        grid=(nt, HV, B),
+        in_specs=[len_spec, key_spec, pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)),
+                  tok_spec, tok_spec],
+        out_specs=[
+            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, V), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # w
+            jax.ShapeDtypeStruct((B, HV, tp, V), f32),  # u
+            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # kd = k exp(gc_last - gc)
+            jax.ShapeDtypeStruct((B, HV, tp), f32),  # gc
+        ],
+        compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
+        interpret=interpret,
+        name="gdn_chunk_prep",
+    )(lengths, k, v, g, beta)
+    if cfg.get("only_prep") or cfg.get("stop_after") == "prep":
+        return w, u, kd, gc
+
+    h, vn, final = pl.pallas_call(
+        functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
+        grid=(V // bv, HV, B),
+        in_specs=[
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, nt, K, bv), lambda j, h, b: (b, h, 0, 0, j)),
+            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, HV, nt, K, V), f32),  # state at the start of every chunk
+            jax.ShapeDtypeStruct((B, HV, tp, V), f32),  # v_new
+            jax.ShapeDtypeStruct((B, HV, K, V), f32),  # final state
+        ],
+        compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
+        interpret=interpret,
+        name="gdn_chunk_state",
+    )(w, u, kd, gc, initial_state)
+    if cfg.get("stop_after") == "state":
+        return h, vn, final
+
+    o = pl.pallas_call(
+        functools.partial(_out_kernel, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        grid=(nt, HV, B, V // bvo),
+        in_specs=[
+            pl.BlockSpec((1,), lambda c, h, b, j: (b,)),
+            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
+            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
+            pl.BlockSpec((None, None, CHUNK), lambda c, h, b, j: (b, h, c)),
+            pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j)),
+            pl.BlockSpec((None, None, CHUNK, bvo), lambda c, h, b, j: (b, h, c, j)),
+        ],
+        out_specs=pl.BlockSpec((None, CHUNK, None, bvo), lambda c, h, b, j: (b, c, h, j)),
+        out_shape=jax.ShapeDtypeStruct((B, tp, HV, V), v.dtype),
+        compiler_params=_triton_params(cfg["warps_out"], cfg["stages_out"]),
+        interpret=interpret,
+        name="gdn_chunk_out",
+    )(lengths, q, k, gc, h, vn)
+    o = o[:, :T] if tp != T else o
+    if checkpoint_stride is None:
+        return o, final
+    # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
+    per = checkpoint_stride // CHUNK
+    idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
+    parts = [h[:, :, i] for i in idx if i < nt] + [final for i in idx if i >= nt]
+    ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
+    return o, final, ck
 
 
 def _triton_params(num_warps, num_stages):

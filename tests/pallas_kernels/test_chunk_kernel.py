@@ -22,15 +22,16 @@ from tests.gdn_oracle import gated_delta_rule_oracle, random_gdn_inputs, rel_err
 K = V = 32
 
 
-def run(d, *, lengths=None, initial_state="from_inputs", checkpoint_stride=None, sl=slice(None)):
-    """Call the kernel (interpret mode) on tokens `sl` of the inputs dict `d`."""
+def run(d, *, lengths=None, initial_state="from_inputs", checkpoint_stride=None, sl=slice(None), design=None):
+    """Call the kernel (interpret mode) on tokens `sl` of the inputs dict `d`; `design` "split" or "fused"
+    (None: the default configuration)."""
     s0 = d["initial_state"] if isinstance(initial_state, str) else initial_state
     out = chunk_gated_delta_rule_pallas(
         jnp.asarray(d["q"][:, sl]), jnp.asarray(d["k"][:, sl]), jnp.asarray(d["v"][:, sl]),
         jnp.asarray(d["g"][:, sl]), jnp.asarray(d["beta"][:, sl]),
         initial_state=None if s0 is None else jnp.asarray(s0),
         lengths=None if lengths is None else jnp.asarray(lengths, jnp.int32),
-        checkpoint_stride=checkpoint_stride, interpret=True)
+        checkpoint_stride=checkpoint_stride, interpret=True, config=None if design is None else {"design": design})
     return tuple(np.asarray(x) for x in out)
 
 
@@ -39,19 +40,21 @@ def valid_rows(o, lengths):
 
 
 @pytest.mark.parametrize(
-    "B,T,HK,HV,g_kind,beta_kind,lengths",
+    "B,T,HK,HV,g_kind,beta_kind,lengths,design",
     [
-        (1, 1, 1, 2, "realistic", "realistic", None),
-        (2, 63, 1, 4, "near_zero", "mixed", None),
-        (2, 65, 2, 4, "very_negative", "realistic", [65, 30]),
-        (3, 130, 1, 2, "realistic", "one", [130, 64, 1]),
-        (1, 130, 1, 4, "realistic", "zero", None),
+        (1, 1, 1, 2, "realistic", "realistic", None, "split"),
+        (2, 63, 1, 4, "near_zero", "mixed", None, "split"),
+        (2, 65, 2, 4, "very_negative", "realistic", [65, 30], "split"),
+        (3, 130, 1, 2, "realistic", "one", [130, 64, 1], "split"),
+        (1, 130, 1, 4, "realistic", "zero", None, "split"),
+        (2, 65, 2, 4, "very_negative", "realistic", [65, 30], "fused"),
+        (3, 130, 1, 2, "realistic", "mixed", [130, 64, 1], "fused"),
     ],
 )
-def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths):
+def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths, design):
     rng = np.random.default_rng(1000 + T + 7 * HV)
     d = random_gdn_inputs(rng, B, T, HK, HV, K, V, np.float32, g_kind=g_kind, beta_kind=beta_kind)
-    o, s = run(d, lengths=lengths)
+    o, s = run(d, lengths=lengths, design=design)
     assert np.isfinite(o).all() and np.isfinite(s).all()
     ro, rs = gated_delta_rule_oracle(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
                                      lengths=lengths)
@@ -80,6 +83,12 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
+@pytest.fixture(params=["split", "fused"])
+def design(request):
+    """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def seq():
     """Three rows of 192 tokens, HK=1, HV=2, non-zero initial state; row lengths 192, 100, 37."""
@@ -88,24 +97,24 @@ def seq():
     return d
 
 
-def test_split_on_grid_is_bitwise(seq):
-    o, s = run(seq)
+def test_split_on_grid_is_bitwise(design, seq):
+    o, s = run(seq, design=design)
     for cut in (64, 128):
-        o1, s1 = run(seq, sl=slice(0, cut))
-        o2, s2 = run(seq, sl=slice(cut, None), initial_state=s1)
+        o1, s1 = run(seq, design=design, sl=slice(0, cut))
+        o2, s2 = run(seq, design=design, sl=slice(cut, None), initial_state=s1)
         assert np.array_equal(o1, o[:, :cut])
         assert np.array_equal(o2, o[:, cut:])
         assert np.array_equal(s2, s)
 
 
-def test_same_call_twice_is_bitwise(seq):
-    a = run(seq, lengths=[192, 100, 37])
-    b = run(seq, lengths=[192, 100, 37])
+def test_same_call_twice_is_bitwise(design, seq):
+    a = run(seq, design=design, lengths=[192, 100, 37])
+    b = run(seq, design=design, lengths=[192, 100, 37])
     for x, y in zip(a, b):
         assert np.array_equal(x, y)
 
 
-def test_row_alone_equals_row_in_batch(seq):
+def test_row_alone_equals_row_in_batch(design, seq):
     lengths = [192, 100, 37]
     d = {n: np.array(x) for n, x in seq.items()}
     # Garbage (large values) in the padding must not matter.
@@ -114,55 +123,55 @@ def test_row_alone_equals_row_in_batch(seq):
             d[name][b, n:] = 1e3
         d["g"][b, n:] = -1e3
         d["beta"][b, n:] = 0.5
-    o, s = run(d, lengths=lengths)
+    o, s = run(d, design=design, lengths=lengths)
     for b, n in enumerate(lengths):
         alone = {name: x[b: b + 1] for name, x in d.items()}
-        oa, sa = run(alone, sl=slice(0, n))
+        oa, sa = run(alone, design=design, sl=slice(0, n))
         assert np.array_equal(oa[0], o[b, :n]), b
         assert np.array_equal(sa[0], s[b]), b
         assert np.isfinite(o[b]).all()
 
 
-def test_nan_padding_does_not_leak(seq):
+def test_nan_padding_does_not_leak(design, seq):
     lengths = [192, 100, 37]
     d = {n: np.array(x) for n, x in seq.items()}
     for b, n in enumerate(lengths):
         for name in ("q", "k", "v", "g", "beta"):
             d[name][b, n:] = np.nan
-    o, s = run(d, lengths=lengths)
-    o_ref, s_ref = run(seq, lengths=lengths)
+    o, s = run(d, design=design, lengths=lengths)
+    o_ref, s_ref = run(seq, design=design, lengths=lengths)
     assert np.array_equal(s, s_ref)
     for b, n in enumerate(lengths):
         assert np.array_equal(o[b, :n], o_ref[b, :n])
 
 
-def test_checkpoints_equal_separate_calls(seq):
+def test_checkpoints_equal_separate_calls(design, seq):
     lengths = [192, 100, 37]
-    o, s, ck = run(seq, lengths=lengths, checkpoint_stride=64)
+    o, s, ck = run(seq, design=design, lengths=lengths, checkpoint_stride=64)
     assert ck.shape == (3, 3, 2, K, V) and ck.dtype == np.float32
     assert np.array_equal(ck[:, -1], s)
     for i in range(3):
         end = 64 * (i + 1)
-        _, si = run(seq, sl=slice(0, end), lengths=[min(n, end) for n in lengths])
+        _, si = run(seq, design=design, sl=slice(0, end), lengths=[min(n, end) for n in lengths])
         assert np.array_equal(ck[:, i], si), i
     # A row past its length: checkpoint == its final state.
     assert np.array_equal(ck[2, 1], s[2]) and np.array_equal(ck[1, 2], s[1])
     # stride 128 on 192 tokens: one checkpoint; T not a multiple of 64.
-    _, _, ck2 = run(seq, checkpoint_stride=128, sl=slice(0, 150))
-    _, s128 = run(seq, sl=slice(0, 128))
+    _, _, ck2 = run(seq, design=design, checkpoint_stride=128, sl=slice(0, 150))
+    _, s128 = run(seq, design=design, sl=slice(0, 128))
     assert ck2.shape[1] == 1 and np.array_equal(ck2[:, 0], s128)
 
 
 @pytest.mark.parametrize("start", [0, 64])
-def test_partial_chunk_rows_equal_full_chunk_rows(seq, start):
+def test_partial_chunk_rows_equal_full_chunk_rows(design, seq, start):
     """A call of j < 64 tokens starting on the grid gives the same output rows as the full-chunk call."""
     if start:
-        _, s_start = run(seq, sl=slice(0, start))
+        _, s_start = run(seq, design=design, sl=slice(0, start))
     else:
         s_start = seq["initial_state"]
-    o_full, _ = run(seq, sl=slice(start, start + 64), initial_state=s_start)
+    o_full, _ = run(seq, design=design, sl=slice(start, start + 64), initial_state=s_start)
     for j in (1, 2, 7, 33, 63):
-        o_j, _ = run(seq, sl=slice(start, start + j), initial_state=s_start)
+        o_j, _ = run(seq, design=design, sl=slice(start, start + j), initial_state=s_start)
         assert np.array_equal(o_j, o_full[:, :j]), j
 
 
