@@ -152,3 +152,25 @@ def test_conv1d_update_lowers_for_h200_in_place(B, C, dtype):
                                       SDS((B, C), dtype), SDS((B, 3, C), dtype), SDS((4, C), jnp.float32))
     assert len(modules) == 1
     assert "output_operand_aliases" in lowered.as_text()
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 12288), (8192, 12288, 4096), (5, 96, 80)])
+def test_invariant_matmul_lowers_for_h200(M, K, N):
+    from pallas_kernels.matmul import matmul_invariant_pallas
+
+    _, modules = lower_for_h200(lambda x, w: matmul_invariant_pallas(x, w), SDS((M, K), jnp.bfloat16),
+                                SDS((K, N), jnp.bfloat16))
+    n, bad = dot_problems(modules)
+    assert len(modules) == 1 and n == 1 and not bad, bad
+
+
+@pytest.mark.parametrize("B,T,H,HKV,Dh,N,rows", [(64, 1, 16, 4, 256, 1088, 16), (1, 8192, 16, 4, 256, 8192, 64),
+                                                 (2, 7, 4, 2, 32, 100, 64)])
+def test_invariant_attention_lowers_for_h200(B, T, H, HKV, Dh, N, rows):
+    from pallas_kernels.attention import attention_invariant_pallas
+
+    f = lambda q, k, v, p: attention_invariant_pallas(q, k, v, p, rows=rows)
+    _, modules = lower_for_h200(f, SDS((B, T, H, Dh), jnp.bfloat16), SDS((B, N, HKV, Dh), jnp.bfloat16),
+                                SDS((B, N, HKV, Dh), jnp.bfloat16), SDS((B, T), jnp.int32))
+    n, bad = dot_problems(modules)
+    assert len(modules) == 1 and n == 2 and not bad, bad

@@ -1,0 +1,81 @@
+"""Batch-invariant matmul for deterministic mode: a Pallas-Triton kernel with one fixed tiling per weight.
+
+XLA's GEMMs choose their algorithm (tile sizes, split-K) by the problem's M, so a row of `x @ w` changes in the low
+bits with the number of rows that share the call. This kernel computes every output tile [BM, BN] the same way
+whatever M is: the K axis is reduced in BK-wide steps in a fixed order with an fp32 accumulator, and the tiling
+(BM, BN, BK, warps, stages) depends only on the weight's shape, never on M. A row's result therefore depends on that
+row and the weight alone: the same compiled program code runs it, only the grid's length changes.
+
+Grid (ceil(M / BM), N // BN). Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded
+rows and columns are cut off).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# BM is fixed (never chosen by M); BN is the largest of BN_CHOICES dividing N (a property of the weight).
+DEFAULT_CONFIG = dict(bm=64, bn=256, bk=64, num_warps=4, num_stages=3)
+BN_CHOICES = (256, 128, 64, 32, 16)
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk):
+    bm, bn = o_ref.shape
+
+    def body(i, acc):
+        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        return acc + jnp.dot(x_ref[:, ks], w_ref[ks, :], preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int]:
+    bk = cfg["bk"]
+    bn = next((b for b in BN_CHOICES if b <= cfg["bn"] and N % b == 0), min(cfg["bn"], 16))
+    return cfg["bm"], bn, bk
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def _matmul_impl(x, w, *, interpret, config):
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update(dict(config or ()))
+    M, K = x.shape
+    N = w.shape[1]
+    bm, bn, bk = _tiling(K, N, cfg)
+    mp, kp, np_ = -(-M // bm) * bm, -(-K // bk) * bk, -(-N // bn) * bn
+    if (mp, kp) != (M, K):
+        x = jnp.pad(x, ((0, mp - M), (0, kp - K)))
+    if (kp, np_) != (K, N):
+        w = jnp.pad(w, ((0, kp - K), (0, np_ - N)))
+    from jax.experimental.pallas import triton as pltriton
+
+    out = pl.pallas_call(
+        functools.partial(_matmul_kernel, bk=bk, nk=kp // bk),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kp, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name="invariant_matmul",
+    )(x, w)
+    return out[:M, :N] if (mp, np_) != (M, N) else out
+
+
+def matmul_invariant_pallas(x: jax.Array, w: jax.Array, *, interpret: bool = False, config=None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x.dtype (fp32 accumulation), every row computed independently of the
+    others (see the module docstring). x and w must share a dtype."""
+    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"expected x [..., K] and w [K, N]; got {x.shape} and {w.shape}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x and w must share a dtype; got {x.dtype} and {w.dtype}")
+    lead = x.shape[:-1]
+    config = None if config is None else tuple(sorted(dict(config).items()))
+    y = _matmul_impl(x.reshape(-1, x.shape[-1]), w, interpret=bool(interpret), config=config)
+    return y.reshape(lead + (w.shape[1],))

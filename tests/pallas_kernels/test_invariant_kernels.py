@@ -1,0 +1,105 @@
+"""Deterministic-mode kernels (interpret mode on CPU): the fixed-tile matmul and the causal attention over a KV cache.
+
+Accuracy against float64 NumPy (tolerances stated per test); batch invariance bitwise: a row's result alone equals
+the same row inside larger calls of other sizes and contents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from pallas_kernels.attention import attention_invariant_pallas
+from pallas_kernels.matmul import matmul_invariant_pallas
+
+
+def _np(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("K,N,dtype", [(96, 80, jnp.bfloat16), (64, 256, jnp.float32), (200, 48, jnp.bfloat16)])
+def test_matmul_matches_float64_and_is_row_invariant(K, N, dtype):
+    rng = np.random.default_rng(K + N)
+    w = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), dtype)
+    x = jnp.asarray(rng.standard_normal((150, K)), dtype)
+    y = matmul_invariant_pallas(x, w, interpret=True)
+    assert y.shape == (150, N) and y.dtype == dtype
+    ref = _np(x) @ _np(w)
+    # bf16 output rounding: 2^-8 relative; fp32 (exact fp32 dots in interpret mode): 1e-5
+    tol = 8e-3 if dtype == jnp.bfloat16 else 1e-5
+    assert np.abs(_np(y) - ref).max() <= tol * np.abs(ref).max()
+    for m, rows in [(1, [7]), (3, [0, 1, 149]), (65, list(range(40, 105)))]:
+        part = matmul_invariant_pallas(x[np.array(rows)], w, interpret=True)
+        assert part.shape == (m, N)
+        assert np.array_equal(np.asarray(part), np.asarray(y)[rows]), m
+    # leading dims are flattened: [B, T, K]
+    y3 = matmul_invariant_pallas(x[:120].reshape(4, 30, K), w, interpret=True)
+    assert np.array_equal(np.asarray(y3).reshape(120, N), np.asarray(y)[:120])
+
+
+def test_matmul_rejects_bad_input():
+    with pytest.raises(ValueError, match="share a dtype"):
+        matmul_invariant_pallas(jnp.ones((2, 8), jnp.float32), jnp.ones((8, 4), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match=r"\[K, N\]"):
+        matmul_invariant_pallas(jnp.ones((2, 8)), jnp.ones((9, 4)), interpret=True)
+
+
+def attention_f64(q, keys, values, pos):
+    """float64 causal attention over the cache: [B, T, H, Dh]."""
+    q, keys, values = _np(q), _np(keys), _np(values)
+    B, T, H, Dh = q.shape
+    R = H // keys.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for t in range(T):
+            n = int(pos[b, t]) + 1
+            for h in range(H):
+                s = keys[b, :n, h // R] @ q[b, t, h] * Dh**-0.5
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ values[b, :n, h // R]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache():
+    rng = np.random.default_rng(5)
+    B, T, H, HKV, Dh, N = 3, 45, 4, 2, 32, 130
+    q = rng.standard_normal((B, T, H, Dh))
+    k = rng.standard_normal((B, N, HKV, Dh))
+    v = rng.standard_normal((B, N, HKV, Dh))
+    pos = np.stack([np.arange(T) + s for s in (0, 70, 85)]).astype(np.int32)  # last row reaches slot 129
+    return q, k, v, pos
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [16, 64])
+def test_attention_matches_float64(cache, dtype, tol, rows):
+    """Tolerance (max abs error; outputs are O(1)): fp32 1e-5; bf16 2e-2 (bf16 inputs, probabilities and output)."""
+    q, k, v = (jnp.asarray(x, dtype) for x in cache[:3])
+    pos = jnp.asarray(cache[3])
+    o = attention_invariant_pallas(q, k, v, pos, rows=rows, interpret=True)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert np.abs(_np(o) - attention_f64(q, k, v, cache[3])).max() <= tol
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+def test_attention_is_batch_and_split_invariant(cache, rows):
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in cache[:3])
+    pos = jnp.asarray(cache[3])
+    o = np.asarray(attention_invariant_pallas(q, k, v, pos, rows=rows, interpret=True))
+    # one query alone (decode-shaped), and a slice of one row, equal the same queries inside the full call
+    for b, t in [(0, 0), (1, 44), (2, 17)]:
+        one = attention_invariant_pallas(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], pos[b:b + 1, t:t + 1],
+                                         rows=rows, interpret=True)
+        assert np.array_equal(np.asarray(one)[0, 0], o[b, t]), (b, t)
+    part = attention_invariant_pallas(q[1:, 10:33], k[1:], v[1:], pos[1:, 10:33], rows=rows, interpret=True)
+    assert np.array_equal(np.asarray(part), o[1:, 10:33])
+
+
+def test_attention_rejects_unsupported_layouts():
+    q = jnp.ones((1, 2, 6, 32))
+    kv = jnp.ones((1, 8, 2, 32))
+    with pytest.raises(ValueError, match="unsupported layout"):  # 3 query heads per key head
+        attention_invariant_pallas(q, kv, kv, jnp.zeros((1, 2), jnp.int32), interpret=True)
