@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import CHUNK
+from pallas_kernels import CHUNK, resolve_backend
 
 from .config import LINEAR, ModelConfig
 from .errors import CapacityError, InputError
@@ -176,11 +176,18 @@ def _check_decode(cfg: ModelConfig, state: ModelState, token):
 
 # ---- the pure state functions ----------------------------------------------------------------------------------
 
+def _det(model: Model) -> str | bool:
+    """False in default mode; in deterministic mode the resolved kernel backend its batch-invariant matmuls and
+    attention run on ("pallas" on a GPU: fixed-tile Pallas kernels; "reference" elsewhere: XLA on fixed 64-row
+    tiles through `lax.map`)."""
+    return resolve_backend(model.backend) if model.deterministic else False
+
+
 def _logits(model: Model, x: jax.Array) -> jax.Array:
     p, cfg = model.params, model.config
     x = rms_norm(x, p.final_norm, cfg.rms_norm_eps)
     head = p.embed.T if p.lm_head is None else p.lm_head
-    return linear(x, head, model.deterministic).astype(jnp.float32)
+    return linear(x, head, _det(model)).astype(jnp.float32)
 
 
 def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) -> ModelState:
@@ -203,7 +210,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
         raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
     replay = model.decode_mode == "replay"
-    cfg, p, det = model.config, model.params, model.deterministic
+    cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
     for lp, ls, kind in zip(p.layers, state.layers, cfg.layer_types):
@@ -245,7 +252,7 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
     if model.decode_mode == "replay":
         state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))
         return state, logits[:, 0]
-    cfg, p, det = model.config, model.params, model.deterministic
+    cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[token].astype(model.dtype)  # [B, D]
     ones = jnp.ones_like(state.position)
     new_layers = []
@@ -254,7 +261,7 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
         if kind == LINEAR:
             h, ls = gdn_decode(cfg, lp.mixer, h, ls, model.backend, det)
         else:
-            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None, det, query_tile=1)
+            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None, det, decode=True)
             h = h[:, 0]
         x = x + h
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)

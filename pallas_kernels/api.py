@@ -86,3 +86,42 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, u
     return _per_shard(lambda q, k, v, g, beta, s, a, d: recurrent_gated_delta_rule_pallas(
         q, k, v, g, beta, initial_state=s, A_log=a, dt_bias=d, **kw), mesh,
         (q, k, v, g, beta, initial_state, A_log, dt_bias), (h,) * 6 + (P(TP_AXIS), P(TP_AXIS)), (h, h))
+
+
+def _sharded() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and TP_AXIS in mesh.axis_names and mesh.shape[TP_AXIS] > 1
+
+
+def matmul_invariant(x, w, *, backend: str | None = None):
+    """Batch-invariant x [..., K] @ w [K, N] for deterministic mode: no row's result depends on the other rows.
+
+    "reference": XLA's GEMM on fixed 64-row tiles through `lax.map` (one compiled shape); "pallas"/"interpret": the
+    fixed-tile Pallas kernel (`pallas_kernels.matmul`). Under a tensor-parallel mesh the reference path runs (XLA
+    partitions it; a Pallas call would gather the weight onto every device).
+    """
+    backend = resolve_backend(backend)
+    if backend == "reference" or _sharded():
+        from .invariant import row_tiled
+
+        return row_tiled(lambda t: t @ w, x)
+    from .matmul import matmul_invariant_pallas
+
+    return matmul_invariant_pallas(x, w, interpret=backend == "interpret")
+
+
+def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | None = None):
+    """Batch-invariant causal attention over a KV cache for deterministic mode. q [B,T,H,Dh]; keys/values
+    [B,N,HKV,Dh]; pos [B,T] absolute query positions. Returns [B,T,H,Dh].
+
+    "reference": `attention_tiled_reference` (queries in fixed tiles of 64 positions, or of 1 for `decode`, through
+    `lax.map`); "pallas"/"interpret": the Pallas kernel (`pallas_kernels.attention`: 64 query rows per program, 16
+    for `decode`). Head layouts the kernel does not support, and tensor-parallel meshes, take the reference path.
+    """
+    from . import attention as _att
+
+    backend = resolve_backend(backend)
+    rows = 16 if decode else 64
+    if backend == "reference" or _sharded() or not _att.supports(q.shape[2], keys.shape[2], q.shape[3], rows):
+        return _att.attention_tiled_reference(q, keys, values, pos, tile=1 if decode else 64)
+    return _att.attention_invariant_pallas(q, keys, values, pos, rows=rows, interpret=backend == "interpret")

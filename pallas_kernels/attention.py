@@ -21,7 +21,45 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .invariant import softmax
+
 DEFAULT_CONFIG = dict(bk=64, num_warps=8, num_stages=2)
+
+
+def attention_reference(q, keys, values, pos):
+    """Pure JAX. q: [B, T, H, Dh] (rotated); keys/values: [B, N, HKV, Dh]; pos: [B, T] absolute query positions.
+
+    Causal attention over the cache (a query at pos sees slots 0..pos), softmax in fp32 with an order-fixed sum,
+    probabilities rounded to q.dtype before the p.V product. Returns [B, T, H, Dh].
+    """
+    B, T, H, Dh = q.shape
+    N, HKV = keys.shape[1], keys.shape[2]
+    qh = q.reshape(B, T, HKV, H // HKV, Dh)
+    scores = jnp.einsum("btgrd,bngd->bgrtn", qh, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (Dh**-0.5)  # [B, HKV, R, T, N]
+    mask = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = softmax(scores).astype(q.dtype)
+    return jnp.einsum("bgrtn,bngd->btgrd", probs, values.astype(q.dtype)).reshape(B, T, H, Dh)
+
+
+def attention_tiled_reference(q, keys, values, pos, tile: int):
+    """Batch-invariant `attention_reference` (pure JAX): queries in fixed tiles of `tile` positions per row, each tile
+    through one compiled program (`lax.map`) of one shape, so a query's result depends on neither the batch nor the
+    call length."""
+    B, T, H, Dh = q.shape
+    n_t = -(-T // tile)
+    pad = n_t * tile - T
+    qt = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B * n_t, tile, H, Dh)
+    pt = jnp.pad(pos, ((0, 0), (0, pad))).reshape(B * n_t, tile)
+    rows = jnp.repeat(jnp.arange(B), n_t)
+
+    def one(args):
+        qi, pi, b = args
+        return attention_reference(qi[None], keys[b][None], values[b][None], pi[None])[0]
+
+    out = jax.lax.map(one, (qt, pt, rows))  # [B*n_t, tile, H, Dh]
+    return out.reshape(B, n_t * tile, H, Dh)[:, :T]
 
 
 def _attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, bk, nblocks, scale):

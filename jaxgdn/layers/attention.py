@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.invariant import softmax
+import pallas_kernels
+from pallas_kernels.attention import attention_reference
 
 from ..config import ModelConfig
 from ..params import AttentionParams
@@ -19,47 +20,14 @@ from .norm import rms_norm
 from .rope import apply_rope
 
 
-def _attend(q, keys, values, pos, n_rep: int):
-    """q: [B, T, H, Dh] (rotated); keys/values: [B, N, HKV, Dh]; pos: [B, T] absolute query positions.
-
-    Causal attention over the cache (a query at pos sees keys 0..pos), softmax in fp32. Returns [B, T, H, Dh].
-    """
-    B, T, H, Dh = q.shape
-    N, HKV = keys.shape[1], keys.shape[2]
-    qh = q.reshape(B, T, HKV, n_rep, Dh)
-    scores = jnp.einsum("btgrd,bngd->bgrtn", qh, keys.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * (Dh**-0.5)  # [B, HKV, n_rep, T, N]
-    mask = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = softmax(scores).astype(q.dtype)
-    return jnp.einsum("bgrtn,bngd->btgrd", probs, values.astype(q.dtype)).reshape(B, T, H, Dh)
-
-
-def _attend_tiled(q, keys, values, pos, n_rep: int, tile: int):
-    """Batch-invariant `_attend`: queries in fixed tiles of `tile` per row, each tile through one compiled
-    program (`lax.map`) of one shape, so a query's result depends on neither the batch nor the call length."""
-    B, T, H, Dh = q.shape
-    n_t = -(-T // tile)
-    pad = n_t * tile - T
-    qt = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B * n_t, tile, H, Dh)
-    pt = jnp.pad(pos, ((0, 0), (0, pad))).reshape(B * n_t, tile)
-    rows = jnp.repeat(jnp.arange(B), n_t)
-
-    def one(args):
-        qi, pi, b = args
-        return _attend(qi[None], keys[b][None], values[b][None], pi[None], n_rep)[0]
-
-    out = jax.lax.map(one, (qt, pt, rows))  # [B*n_t, tile, H, Dh]
-    return out.reshape(B, n_t * tile, H, Dh)[:, :T]
-
-
 def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: AttentionLayerState, positions: jax.Array,
-              lengths: jax.Array | None, det: bool = False, query_tile: int = 64):
+              lengths: jax.Array | None, det: str | bool = False, decode: bool = False):
     """x: [B, T, D]; positions: [B] (first position of this call per row); lengths: [B] or None (= T).
 
     Writes the valid tokens' keys/values into the cache at positions..positions+lengths-1 and attends causally
-    over the cache. `det`: batch-invariant computation (projections in fixed row tiles, queries in fixed tiles of
-    `query_tile`). Returns (y [B, T, D], new_state).
+    over the cache. `det`: False, or the kernel backend of deterministic mode (batch-invariant projections and
+    attention, `pallas_kernels.matmul_invariant` / `attention_invariant`); `decode`: one query per row (the decode
+    tiling). Returns (y [B, T, D], new_state).
     """
     B, T, _ = x.shape
     H, HKV, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -81,7 +49,9 @@ def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: Attenti
     keys = state.keys.at[rows, slot].set(k.astype(state.keys.dtype), mode="drop")
     values = state.values.at[rows, slot].set(v.astype(state.values.dtype), mode="drop")
 
-    n_rep = H // HKV
-    out = _attend_tiled(q, keys, values, pos, n_rep, query_tile) if det else _attend(q, keys, values, pos, n_rep)
+    if det:
+        out = pallas_kernels.attention_invariant(q, keys, values, pos, decode=decode, backend=det)
+    else:
+        out = attention_reference(q, keys, values, pos)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return linear(out.reshape(B, T, H * Dh), p.o_proj, det), AttentionLayerState(keys=keys, values=values)

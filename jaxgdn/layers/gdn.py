@@ -30,7 +30,7 @@ def _split_qkv(cfg: ModelConfig, mixed: jax.Array):
     return q, k, v
 
 
-def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array, det: bool) -> jax.Array:
+def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array, det: str | bool) -> jax.Array:
     """o: [..., HV, V] core output; z: [..., HV*V] gate. Returns [..., D]."""
     z = z.reshape(o.shape)
     y = gated_rms_norm(o.astype(z.dtype), z, p.norm_weight, cfg.rms_norm_eps)
@@ -55,7 +55,7 @@ def _splice(open_buf, new, open_len, lengths, width):
 
 
 def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, lengths: jax.Array,
-                position: jax.Array, backend: str | None, checkpoint_stride: int | None = None, det: bool = False):
+                position: jax.Array, backend: str | None, checkpoint_stride: int | None = None, det: str | bool = False):
     """x: [B, T, D]; lengths, position: [B]. Returns (y [B, T, D], new_state, checkpoints or None).
 
     Recurrent mode (state.open_qkv is None): the chunked rule runs from the state at `position`.
@@ -133,7 +133,7 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
 
 
 def gdn_decode(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, backend: str | None,
-               det: bool = False):
+               det: str | bool = False):
     """One token per row through the recurrent kernel (gates fused). x: [B, D]. Returns (y [B, D], new_state)."""
     mixed, conv_state = causal_conv1d_step(linear(x, p.in_proj_qkv, det), state.conv, p.conv_weight)
     q, k, v = _split_qkv(cfg, mixed)

@@ -1,15 +1,17 @@
-"""Projections. Deterministic mode computes them batch-invariantly (fixed 64-row tiles); otherwise XLA's GEMM."""
+"""Projections. Deterministic mode computes them batch-invariantly (`pallas_kernels.matmul_invariant`: fixed
+tiles); otherwise XLA's GEMM."""
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels.invariant import row_tiled
+import pallas_kernels
 
 
-def linear(x: jax.Array, w: jax.Array, deterministic: bool) -> jax.Array:
-    """x: [..., Din] @ w: [Din, Dout]. Deterministic: each row's result is independent of how many rows share
-    the call (XLA's GEMMs change low bits with M: on CPU for some shapes, on an H200 for bf16 at M=128 vs 512)."""
-    if deterministic:
-        return row_tiled(lambda t: t @ w, x)
+def linear(x: jax.Array, w: jax.Array, det: str | bool) -> jax.Array:
+    """x: [..., Din] @ w: [Din, Dout]. `det`: False, or the kernel backend of deterministic mode: each row's result
+    is then independent of how many rows share the call (XLA's GEMMs change low bits with M: on CPU for some
+    shapes, on an H200 for bf16 at M=128 vs 512)."""
+    if det:
+        return pallas_kernels.matmul_invariant(x, w, backend=None if det is True else det)
     return x @ w

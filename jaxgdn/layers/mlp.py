@@ -10,6 +10,7 @@ from pallas_kernels.invariant import softmax, tree_sum
 
 from ..config import ModelConfig
 from ..params import MLPParams, MoEParams
+from .linear import linear
 from pallas_kernels.invariant import row_tiled
 
 
@@ -40,7 +41,14 @@ def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array) -> jax.Array:
     return routed + shared
 
 
-def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array, det: bool = False) -> jax.Array:
-    """x: [..., D]. Deterministic: computed in fixed 64-token tiles, so no token's result depends on the others."""
-    fn = (lambda t: moe(cfg, p, t)) if isinstance(p, MoEParams) else (lambda t: mlp(p, t))
+def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array, det: str | bool = False) -> jax.Array:
+    """x: [..., D]. `det`: False, or the kernel backend of deterministic mode, where no token's result depends on
+    the others: the dense MLP's three projections go through the fixed-tile Pallas matmul ("pallas"/"interpret");
+    on "reference" (and for the mixture of experts on any backend) the whole block runs in fixed 64-token tiles."""
+    if isinstance(p, MoEParams):
+        fn = lambda t: moe(cfg, p, t)
+    elif det in ("pallas", "interpret"):
+        return linear(jax.nn.silu(linear(x, p.gate_proj, det)) * linear(x, p.up_proj, det), p.down_proj, det)
+    else:
+        fn = lambda t: mlp(p, t)
     return row_tiled(fn, x) if det else fn(x)

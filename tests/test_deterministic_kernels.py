@@ -1,0 +1,69 @@
+"""Deterministic mode on the GPU's code path, run on CPU: the tiny model with the Pallas kernels in interpret mode, so
+projections go through the fixed-tile matmul and attention through the Pallas attention kernel (what a GPU runs;
+on a CPU the default backend is the pure-JAX reference, tested in test_deterministic.py and test_replay.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgdn
+from jaxgdn.model import _det
+
+WIDTH = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = jaxgdn.tiny_model("tiny", seed=5, dtype=jnp.bfloat16, deterministic=True).with_backend("interpret")
+    assert _det(m) == "interpret"
+    return m
+
+
+def _prefill(model, rows):
+    toks = np.zeros((len(rows), WIDTH), np.int32)
+    for i, r in enumerate(rows):
+        toks[i, :len(r)] = r
+    lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    _, logits = jaxgdn.model.jit(jaxgdn.prefill_chunk)(model, model.init_state(len(rows), WIDTH), jnp.asarray(toks),
+                                                       lengths)
+    return np.asarray(logits)
+
+
+def test_kernels_are_on_the_path(model):
+    """The compiled prefill contains the invariant matmul and attention kernels (not the lax.map fallback)."""
+    toks = jnp.zeros((1, 64), jnp.int32)
+    text = str(jax.make_jaxpr(jaxgdn.prefill_chunk)(model, model.init_state(1, 64), toks, jnp.array([64], jnp.int32)))
+    assert "invariant_matmul" in text and "invariant_attention" in text
+    assert "invariant_matmul" not in str(jax.make_jaxpr(jaxgdn.prefill_chunk)(
+        model.with_backend("reference"), model.init_state(1, 64), toks, jnp.array([64], jnp.int32)))
+
+
+def test_prefill_logits_alone_equal_inside_batches(model):
+    rng = np.random.default_rng(0)
+    target = rng.integers(0, 256, 90).tolist()
+    alone = _prefill(model, [target])[0, :90]
+    for batch, where in ((3, 1), (5, 4)):
+        rows = [rng.integers(0, 256, int(rng.integers(1, WIDTH + 1))).tolist() for _ in range(batch)]
+        rows[where] = target
+        assert np.array_equal(_prefill(model, rows)[where, :90], alone), (batch, where)
+
+
+def test_recurrent_decode_alone_equals_batched(model):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (64, 20, 128)]
+    batched = jaxgdn.generate(model, prompts, max_new_tokens=6, temperature=0.9, seed=[1, 2, 3])
+    [alone] = jaxgdn.generate(model, prompts[2:], max_new_tokens=6, temperature=0.9, seed=3)
+    assert alone.tokens == batched[2].tokens
+    assert np.array_equal(np.array(alone.logprobs), np.array(batched[2].logprobs))
+
+
+def test_replay_generation_equals_scoring(model):
+    replay = model.with_decode_mode("replay")
+    prompts = [np.random.default_rng(2).integers(0, 256, n).tolist() for n in (50, 9)]
+    out = jaxgdn.generate(replay, prompts, max_new_tokens=24, temperature=0.8, seed=[4, 5])  # row 0 crosses 64
+    scored = jaxgdn.score(replay, [p + r.tokens for p, r in zip(prompts, out)], start=[len(p) for p in prompts])
+    for r, s in zip(out, scored):
+        assert np.array_equal(np.array(r.logprobs, np.float32), np.array(s, np.float32))
