@@ -608,6 +608,59 @@ def invariant_kernels():
 
 
 @section
+def replay_timing():
+    """Replay decode at the kernel level: one step = the chunked kernel over the open chunk (64 rows, row b holding
+    lengths[b] <= 64 real tokens) from the boundary state, with the in-call checkpoint at 64 (what `jaxgdn`'s replay
+    decode calls per GDN layer), against the recurrent decode kernel; both as 20 steps in one compiled loop."""
+    nstep = 20
+    HK, HV, K, V = 16, 32, 128, 128
+    for B in (64, 256):
+        ks = jax.random.split(jax.random.PRNGKey(B + 1), 7)
+        q = jax.random.normal(ks[0], (B, 64, HK, K), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, 64, HK, K), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, 64, HV, V), jnp.bfloat16)
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (B, 64, HV)))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, 64, HV)))
+        s0 = jax.random.normal(ks[5], (B, HV, K, V), jnp.float32) * 0.1
+        lengths = jax.random.randint(ks[6], (B,), 1, 65)
+        state_bytes = 2 * B * HV * K * V * 4
+
+        def timed_loop(loop, *args):
+            s = jax.block_until_ready(loop(*args))
+            ts = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                s = loop(*args[:-1], s)
+                jax.block_until_ready(s)
+                ts.append((time.perf_counter() - t0) / nstep)
+            return statistics.median(ts)
+
+        @functools.partial(jax.jit, donate_argnums=5)
+        def rec_loop(q, k, v, g, beta, s):
+            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state=s)[1], s, unroll=True)
+
+        t_rec = timed_loop(rec_loop, q, k, v, g, beta, s0 + 0)
+        row = dict(B=B, recurrent_us=t_rec * 1e6)
+        for design in ("split", "fused"):
+            cfg = dict(design=design)
+
+            @jax.jit
+            def rep_loop(q, k, v, g, beta, s, cfg=cfg):
+                def step(i, s):
+                    o, _, ck = chunk_gated_delta_rule_pallas(q, k, v, g, beta, initial_state=s, lengths=lengths,
+                                                             checkpoint_stride=64, config=cfg)
+                    return ck[:, 0] + 0 * o[:, 0, :, :1, None].astype(jnp.float32)  # keep o live
+                return jax.lax.fori_loop(0, nstep, step, s, unroll=True)
+
+            t = timed_loop(rep_loop, q, k, v, g, beta, s0 + 0)
+            row[f"replay_{design}_us"] = t * 1e6
+            log(f"B={B}: recurrent {t_rec * 1e6:.1f} us ({state_bytes / t_rec / 1e12:.2f} TB/s); replay ({design}) "
+                f"{t * 1e6:.1f} us = {t / t_rec:.2f}x recurrent")
+        RESULTS.setdefault("replay_kernel", []).append(row)
+
+
+@section
 def conv1d_timing():
     """XLA prefill conv (jaxgdn.layers.conv) against the copy roofline; one-token update: XLA vs the Pallas kernel."""
     from jaxgdn.layers.conv import causal_conv1d, causal_conv1d_step
@@ -658,9 +711,14 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    ap.add_argument("--only", default="", help="comma list of sections to run (overrides --skip)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.only:
+        every = {"accuracy", "bitwise", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
+                 "conv1d", "invariant", "replay", "reference"}
+        skip = every - set(args.only.split(","))
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            argv=sys.argv, jax=jax.__version__, devices=[str(d) for d in jax.devices()],
@@ -724,6 +782,8 @@ def main():
         conv1d_timing()
     if "invariant" not in skip:
         invariant_kernels()
+    if "replay" not in skip:
+        replay_timing()
     RESULTS["fails"] = FAILS
     RESULTS["wall_s"] = time.time() - t_start
     os.makedirs(args.out, exist_ok=True)

@@ -1,16 +1,23 @@
 """Chunked (WY/UT, chunk 64) gated delta rule prefill: Pallas-Triton kernels for the H200 (interpretable on CPU).
 
-Two kernels (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)):
+Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `config["design"]` picks one.
 
-1. `_prep_kernel`, grid (NT, HV, B), fully parallel: everything that does not depend on the carried state. Per
-   chunk and value head: fp32 L2-norm of q and k, masking of padded tokens, in-chunk cumulative log-decay gc, the
-   masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i), qg = scale q exp(gc),
-   kd = k exp(gc_last - gc), the strictly-lower A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) (j < i), its
-   unit-lower inverse X = (I + A)^-1 (four 16x16 diagonal blocks by exact fp32 forward substitution, merged with
-   three block-Neumann products), w = X (beta exp(gc) k) and u = X (beta v). All written in fp32.
-2. `_state_kernel`, grid (V // BV, HV, B): sequential over chunks, fp32 state block S [K, BV] kept on chip.
-   Per chunk, four dots: v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new. Stores o, the
-   final state, and (optionally) the exact fp32 state after every `checkpoint_stride` tokens.
+"split" (default: three kernels, the recurrence kept to two dots per chunk):
+1. `_prep_split_kernel`, grid (NT, HV, B), fully parallel: per chunk and value head, fp32 L2-norm of k, masking of
+   padded tokens, the in-chunk cumulative log-decay gc, the strictly-lower A[i, j] = beta_i (k_i . k_j)
+   exp(gc_i - gc_j) (j < i), its unit-lower inverse X = (I + A)^-1 (four 16x16 diagonal blocks by exact fp32
+   forward substitution, merged with three block-Neumann products), w = X (beta exp(gc) k), u = X (beta v) and
+   kd = k exp(gc_last - gc). Written in fp32.
+2. `_state_split_kernel`, grid (V // BV, HV, B), sequential over chunks with the fp32 state block S [K, BV] on chip:
+   writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
+3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
+   masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
+   In-call checkpoints are exact copies of h at the requested chunk starts (or of the final state).
+
+"fused" (two kernels: the output computed inside the recurrence, four dots per chunk on the sequential path):
+1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
+2. `_state_kernel`: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new; stores o, the
+   final state and (optionally) the state after every `checkpoint_stride` tokens.
 
 Determinism properties (tested on CPU in interpret mode and on the GPU):
 - every chunk's arithmetic depends only on that chunk's (masked) inputs and the incoming fp32 state, with fixed
