@@ -228,7 +228,7 @@ def main():
     t0 = time.time()
     model = build(args.preset, args.layers)
     log(f"built {param_bytes(model.params) / 1e9:.2f} GB of bf16 parameters in {time.time() - t0:.1f}s")
-    for name, fn in [
+    named = dict([
         ("prefill", lambda: stage_prefill(model, args.prefill_tokens, rate, "normal")),
         ("decode", lambda: stage_decode(model, args.decode_batch, args.context, bw, "normal")),
         ("det", lambda: (stage_prefill(model.with_deterministic(), args.prefill_tokens, rate, "deterministic"),
@@ -239,9 +239,8 @@ def main():
         ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
                              for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"))),
-    ]:
-        if name not in stages:
-            continue
+    ])
+    for name, fn in [(n, named[n]) for n in args.stages.split(",") if n in named]:  # in the order given
         t1 = time.time()
         try:
             fn()

@@ -61,7 +61,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 # stop_after="state" (split design) returns after the recurrence kernel.
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1,
-    bv=64, inv="block16", warps_prep=8, stages_prep=1, warps_state=4, stages_state=1,
+    bv=64, inv="block16", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
