@@ -220,7 +220,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
                                     det)
             ckpts.append(ck)
         else:
-            h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths, det)
+            h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths, det, backend=model.backend)
         x = x + h
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
@@ -261,7 +261,8 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
         if kind == LINEAR:
             h, ls = gdn_decode(cfg, lp.mixer, h, ls, model.backend, det)
         else:
-            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None, det, decode=True)
+            h, ls = attention(cfg, lp.mixer, h[:, None], ls, state.position, None, det, decode=True,
+                              backend=model.backend)
             h = h[:, 0]
         x = x + h
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)

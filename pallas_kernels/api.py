@@ -110,6 +110,21 @@ def matmul_invariant(x, w, *, backend: str | None = None):
     return matmul_invariant_pallas(x, w, interpret=backend == "interpret")
 
 
+def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None = None):
+    """Causal attention over a KV cache (default mode). q [B,T,H,Dh]; keys/values [B,N,HKV,Dh]; pos [B,T].
+
+    "reference": `attention_reference` (XLA; the [T, N] scores materialised per head); "pallas"/"interpret": the
+    Pallas kernel of `attention_invariant` (measured faster than XLA's on the H200, BENCHMARKS.md), with the same
+    fallbacks.
+    """
+    from . import attention as _att  # the submodule (the package exports no name `attention`)
+
+    backend = resolve_backend(backend)
+    if backend == "reference" or _sharded() or not _att.supports(q.shape[2], keys.shape[2], q.shape[3], 16):
+        return _att.attention_reference(q, keys, values, pos)
+    return attention_invariant(q, keys, values, pos, decode=decode, backend=backend)
+
+
 def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | None = None):
     """Batch-invariant causal attention over a KV cache for deterministic mode. q [B,T,H,Dh]; keys/values
     [B,N,HKV,Dh]; pos [B,T] absolute query positions. Returns [B,T,H,Dh].
@@ -118,7 +133,7 @@ def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | No
     `lax.map`); "pallas"/"interpret": the Pallas kernel (`pallas_kernels.attention`: 64 query rows per program, 16
     for `decode`). Head layouts the kernel does not support, and tensor-parallel meshes, take the reference path.
     """
-    from . import attention as _att
+    from . import attention as _att  # the submodule (the package exports no name `attention`)
 
     backend = resolve_backend(backend)
     rows = 16 if decode else 64

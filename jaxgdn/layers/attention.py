@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from pallas_kernels.attention import attention_reference
 
 from ..config import ModelConfig
 from ..params import AttentionParams
@@ -21,13 +20,14 @@ from .rope import apply_rope
 
 
 def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: AttentionLayerState, positions: jax.Array,
-              lengths: jax.Array | None, det: str | bool = False, decode: bool = False):
+              lengths: jax.Array | None, det: str | bool = False, decode: bool = False,
+              backend: str | None = None):
     """x: [B, T, D]; positions: [B] (first position of this call per row); lengths: [B] or None (= T).
 
     Writes the valid tokens' keys/values into the cache at positions..positions+lengths-1 and attends causally
     over the cache. `det`: False, or the kernel backend of deterministic mode (batch-invariant projections and
     attention, `pallas_kernels.matmul_invariant` / `attention_invariant`); `decode`: one query per row (the decode
-    tiling). Returns (y [B, T, D], new_state).
+    tiling); `backend`: the kernel backend of the default mode's attention. Returns (y [B, T, D], new_state).
     """
     B, T, _ = x.shape
     H, HKV, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -52,6 +52,6 @@ def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: Attenti
     if det:
         out = pallas_kernels.attention_invariant(q, keys, values, pos, decode=decode, backend=det)
     else:
-        out = attention_reference(q, keys, values, pos)
+        out = pallas_kernels.cache_attention(q, keys, values, pos, decode=decode, backend=backend)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return linear(out.reshape(B, T, H * Dh), p.o_proj, det), AttentionLayerState(keys=keys, values=values)
