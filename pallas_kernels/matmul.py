@@ -6,8 +6,11 @@ whatever M is: the K axis is reduced in BK-wide steps in a fixed order with an f
 (BM, BN, BK, warps, stages) depends only on the weight's shape, never on M. A row's result therefore depends on that
 row and the weight alone: the same compiled program code runs it, only the grid's length changes.
 
-Grid (ceil(M / BM), N // BN). Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded
-rows and columns are cut off).
+Grid (ceil(M / BM), N // BN, S). Skinny weights (fewer than `split_k_below` column tiles, e.g. the GDN gate
+projections with N = 32) would leave the GPU nearly idle, so their K axis is split into S fixed slices (S again a
+function of K and N only): each program writes an fp32 partial product and the S partials are added in a fixed
+pairwise order. Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded rows and
+columns are cut off).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jax.experimental import pallas as pl
 # BM is fixed (never chosen by M); BN is the largest of BN_CHOICES dividing N (a property of the weight).
 # Measured on the H200 (BENCHMARKS.md): bm=128 with 8 warps reaches 0.90-0.98 of XLA's bf16 GEMM at M >= 1024
 # (0.93 at M = 64); bm=64 configurations reached 0.54-0.86.
-DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3)
+DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16)
 BN_CHOICES = (256, 128, 64, 32, 16)
 
 
@@ -37,10 +40,24 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int]:
+def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, S) from the weight's shape and the config only (never from M)."""
     bk = cfg["bk"]
     bn = next((b for b in BN_CHOICES if b <= cfg["bn"] and N % b == 0), min(cfg["bn"], 16))
-    return cfg["bm"], bn, bk
+    nk = -(-K // bk)
+    split = 1
+    if -(-N // bn) < cfg["split_k_below"]:  # each slice keeps >= 4 BK steps; S a power of two dividing nk
+        while split * 2 <= cfg["max_split"] and nk % (split * 2) == 0 and nk // (split * 2) >= 4:
+            split *= 2
+    return cfg["bm"], bn, bk, split
+
+
+def _sum_fixed_order(parts):
+    """[S, ...] -> [...]: pairwise halving (S a power of two), elementwise adds in one fixed order."""
+    while parts.shape[0] > 1:
+        h = parts.shape[0] // 2
+        parts = parts[:h] + parts[h:]
+    return parts[0]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -49,8 +66,9 @@ def _matmul_impl(x, w, *, interpret, config):
     cfg.update(dict(config or ()))
     M, K = x.shape
     N = w.shape[1]
-    bm, bn, bk = _tiling(K, N, cfg)
+    bm, bn, bk, split = _tiling(K, N, cfg)
     mp, kp, np_ = -(-M // bm) * bm, -(-K // bk) * bk, -(-N // bn) * bn
+    ks = kp // split  # K columns per slice
     if (mp, kp) != (M, K):
         x = jnp.pad(x, ((0, mp - M), (0, kp - K)))
     if (kp, np_) != (K, N):
@@ -58,15 +76,16 @@ def _matmul_impl(x, w, *, interpret, config):
     from jax.experimental.pallas import triton as pltriton
 
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, bk=bk, nk=kp // bk),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kp, bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        functools.partial(_matmul_kernel, bk=bk, nk=ks // bk),
+        grid=(mp // bm, np_ // bn, split),
+        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), pl.BlockSpec((ks, bn), lambda i, j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((split, mp, np_), x.dtype if split == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         interpret=interpret,
         name="invariant_matmul",
     )(x, w)
+    out = out[0] if split == 1 else _sum_fixed_order(out).astype(x.dtype)
     return out[:M, :N] if (mp, np_) != (M, N) else out
 
 

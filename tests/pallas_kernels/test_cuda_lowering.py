@@ -154,7 +154,7 @@ def test_conv1d_update_lowers_for_h200_in_place(B, C, dtype):
     assert "output_operand_aliases" in lowered.as_text()
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 4096, 12288), (8192, 12288, 4096), (5, 96, 80)])
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 12288), (8192, 12288, 4096), (5, 96, 80), (64, 4096, 32)])
 def test_invariant_matmul_lowers_for_h200(M, K, N):
     from pallas_kernels.matmul import matmul_invariant_pallas
 

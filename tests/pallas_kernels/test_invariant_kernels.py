@@ -103,3 +103,21 @@ def test_attention_rejects_unsupported_layouts():
     kv = jnp.ones((1, 8, 2, 32))
     with pytest.raises(ValueError, match="unsupported layout"):  # 3 query heads per key head
         attention_invariant_pallas(q, kv, kv, jnp.zeros((1, 2), jnp.int32), interpret=True)
+
+
+def test_matmul_split_k_for_skinny_weights():
+    """A weight with few column tiles splits K into fixed slices (fp32 partials, fixed-order sum): still within
+    bf16 rounding of float64 and bitwise row-invariant; the split depends on the weight only."""
+    from pallas_kernels.matmul import DEFAULT_CONFIG, _tiling
+
+    assert _tiling(4096, 32, DEFAULT_CONFIG)[3] == 16 and _tiling(4096, 12288, DEFAULT_CONFIG)[3] == 1
+    assert _tiling(512, 16, DEFAULT_CONFIG)[3] == 2  # 8 BK steps: two slices of 4
+    rng = np.random.default_rng(9)
+    w = jnp.asarray(rng.standard_normal((512, 16)) / np.sqrt(512), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((140, 512)), jnp.bfloat16)
+    y = matmul_invariant_pallas(x, w, interpret=True)
+    ref = _np(x) @ _np(w)
+    assert np.abs(_np(y) - ref).max() <= 8e-3 * np.abs(ref).max()
+    for rows in ([3], [0, 139], list(range(5, 70))):
+        assert np.array_equal(np.asarray(matmul_invariant_pallas(x[np.array(rows)], w, interpret=True)),
+                              np.asarray(y)[rows])
