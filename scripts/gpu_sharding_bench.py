@@ -57,11 +57,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gpu_model_bench import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from gpu_model_bench import build as build_shared, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
-from jaxgdn.config import PRESETS  # noqa: E402
-from jaxgdn.init import random_params  # noqa: E402
 from jaxgdn.model import decode_step, prefill_chunk  # noqa: E402
 from jaxgdn.state import AttentionLayerState, GDNLayerState  # noqa: E402
 
@@ -97,14 +95,10 @@ class _Null:
 
 # ---- models ------------------------------------------------------------------------------------------------------
 
-def build(preset: str, layers: int | None, dtype, backend=None, seed: int = 0) -> jaxgdn.Model:
-    """Random parameters on device 0 (one GPU)."""
-    cfg = PRESETS[preset]()
-    if layers:
-        cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:layers])
+def build(preset: str, layers: int | None, dtype, backend=None) -> jaxgdn.Model:
+    """Random parameters on device 0 (one GPU); one layer of each kind shared by all (`gpu_model_bench.build`)."""
     with jax.default_device(jax.devices()[0]):
-        params = jax.jit(lambda k: random_params(cfg, k, dtype))(jax.random.key(seed))
-    return jaxgdn.Model(params=params, config=cfg, dtype=dtype, backend=backend)
+        return dataclasses.replace(build_shared(preset, layers, dtype), backend=backend)
 
 
 def fresh_state(model, B: int, capacity: int, position: int):
