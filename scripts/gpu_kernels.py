@@ -747,6 +747,10 @@ def main():
         "prep_w4": dict(warps_prep=4),
         "doubling": dict(inv="doubling"),
         "state_x3": dict(p_ws="tf32x3", p_kv="tf32x3"),
+        "tiles16": dict(inv="tiles16"),
+        "tiles16_w8": dict(inv="tiles16", warps_prep=8),
+        "tiles16_bv32_s2": dict(inv="tiles16", bv=32, stages_state=2),
+        "tiles16_fused": dict(inv="tiles16", design="fused"),
     }
     if args.quick:
         chunk_configs = {"default": None}

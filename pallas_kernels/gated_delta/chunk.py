@@ -50,9 +50,10 @@ _EPS = 1e-6
 _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 
 # Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
-#   bv: V block of the state kernel; inv: "block16" (16x16 diagonal blocks by forward substitution + block-Neumann
-#   merge), "doubling" (loop-free: diagonal blocks by repeated squaring, see `_unit_lower_inverse_doubling`;
-#   not yet measured on the GPU) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
+#   bv: V block of the state kernel; inv: "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16]
+#   stack + block-Neumann merge), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`; not
+#   yet measured on the GPU), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
+#   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
 #   p_kk, p_inv, p_wu, p_qk: prep-kernel dots (gram matrix, inverse merge, w/u, q k^T);
 #   p_ws, p_qs, p_av, p_kv: state-kernel dots (w S, q S, A v_new, k^T v_new).
 # Measured on the H200 (BENCHMARKS.md): bv=64 was the fastest over (1, 8192, 16, 32) + (8, 4096, 16, 32); the
@@ -117,6 +118,13 @@ def _unit_lower_inverse(a, prec, interpret):
 
     t = lax.fori_loop(1, s, body, t0)
     di = jnp.where(bi == bj, jnp.broadcast_to(t[:, :, None, :], (nb, s, nb, s)), 0.0).reshape(c, c)
+    return _merge_block_inverse(a, di, prec, interpret)
+
+
+def _merge_block_inverse(a, di, prec, interpret):
+    """(I + a)^-1 from di, the inverse of I plus a's 16x16 diagonal blocks: with E the strictly block-lower part of
+    a, N = di E is nilpotent (N^4 = 0) and (I + a)^-1 = (I - N + N^2 - N^3) di."""
+    c, s = CHUNK, _SUB
     row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     cc = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     e = jnp.where(row // s > cc // s, a, 0.0)
@@ -126,6 +134,50 @@ def _unit_lower_inverse(a, prec, interpret):
     eye = jnp.where(row == cc, 1.0, 0.0).astype(jnp.float32)
     p = eye - n1 + n2 - n3
     return _dot(p, di, prec, interpret)
+
+
+def _diag_inverses_tiles16(k_ref, g_ref, beta_ref, length, use_l2, cfg, interpret):
+    """inv="tiles16": the block-diagonal inverse di [64, 64] from four separate 2-D [16, 16] tiles (no 3-D/4-D
+    tensors, no layout change inside the loop). Each block's rows are loaded straight from the refs; its
+    transposed matrix A_b^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r) (r < c; within-block cumulative gates, whose
+    differences are the same sums) is built directly, so that row i of A_b is a reduction over the tile's second
+    axis and the forward substitution never transposes a vector. The four tiles are placed into [64, 64] by exact
+    selection products (fp32 FMA dots with one non-zero term per entry).
+    Candidate for speed (not yet measured on the GPU); row-causal like the default."""
+    s = _SUB
+    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
+    row64 = lax.broadcasted_iota(jnp.int32, (CHUNK, s), 0)
+    col64 = lax.broadcasted_iota(jnp.int32, (CHUNK, s), 1)
+    ats = []
+    for b in range(CHUNK // s):
+        sl = pl.ds(b * s, s)
+        valid = (pl.program_id(0) * CHUNK + b * s + iota) < length
+        kb = _load_key(k_ref.at[sl], valid, use_l2)  # [16, K]
+        lc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
+        beta = jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0)
+        upper = r16 < c16
+        decay_t = jnp.exp(jnp.where(upper, lc[None, :] - lc[:, None], 0.0))
+        kk_t = _dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)  # [r, c] = beta_c k_r . k_c
+        ats.append(jnp.where(upper, kk_t * decay_t, 0.0))
+    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
+
+    def body(i, ts):
+        out = []
+        for at, t in zip(ats, ts):
+            arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_b[i, j]
+            contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_b[i, j] t[j, n]
+            out.append(jnp.where(r16 == i, t - contrib[None, :], t))
+        return tuple(out)
+
+    ts = lax.fori_loop(1, s, body, (eye16,) * (CHUNK // s))
+    di = jnp.zeros((CHUNK, CHUNK), jnp.float32)
+    for b, t in enumerate(ts):
+        sel = jnp.where(row64 == col64 + b * s, 1.0, 0.0).astype(jnp.float32)  # [64, 16]: block b's rows
+        placed = _dot(sel, t, "ieee", interpret)  # [64, 16]
+        di = di + _dot(placed, sel, "ieee", interpret, trans_b=True)  # [64, 64]
+    return di
 
 
 def _unit_lower_inverse_doubling(a, prec, interpret):
@@ -203,14 +255,17 @@ def _causal_decay(gc, strict):
     return lower, jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))
 
 
-def _wy(k, v, beta, gc, cfg, interpret):
+def _wy(k, v, beta, gc, cfg, interpret, di=None):
     """WY/UT form of one chunk: X = (I + A)^-1 with A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i);
-    returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K]."""
+    returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K].
+    `di`: the block-diagonal inverse when already computed (inv="tiles16")."""
     lower, decay = _causal_decay(gc, strict=True)
     kb = k * beta[:, None]
     kk = _dot(kb, k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
     a = jnp.where(lower, kk * decay, 0.0)
-    if cfg["inv"] == "fwd64":
+    if di is not None:
+        x = _merge_block_inverse(a, di, cfg["p_inv"], interpret)
+    elif cfg["inv"] == "fwd64":
         x = _unit_lower_inverse_fwd64(a)
     elif cfg["inv"] == "doubling":
         x = _unit_lower_inverse_doubling(a, cfg["p_inv"], interpret)
@@ -233,12 +288,16 @@ def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg
                  scale, use_l2, cfg, interpret):
     """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (written in fp32)."""
     valid = _valid_rows(len_ref[0])
+    di = None
+    if cfg["inv"] == "tiles16":
+        di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
     q = _load_key(q_ref, valid, use_l2) * scale  # scale folded into q (padded rows stay exact zeros)
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
     gc_ref[...] = gc
     aqk_ref[...], qg_ref[...] = _intra(q, k, gc, cfg, interpret)
-    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
+    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret,
+                                              di)
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
@@ -269,10 +328,14 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
                        interpret):
     """Split design, parallel part 1: w, u, kd, gc of one chunk (fp32). Needs no q."""
     valid = _valid_rows(len_ref[0])
+    di = None
+    if cfg["inv"] == "tiles16":
+        di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
+    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret,
+                                              di)
 
 
 def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, *, nt, cfg, interpret):
