@@ -39,14 +39,17 @@ layout does not depend on the mesh size, so states move between any meshes that 
 that config field (an older jaxgdn) the Hugging Face order is kept and XLA moves the q/k/v pieces between the
 shards itself (correct; three collective-permutes per GDN layer).
 
-Determinism: for a fixed mesh every per-row reduction is local or an all-reduce over the mesh, elementwise and
+Determinism: for a fixed mesh every per-row reduction is local or a sum over the mesh that is elementwise and
 independent of the batch; on CPU (tests/test_sharding.py) deterministic mode stays bitwise across runs, batch
 compositions, grid splits and warm/cold cache on a mesh. A sharded model is not bitwise equal to the unsharded
-one (the out/o/down projections sum their inputs in tp pieces), only within rounding. On GPUs the all-reduce is
-NCCL's: with 2 devices each element is a + b whatever the algorithm (the same in either order); with more, the
-summation order of an element can depend on the message size, i.e. on the batch — deterministic mode on meshes
-of more than 2 GPUs needs a fixed-order reduction (all-gather the partial sums, add them in a fixed order; not
-implemented yet).
+one (the out/o/down projections sum their inputs in tp pieces), only within rounding. On GPUs an all-reduce is
+NCCL's: with 2 devices each element is a + b whatever the algorithm (the same in either order), so XLA's
+all-reduce is kept; with more, NCCL's summation order of an element can depend on the message size, i.e. on the
+batch, so deterministic mode on meshes of more than 2 devices computes the row-split output projections (GDN
+out_proj, attention o_proj, MLP down_proj) per shard in `shard_map`, all-gathers the fp32 partial products and
+adds them in device order (`pallas_kernels.matmul_invariant(rows_split=True)`). Not covered: the mixture of
+experts' down projections (XLA's all-reduce; MoE models on more than 2 devices are not bitwise-safe in
+deterministic mode), and the GPU run itself (tested on CPU virtual devices only).
 """
 
 from __future__ import annotations

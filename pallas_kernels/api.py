@@ -93,21 +93,45 @@ def _sharded() -> bool:
     return not mesh.empty and TP_AXIS in mesh.axis_names and mesh.shape[TP_AXIS] > 1
 
 
-def matmul_invariant(x, w, *, backend: str | None = None):
+def _local_matmul_invariant(x, w, backend: str, out_dtype=None):
+    """The batch-invariant product on one device (no mesh logic)."""
+    if backend == "reference":
+        from .invariant import row_tiled
+
+        return row_tiled(lambda t: jnp.dot(t, w, preferred_element_type=out_dtype or x.dtype), x)
+    from .matmul import matmul_invariant_pallas
+
+    return matmul_invariant_pallas(x, w, interpret=backend == "interpret", out_dtype=out_dtype)
+
+
+def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = False):
     """Batch-invariant x [..., K] @ w [K, N] for deterministic mode: no row's result depends on the other rows.
 
     "reference": XLA's GEMM on fixed 64-row tiles through `lax.map` (one compiled shape); "pallas"/"interpret": the
     fixed-tile Pallas kernel (`pallas_kernels.matmul`). Under a tensor-parallel mesh the reference path runs (XLA
-    partitions it; a Pallas call would gather the weight onto every device).
+    partitions it; a Pallas call would gather the weight onto every device), except for `rows_split` products
+    (tensor parallelism splits w's rows: attention o_proj, GDN out_proj, MLP down_proj) on meshes of more than 2
+    devices: there each device multiplies its K slice into an fp32 partial, the partials are all-gathered and added
+    in device order — a fixed order, where an all-reduce's order can depend on the message size (NCCL), i.e. on the
+    batch. (With 2 devices every order gives p0 + p1 = p1 + p0, so XLA's all-reduce is kept.)
     """
     backend = resolve_backend(backend)
-    if backend == "reference" or _sharded():
-        from .invariant import row_tiled
+    if not _sharded():
+        return _local_matmul_invariant(x, w, backend)
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = mesh.shape[TP_AXIS]
+    if not rows_split or tp <= 2 or x.shape[-1] % tp:
+        return _local_matmul_invariant(x, w, "reference")
 
-        return row_tiled(lambda t: t @ w, x)
-    from .matmul import matmul_invariant_pallas
+    def shard(xs, ws):  # xs [..., K / tp], ws [K / tp, N]
+        parts = jax.lax.all_gather(_local_matmul_invariant(xs, ws, backend, jnp.float32), TP_AXIS)  # [tp, ..., N]
+        acc = parts[0]
+        for i in range(1, tp):  # device order
+            acc = acc + parts[i]
+        return acc.astype(x.dtype)
 
-    return matmul_invariant_pallas(x, w, interpret=backend == "interpret")
+    xspec = P(*([None] * (x.ndim - 1) + [TP_AXIS]))
+    return _per_shard(shard, mesh, (x, w), (xspec, P(TP_AXIS, None)), P())
 
 
 def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None = None):

@@ -60,8 +60,8 @@ def _sum_fixed_order(parts):
     return parts[0]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def _matmul_impl(x, w, *, interpret, config):
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "out_dtype"))
+def _matmul_impl(x, w, *, interpret, config, out_dtype):
     cfg = dict(DEFAULT_CONFIG)
     cfg.update(dict(config or ()))
     M, K = x.shape
@@ -80,23 +80,25 @@ def _matmul_impl(x, w, *, interpret, config):
         grid=(mp // bm, np_ // bn, split),
         in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), pl.BlockSpec((ks, bn), lambda i, j, s: (s, j))],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((split, mp, np_), x.dtype if split == 1 else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((split, mp, np_), out_dtype if split == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         interpret=interpret,
         name="invariant_matmul",
     )(x, w)
-    out = out[0] if split == 1 else _sum_fixed_order(out).astype(x.dtype)
+    out = out[0] if split == 1 else _sum_fixed_order(out).astype(out_dtype)
     return out[:M, :N] if (mp, np_) != (M, N) else out
 
 
-def matmul_invariant_pallas(x: jax.Array, w: jax.Array, *, interpret: bool = False, config=None) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] in x.dtype (fp32 accumulation), every row computed independently of the
-    others (see the module docstring). x and w must share a dtype."""
+def matmul_invariant_pallas(x: jax.Array, w: jax.Array, *, interpret: bool = False, config=None,
+                            out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x.dtype; fp32 accumulation), every row computed
+    independently of the others (see the module docstring). x and w must share a dtype."""
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"expected x [..., K] and w [K, N]; got {x.shape} and {w.shape}")
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype; got {x.dtype} and {w.dtype}")
     lead = x.shape[:-1]
     config = None if config is None else tuple(sorted(dict(config).items()))
-    y = _matmul_impl(x.reshape(-1, x.shape[-1]), w, interpret=bool(interpret), config=config)
+    y = _matmul_impl(x.reshape(-1, x.shape[-1]), w, interpret=bool(interpret), config=config,
+                     out_dtype=jnp.dtype(out_dtype or x.dtype))
     return y.reshape(lead + (w.shape[1],))

@@ -11,7 +11,8 @@ Mesh sizes and the tiny models (GDN HK=2 / HV=4, attention H=4 / HKV=2, MLP 96, 
 attention query heads, MLP / experts and the vocabulary; tp=8 splits only the MLP / experts and the vocabulary.
 
 Tolerance, sharded vs single device (fp32): max |logit difference| <= 1e-4 (measured 2e-7 to 7e-6: the out/o/down
-projections sum their inputs in tp pieces, then across devices). Deterministic mode on a fixed mesh: bitwise.
+projections sum their inputs in tp pieces, then across devices). Deterministic mode on a fixed mesh: bitwise (on 4
+devices with the output projections' partial sums all-gathered and added in device order).
 Tests that need a hook in a file outside this change (loader, grouped layout, kernels in shard_map) skip, naming
 it, when that hook is not there.
 """
@@ -263,6 +264,19 @@ def _worker() -> dict:
     record("det/qwen3_5_tiny/2", lambda: det_checks(det_fixture, 2))
     record("det/tiny-next/2", lambda: det_checks(jaxgdn.tiny_model("tiny-next", seed=21, deterministic=True), 2,
                                                  full=False))
+    record("det/qwen3_5_tiny/4", lambda: det_checks(det_fixture, 4, full=False))
+
+    def fixed_order():
+        """Deterministic mode on meshes of more than 2 devices sums the output projections' partial products in a
+        fixed device order (all_gather + adds) instead of an all-reduce; on 2 devices the all-reduce stays."""
+        counts = {}
+        for tp in (2, 4):
+            sm = S.shard_model(det_fixture, S.make_mesh(tp))
+            with jax.set_mesh(S.mesh_of(sm)):
+                counts[tp] = str(jax.make_jaxpr(prefill_chunk)(sm, init(sm, 2, 128), toks, lens)).count("all_gather")
+        return {"all_gathers_tp2": counts[2], "all_gathers_tp4": counts[4]}
+
+    record("fixed_order", fixed_order)
 
     def cache_and_generate():
         """generate on a mesh (its first token and logprob = the single-device prefill's, within TOL), the
@@ -397,6 +411,13 @@ def test_deterministic_mode_is_bitwise_on_a_fixed_mesh(results, key):
         assert r["grid_split_equals_one_call"], r
         # across mesh sizes only within rounding: the row-split projections sum in a different order
         assert r["vs_single_device_max_diff"] <= TOL, r
+
+
+def test_deterministic_mode_on_four_devices_sums_in_a_fixed_order(results):
+    r = _get(results, "det/qwen3_5_tiny/4")
+    assert r["twice"] and r["in_batch_row2"] and r["state_misplaced"] == [], r
+    f = _get(results, "fixed_order")
+    assert f["all_gathers_tp4"] > 0 and f["all_gathers_tp2"] == 0, f
 
 
 def test_generate_and_prefix_cache_on_a_mesh(results):

@@ -34,7 +34,7 @@ def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array, det: str
     """o: [..., HV, V] core output; z: [..., HV*V] gate. Returns [..., D]."""
     z = z.reshape(o.shape)
     y = gated_rms_norm(o.astype(z.dtype), z, p.norm_weight, cfg.rms_norm_eps)
-    return linear(y.reshape(*y.shape[:-2], cfg.gdn_value_dim), p.out_proj, det)
+    return linear(y.reshape(*y.shape[:-2], cfg.gdn_value_dim), p.out_proj, det, rows_split=True)
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:
