@@ -305,9 +305,12 @@ def ceilings():
     del x, y, a
 
 
-def fla_prefill_fn(q, k, v, g, beta):
-    import torch
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+def fla_prefill_fn(q, k, v, g, beta, module="fla"):
+    """fla-core's chunk_gated_delta_rule, or (module="flash_qla") FlashQLA's, which takes the same arguments."""
+    if module == "flash_qla":
+        from flash_qla import chunk_gated_delta_rule as fla_chunk
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     tq, tk, tv, tg = to_torch(q), to_torch(k), to_torch(v), to_torch(g)
     tb = to_torch(beta.astype(jnp.bfloat16))
     K = q.shape[-1]
@@ -369,12 +372,20 @@ def prefill_timing(cfg_name, cfg, with_reference=True):
             t_fla = do_bench_ms(fla_run) * 1e-3
             fo, fs = fla_run()
             o, s = f(q, k, v, g, beta)
-            import torch
             diff_o = rel_err(np.asarray(o.astype(jnp.float32)), fo.float().cpu().numpy())
             diff_s = rel_err(np.asarray(s), fs.float().cpu().numpy())
         except Exception as e:
             log(f"fla failed: {type(e).__name__}: {str(e)[:300]}")
             t_fla, diff_o, diff_s = float("nan"), float("nan"), float("nan")
+        t_qla = float("nan")
+        try:  # FlashQLA 0.1.3 when installed (README of BENCHMARKS.md: how to carry its wheels)
+            qla_run = fla_prefill_fn(q, k, v, g, beta, module="flash_qla")
+            t_qla = do_bench_ms(qla_run) * 1e-3
+            qo, _ = qla_run()
+            log(f"  flash_qla {str(shp)}: {t_qla * 1e3:.3f} ms; ours / flash_qla {t_ours / t_qla:.2f}; rel(o) vs ours "
+                f"{rel_err(np.asarray(f(q, k, v, g, beta)[0].astype(jnp.float32)), qo.float().cpu().numpy()):.1e}")
+        except Exception as e:
+            log(f"  flash_qla unavailable: {type(e).__name__}: {str(e)[:200]}")
         t_ref = float("nan")
         if with_reference:
             try:
@@ -384,6 +395,7 @@ def prefill_timing(cfg_name, cfg, with_reference=True):
                 log(f"reference failed: {type(e).__name__}: {str(e)[:200]}")
         flops, useful, nbytes = prefill_model(*shp, 128, 128, dict(chunk_mod.DEFAULT_CONFIG, **(cfg or {}))["bv"])
         row = dict(shape=shp, config=cfg_name, ours_ms=t_ours * 1e3, fla_ms=t_fla * 1e3, ratio=t_ours / t_fla,
+                   flash_qla_ms=t_qla * 1e3,
                    ref_ms=t_ref * 1e3, rel_o_vs_fla=diff_o, rel_state_vs_fla=diff_s, flops=flops,
                    useful_flops=useful, bytes=nbytes,
                    achieved_TFLOPs=flops / t_ours / 1e12, achieved_TBps=nbytes / t_ours / 1e12)
