@@ -126,6 +126,54 @@ def stage_prefill(model, T: int, rate: float, tag: str):
     return t
 
 
+def kernel_times(trace_dir: str, top: int = 15) -> list[tuple[str, float, int]]:
+    """(name, total µs, count) of the device kernels in a `jax.profiler` trace (its perfetto JSON), largest first.
+    Events of processes whose name mentions a GPU; on a machine without one, every complete event (for tests)."""
+    import glob
+    import gzip
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path, "rt") as fh:
+        events = json.load(fh)["traceEvents"]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in names.items() if "gpu" in n.lower()}
+    totals: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and (not gpu or e.get("pid") in gpu):
+            t, c = totals.get(e["name"], (0.0, 0))
+            totals[e["name"]] = (t + float(e.get("dur", 0.0)), c + 1)
+    return sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
+
+
+def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
+    """Where a decode step's device time goes: one compiled loop of `steps` decode steps under the profiler."""
+    import tempfile
+    cfg = model.config
+    state = model.init_state(B, context + steps + 64)
+    toks = jax.random.randint(jax.random.key(2), (B, context), 0, cfg.vocab_size, jnp.int32)
+    state, _ = jaxgdn.model.jit(jaxgdn.prefill_chunk, static_argnames="last_only")(
+        model, state, toks, jnp.full((B,), context, jnp.int32), last_only=True)
+
+    def loop(model, state, tok):
+        def body(c, _):
+            s, t = c
+            s, logits = jaxgdn.decode_step(model, s, t)
+            return (s, jnp.argmax(logits, -1).astype(jnp.int32)), None
+        return jax.lax.scan(body, (state, tok), None, length=steps)[0]
+
+    f = jaxgdn.model.jit(loop)
+    tok0 = jnp.zeros((B,), jnp.int32)
+    jax.block_until_ready(f(model, state, tok0))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(f(model, state, tok0))
+        rows = kernel_times(d)
+    RESULTS[f"profile_{tag}"] = [dict(name=n[:200], us_per_step=t / steps, count=c // steps) for n, t, c in rows]
+    log(f"profile[{tag}] B={B}: device time per decode step by kernel (top {len(rows)})")
+    for n, t, c in rows:
+        log(f"  {t / steps:9.1f} us  x{c // steps:<4d} {n[:110]}")
+
+
 def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 16):
     cfg = model.config
     cap = context + steps + 64
@@ -227,7 +275,8 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--bitwise-lengths", default="512,4096")
     ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
-    ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise")
+    ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
+                    help="comma list, run in this order; also 'profile' (decode kernel times, normal and deterministic)")
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -251,6 +300,9 @@ def main():
         ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
                              for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"))),
+        ("profile", lambda: (stage_profile(model, args.decode_batch, args.context, "normal"),
+                             stage_profile(model.with_deterministic(), args.decode_batch, args.context,
+                                           "deterministic"))),
     ])
     for name, fn in [(n, named[n]) for n in args.stages.split(",") if n in named]:  # in the order given
         t1 = time.time()
