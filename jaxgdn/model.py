@@ -186,8 +186,9 @@ def _det(model: Model) -> str | bool:
 def _logits(model: Model, x: jax.Array) -> jax.Array:
     p, cfg = model.params, model.config
     x = rms_norm(x, p.final_norm, cfg.rms_norm_eps)
-    head = p.embed.T if p.lm_head is None else p.lm_head
-    return linear(x, head, _det(model)).astype(jnp.float32)
+    if p.lm_head is None:  # tied: the embedding [Vocab, D] read in place (no transposed copy per call)
+        return linear(x, p.embed, _det(model), w_transposed=True).astype(jnp.float32)
+    return linear(x, p.lm_head, _det(model)).astype(jnp.float32)
 
 
 def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) -> ModelState:

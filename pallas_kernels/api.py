@@ -93,18 +93,20 @@ def _sharded() -> bool:
     return not mesh.empty and TP_AXIS in mesh.axis_names and mesh.shape[TP_AXIS] > 1
 
 
-def _local_matmul_invariant(x, w, backend: str, out_dtype=None):
+def _local_matmul_invariant(x, w, backend: str, out_dtype=None, w_transposed: bool = False):
     """The batch-invariant product on one device (no mesh logic)."""
     if backend == "reference":
         from .invariant import row_tiled
 
-        return row_tiled(lambda t: jnp.dot(t, w, preferred_element_type=out_dtype or x.dtype), x)
+        wk = w.T if w_transposed else w
+        return row_tiled(lambda t: jnp.dot(t, wk, preferred_element_type=out_dtype or x.dtype), x)
     from .matmul import matmul_invariant_pallas
 
-    return matmul_invariant_pallas(x, w, interpret=backend == "interpret", out_dtype=out_dtype)
+    return matmul_invariant_pallas(x, w, interpret=backend == "interpret", out_dtype=out_dtype,
+                                   w_transposed=w_transposed)
 
 
-def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = False):
+def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = False, w_transposed: bool = False):
     """Batch-invariant x [..., K] @ w [K, N] for deterministic mode: no row's result depends on the other rows.
 
     "reference": XLA's GEMM on fixed 64-row tiles through `lax.map` (one compiled shape); "pallas"/"interpret": the
@@ -113,15 +115,17 @@ def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = Fal
     (tensor parallelism splits w's rows: attention o_proj, GDN out_proj, MLP down_proj) on meshes of more than 2
     devices: there each device multiplies its K slice into an fp32 partial, the partials are all-gathered and added
     in device order — a fixed order, where an all-reduce's order can depend on the message size (NCCL), i.e. on the
-    batch. (With 2 devices every order gives p0 + p1 = p1 + p0, so XLA's all-reduce is kept.)
+    batch. (With 2 devices every order gives p0 + p1 = p1 + p0, so XLA's all-reduce is kept.) A K the mesh size
+    does not divide keeps XLA's all-reduce too (no such projection in the Qwen3.5 / Qwen3-Next shapes).
+    `w_transposed`: w is [N, K] (a tied embedding as the output head; never row-split).
     """
     backend = resolve_backend(backend)
     if not _sharded():
-        return _local_matmul_invariant(x, w, backend)
+        return _local_matmul_invariant(x, w, backend, w_transposed=w_transposed)
     mesh = jax.sharding.get_abstract_mesh()
     tp = mesh.shape[TP_AXIS]
-    if not rows_split or tp <= 2 or x.shape[-1] % tp:
-        return _local_matmul_invariant(x, w, "reference")
+    if not rows_split or tp <= 2 or x.shape[-1] % tp or w_transposed:
+        return _local_matmul_invariant(x, w, "reference", w_transposed=w_transposed)
 
     def shard(xs, ws):  # xs [..., K / tp], ws [K / tp, N]
         parts = jax.lax.all_gather(_local_matmul_invariant(xs, ws, backend, jnp.float32), TP_AXIS)  # [tp, ..., N]
@@ -138,8 +142,8 @@ def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None =
     """Causal attention over a KV cache (default mode). q [B,T,H,Dh]; keys/values [B,N,HKV,Dh]; pos [B,T].
 
     "reference": `attention_reference` (XLA; the [T, N] scores materialised per head); "pallas"/"interpret": the
-    Pallas kernel of `attention_invariant` (measured faster than XLA's on the H200, BENCHMARKS.md), with the same
-    fallbacks.
+    Pallas kernel of `attention_invariant` (3.1x faster than XLA's at decode, B=64, on the H200 — BENCHMARKS.md;
+    prefill: faster inside the deterministic model, not timed alone), with the same fallbacks.
     """
     from . import attention as _att  # the submodule (the package exports no name `attention`)
 

@@ -3,8 +3,8 @@
 Dimension legend: B batch rows, T query positions, H query heads, HKV key/value heads (H = HKV * R), N cache slots,
 Dh head dim, ROWS query rows per program (query positions x the R heads sharing a key/value head).
 
-Grid (T * R / ROWS, HKV, B): one program per tile of ROWS query rows of one key/value head of one batch row. It reads
-that row's keys and values in fixed BK-slot blocks, in order, up to the tile's last position, with an online softmax
+Grid (Tp * R / ROWS, HKV, B), Tp = T rounded up to a multiple of ROWS / R: one program per tile of ROWS query
+rows of one key/value head of one batch row. It reads that row's keys and values in fixed BK-slot blocks, in order, up to the tile's last position, with an online softmax
 in fp32 (scores q.k * Dh^-0.5; probabilities rounded to the value dtype before the p.V dot, fp32 accumulation).
 A query's result depends only on its own batch row: the program code is the same whatever B and T are, each query
 row's dots are independent of the other rows in its tile, and key blocks past a query's position (which a tile
@@ -142,6 +142,8 @@ def attention_invariant_pallas(q, keys, values, pos, *, rows: int = 64, interpre
     pos[b, t] ([B, T] int32) sees cache slots 0..pos. Returns [B, T, H, Dh] in q.dtype. `rows` query rows per program
     (query positions x H / HKV): 64 for prefill, 16 for one-token decode. See the module docstring."""
     B, T, H, Dh = q.shape
+    if q.size == 0:
+        return jnp.zeros(q.shape, q.dtype)
     if keys.ndim != 4 or keys.shape != values.shape or keys.shape[0] != B or keys.shape[3] != Dh:
         raise ValueError(f"expected keys/values [B, N, HKV, Dh] matching q {q.shape}; got {keys.shape}, {values.shape}")
     if pos.shape != (B, T):

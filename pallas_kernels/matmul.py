@@ -6,10 +6,10 @@ whatever M is: the K axis is reduced in BK-wide steps in a fixed order with an f
 (BM, BN, BK, warps, stages) depends only on the weight's shape, never on M. A row's result therefore depends on that
 row and the weight alone: the same compiled program code runs it, only the grid's length changes.
 
-Grid (ceil(M / BM), N // BN, S). Skinny weights (fewer than `split_k_below` column tiles, e.g. the GDN gate
-projections with N = 32) would leave the GPU nearly idle, so their K axis is split into S fixed slices (S again a
-function of K and N only): each program writes an fp32 partial product and the S partials are added in a fixed
-pairwise order. Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded rows and
+Grid (ceil(M / BM), ceil(N / BN), S). Skinny weights (too narrow for `split_k_below` column tiles even at BN = 16,
+e.g. the GDN gate projections with N = 32) would leave the GPU nearly idle, so their K axis is split into S fixed
+slices (S again a function of K and N only): each program writes an fp32 partial product and the S partials are
+added in a fixed pairwise order. Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded rows and
 columns are cut off).
 """
 
@@ -29,24 +29,33 @@ DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_
 BN_CHOICES = (256, 128, 64, 32, 16)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk, w_rows_out):
     bm, bn = o_ref.shape
+    dims = (((1,), (1,)), ((), ())) if w_rows_out else (((1,), (0,)), ((), ()))
 
     def body(i, acc):
         ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
-        return acc + jnp.dot(x_ref[:, ks], w_ref[ks, :], preferred_element_type=jnp.float32)
+        wb = w_ref[:, ks] if w_rows_out else w_ref[ks, :]
+        return acc + lax.dot_general(x_ref[:, ks], wb, dims, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, S) from the weight's shape and the config only (never from M)."""
+    """(BM, BN, BK, S) from the weight's shape and the config only (never from M).
+
+    BN: the largest of BN_CHOICES (up to cfg["bn"]) that divides N — or, when none does, any (N is padded) — and
+    still gives `split_k_below` column tiles; when no choice gives that many (N <= 8 * 16 or so), the smallest
+    choice covering N, and K is then split into S fixed slices (each keeping >= 4 BK steps)."""
     bk = cfg["bk"]
-    bn = next((b for b in BN_CHOICES if b <= cfg["bn"] and N % b == 0), min(cfg["bn"], 16))
+    choices = [b for b in BN_CHOICES if b <= cfg["bn"]]
+    pool = [b for b in choices if N % b == 0] or choices
+    enough = [b for b in pool if -(-N // b) >= cfg["split_k_below"]]
+    bn = enough[0] if enough else min((b for b in pool if b >= N), default=pool[0])
     nk = -(-K // bk)
     split = 1
-    if -(-N // bn) < cfg["split_k_below"]:  # each slice keeps >= 4 BK steps; S a power of two dividing nk
+    if not enough:  # S a power of two dividing nk
         while split * 2 <= cfg["max_split"] and nk % (split * 2) == 0 and nk // (split * 2) >= 4:
             split *= 2
     return cfg["bm"], bn, bk, split
@@ -60,25 +69,27 @@ def _sum_fixed_order(parts):
     return parts[0]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "out_dtype"))
-def _matmul_impl(x, w, *, interpret, config, out_dtype):
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "out_dtype", "w_rows_out"))
+def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
     cfg = dict(DEFAULT_CONFIG)
     cfg.update(dict(config or ()))
     M, K = x.shape
-    N = w.shape[1]
+    N = w.shape[0] if w_rows_out else w.shape[1]
     bm, bn, bk, split = _tiling(K, N, cfg)
     mp, kp, np_ = -(-M // bm) * bm, -(-K // bk) * bk, -(-N // bn) * bn
     ks = kp // split  # K columns per slice
     if (mp, kp) != (M, K):
         x = jnp.pad(x, ((0, mp - M), (0, kp - K)))
     if (kp, np_) != (K, N):
-        w = jnp.pad(w, ((0, kp - K), (0, np_ - N)))
+        w = jnp.pad(w, ((0, np_ - N), (0, kp - K)) if w_rows_out else ((0, kp - K), (0, np_ - N)))
+    w_spec = (pl.BlockSpec((bn, ks), lambda i, j, s: (j, s)) if w_rows_out
+              else pl.BlockSpec((ks, bn), lambda i, j, s: (s, j)))
     from jax.experimental.pallas import triton as pltriton
 
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, bk=bk, nk=ks // bk),
+        functools.partial(_matmul_kernel, bk=bk, nk=ks // bk, w_rows_out=w_rows_out),
         grid=(mp // bm, np_ // bn, split),
-        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), pl.BlockSpec((ks, bn), lambda i, j, s: (s, j))],
+        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), w_spec],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((split, mp, np_), out_dtype if split == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
@@ -90,15 +101,21 @@ def _matmul_impl(x, w, *, interpret, config, out_dtype):
 
 
 def matmul_invariant_pallas(x: jax.Array, w: jax.Array, *, interpret: bool = False, config=None,
-                            out_dtype=None) -> jax.Array:
+                            out_dtype=None, w_transposed: bool = False) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x.dtype; fp32 accumulation), every row computed
-    independently of the others (see the module docstring). x and w must share a dtype."""
-    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"expected x [..., K] and w [K, N]; got {x.shape} and {w.shape}")
+    independently of the others (see the module docstring). x and w must share a dtype. `w_transposed`: w is given
+    as [N, K] (e.g. a tied embedding used as the output head), read in place rather than transposed in memory."""
+    N = w.shape[0] if w_transposed else w.shape[-1]
+    if w.ndim != 2 or x.shape[-1] != w.shape[1 if w_transposed else 0]:
+        want = "[N, K]" if w_transposed else "[K, N]"
+        raise ValueError(f"expected x [..., K] and w {want}; got {x.shape} and {w.shape}")
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype; got {x.dtype} and {w.dtype}")
     lead = x.shape[:-1]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if x.size == 0 or N == 0:
+        return jnp.zeros(lead + (N,), out_dtype)
     config = None if config is None else tuple(sorted(dict(config).items()))
-    y = _matmul_impl(x.reshape(-1, x.shape[-1]), w, interpret=bool(interpret), config=config,
-                     out_dtype=jnp.dtype(out_dtype or x.dtype))
-    return y.reshape(lead + (w.shape[1],))
+    y = _matmul_impl(x.reshape(-1, x.shape[-1]), w, interpret=bool(interpret), config=config, out_dtype=out_dtype,
+                     w_rows_out=bool(w_transposed))
+    return y.reshape(lead + (N,))

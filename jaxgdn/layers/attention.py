@@ -50,7 +50,8 @@ def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: Attenti
     values = state.values.at[rows, slot].set(v.astype(state.values.dtype), mode="drop")
 
     if det:
-        out = pallas_kernels.attention_invariant(q, keys, values, pos, decode=decode, backend=det)
+        out = pallas_kernels.attention_invariant(q, keys, values, pos, decode=decode,
+                                                 backend=None if det is True else det)
     else:
         out = pallas_kernels.cache_attention(q, keys, values, pos, decode=decode, backend=backend)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)

@@ -54,10 +54,12 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #   stack + block-Neumann merge), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`; not
 #   yet measured on the GPU), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
 #   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
-#   p_kk, p_inv, p_wu, p_qk: prep-kernel dots (gram matrix, inverse merge, w/u, q k^T);
-#   p_ws, p_qs, p_av, p_kv: state-kernel dots (w S, q S, A v_new, k^T v_new).
-# Measured on the H200 (BENCHMARKS.md): bv=64 was the fastest over (1, 8192, 16, 32) + (8, 4096, 16, 32); the
-# all-TF32 state kernel keeps states within 4e-4 of the float64 oracle (tf32x3 on p_ws/p_kv: 3e-5, ~10% slower).
+#   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
+#   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
+#   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
+#   prep and recurrence kernels (fused).
+# Measured on the H200 (BENCHMARKS.md, run 3): split with 4 prep warps was the fastest over (1, 8192, 16, 32) +
+# (8, 4096, 16, 32); all configurations kept outputs within 1.8e-3 and states within 8e-4 of the float64 oracle.
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="state" (split design) returns after the recurrence kernel.
 DEFAULT_CONFIG = dict(
@@ -362,6 +364,28 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
     o_ref[...] = o.astype(o_ref.dtype)
 
 
+def _checked_config(config, V: int) -> dict:
+    """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update(dict(config or ()))
+    unknown = set(cfg) - set(DEFAULT_CONFIG) - {"only_prep", "stop_after"}
+    if unknown:
+        raise ValueError(f"unknown chunk kernel config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    if cfg["design"] not in ("split", "fused"):
+        raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
+    if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64"):
+        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
+    for name in ("bv", "bv_out"):
+        b = min(cfg[name], V)
+        _check_pow2(name, b)
+        if V % b:
+            raise ValueError(f"{name}={cfg[name]} must divide V={V}")
+    for name, p in cfg.items():
+        if name.startswith("p_") and p not in _PRECISIONS:
+            raise ValueError(f"{name}={p!r}: expected one of {_PRECISIONS}")
+    return cfg
+
+
 def _check_pow2(name, x, lo=16):
     if x < lo or x & (x - 1):
         raise ValueError(f"{name}={x}: the Pallas-Triton kernels need a power of two >= {lo}")
@@ -370,8 +394,7 @@ def _check_pow2(name, x, lo=16):
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
 def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret,
                 config):
-    cfg = dict(DEFAULT_CONFIG)
-    cfg.update(dict(config or ()))
+    cfg = _checked_config(config, v.shape[3])
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
@@ -387,8 +410,6 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
     if cfg["design"] == "split":
         return _split_calls(q, k, v, g, beta, initial_state, lengths, T=T, scale=scale, use_l2=use_qk_l2norm,
                             checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
-    if cfg["design"] != "fused":
-        raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
 
     prep = pl.pallas_call(
         functools.partial(_prep_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),

@@ -219,3 +219,13 @@ def test_tiles16_inverse_with_lengths_split_and_batch(seq):
     alone = chunk_gated_delta_rule_pallas(*[x[2:3, :37] for x in args(slice(None))], initial_state=s0[2:3],
                                           interpret=True, config=cfg)
     assert np.array_equal(np.asarray(alone[0])[0], o[2, :37]) and np.array_equal(np.asarray(alone[1])[0], s[2])
+
+
+@pytest.mark.parametrize("config,match", [({"bv_out": 24}, "power of two"), ({"bv": 24}, "power of two"),
+                                          ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
+                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown chunk kernel config")])
+def test_bad_config_is_refused(config, match):
+    z = jnp.zeros((1, 64, 1, K))
+    with pytest.raises(ValueError, match=match):
+        chunk_gated_delta_rule_pallas(z, z, jnp.zeros((1, 64, 2, V)), jnp.zeros((1, 64, 2)), jnp.zeros((1, 64, 2)),
+                                      interpret=True, config=config)

@@ -175,3 +175,12 @@ def test_invariant_attention_lowers_for_h200(B, T, H, HKV, Dh, N, rows):
                                 SDS((B, N, HKV, Dh), jnp.bfloat16), SDS((B, T), jnp.int32))
     n, bad = dot_problems(modules)
     assert len(modules) == 1 and n == 2 and not bad, bad
+
+
+def test_invariant_matmul_with_transposed_weight_lowers_for_h200():
+    from pallas_kernels.matmul import matmul_invariant_pallas
+
+    f = lambda x, w: matmul_invariant_pallas(x, w, w_transposed=True)  # noqa: E731
+    _, modules = lower_for_h200(f, SDS((64, 1024), jnp.bfloat16), SDS((151936, 1024), jnp.bfloat16))
+    n, bad = dot_problems(modules)
+    assert len(modules) == 1 and n == 1 and not bad, bad

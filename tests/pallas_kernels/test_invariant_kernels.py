@@ -121,3 +121,23 @@ def test_matmul_split_k_for_skinny_weights():
     for rows in ([3], [0, 139], list(range(5, 70))):
         assert np.array_equal(np.asarray(matmul_invariant_pallas(x[np.array(rows)], w, interpret=True)),
                               np.asarray(y)[rows])
+
+
+def test_matmul_transposed_weight_empty_input_and_many_slices():
+    """w given as [N, K] (a tied embedding as the output head) equals w.T given as [K, N], bitwise; empty inputs
+    give empty outputs; a 16-slice split K (K = 4096, N = 32) stays within bf16 rounding of float64."""
+    rng = np.random.default_rng(13)
+    w = jnp.asarray(rng.standard_normal((96, 200)) / 10, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((70, 200)), jnp.bfloat16)
+    a = matmul_invariant_pallas(x, w, interpret=True, w_transposed=True)
+    b = matmul_invariant_pallas(x, jnp.asarray(np.asarray(w).T), interpret=True)
+    assert a.shape == (70, 96) and np.array_equal(np.asarray(a), np.asarray(b))
+    assert matmul_invariant_pallas(x[:0], w, interpret=True, w_transposed=True).shape == (0, 96)
+    from pallas_kernels.matmul import DEFAULT_CONFIG, _tiling
+
+    assert _tiling(4096, 32, DEFAULT_CONFIG)[3] == 16
+    w2 = jnp.asarray(rng.standard_normal((4096, 32)) / 64, jnp.bfloat16)
+    x2 = jnp.asarray(rng.standard_normal((3, 4096)), jnp.bfloat16)
+    y2 = matmul_invariant_pallas(x2, w2, interpret=True, out_dtype=jnp.float32)
+    ref = _np(x2) @ _np(w2)
+    assert y2.dtype == jnp.float32 and np.abs(np.asarray(y2) - ref).max() <= 1e-4 * np.abs(ref).max()
