@@ -145,9 +145,8 @@ def kernel_times(trace_dir: str, top: int = 15) -> list[tuple[str, float, int]]:
     return sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
-def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
-    """Where a decode step's device time goes: one compiled loop of `steps` decode steps under the profiler."""
-    import tempfile
+def decode_setup(model, B: int, context: int, steps: int):
+    """(compiled loop of `steps` greedy decode steps, state after a `context`-token prefill, first tokens)."""
     cfg = model.config
     state = model.init_state(B, context + steps + 64)
     toks = jax.random.randint(jax.random.key(2), (B, context), 0, cfg.vocab_size, jnp.int32)
@@ -161,8 +160,13 @@ def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
             return (s, jnp.argmax(logits, -1).astype(jnp.int32)), None
         return jax.lax.scan(body, (state, tok), None, length=steps)[0]
 
-    f = jaxgdn.model.jit(loop)
-    tok0 = jnp.zeros((B,), jnp.int32)
+    return jaxgdn.model.jit(loop), state, jnp.zeros((B,), jnp.int32)
+
+
+def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
+    """Where a decode step's device time goes: one compiled loop of `steps` decode steps under the profiler."""
+    import tempfile
+    f, state, tok0 = decode_setup(model, B, context, steps)
     jax.block_until_ready(f(model, state, tok0))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -177,21 +181,7 @@ def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
 def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 16):
     cfg = model.config
     cap = context + steps + 64
-    state = model.init_state(B, cap)
-    toks = jax.random.randint(jax.random.key(2), (B, context), 0, cfg.vocab_size, jnp.int32)
-    state, _ = jaxgdn.model.jit(jaxgdn.prefill_chunk, static_argnames="last_only")(
-        model, state, toks, jnp.full((B,), context, jnp.int32), last_only=True)
-
-    def loop(model, state, tok):
-        def body(c, _):
-            s, t = c
-            s, logits = jaxgdn.decode_step(model, s, t)
-            return (s, jnp.argmax(logits, -1).astype(jnp.int32)), None
-        (s, t), _ = jax.lax.scan(body, (state, tok), None, length=steps)
-        return s, t
-
-    f = jaxgdn.model.jit(loop)
-    tok0 = jnp.zeros((B,), jnp.int32)
+    f, state, tok0 = decode_setup(model, B, context, steps)
     t = timed(f, model, state, tok0, reps=3) / steps
     step1 = jaxgdn.model.jit(jaxgdn.decode_step)
     t_call = timed(step1, model, state, tok0, reps=5)
@@ -280,7 +270,6 @@ def main():
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    stages = set(args.stages.split(","))
     small = args.preset.startswith("tiny")
     RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
                    host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
