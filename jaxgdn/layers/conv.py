@@ -19,39 +19,19 @@ def causal_conv1d(x: jax.Array, conv_state: jax.Array, weight: jax.Array, length
     """
     kc = weight.shape[0]
     B, T, C = x.shape
-    state = conv_state.astype(x.dtype)
+    full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, KC-1+T, C]
     w = weight.astype(jnp.float32)
-    # tap j reads full[t + j] with full = [state | x]; each shifted view is its own concatenation of slices so that
-    # XLA fuses them all into the one pass that writes y (x read once; `full` is never materialised)
-    acc = sum(_shifted(state, x, j, T).astype(jnp.float32) * w[j] for j in range(kc))
+    acc = sum(full[:, j:j + T].astype(jnp.float32) * w[j] for j in range(kc))
     y = jax.nn.silu(acc).astype(x.dtype)
     ends = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-    new_state = _rows_of_full(state, x, ends[:, None] + jnp.arange(kc - 1)[None, :])
+    idx = ends[:, None] + jnp.arange(kc - 1)[None, :]  # [B, KC-1] rows of `full`
+    new_state = jnp.take_along_axis(full, idx[..., None], axis=1)
     if checkpoint_ends is None:
         return y, new_state
     B, M = checkpoint_ends.shape
     rows = jnp.clip(checkpoint_ends[..., None] + jnp.arange(kc - 1), 0, T + kc - 2).reshape(B, M * (kc - 1))
-    ckpt = _rows_of_full(state, x, rows).reshape(B, M, kc - 1, C)
+    ckpt = jnp.take_along_axis(full, rows[..., None], axis=1).reshape(B, M, kc - 1, C)
     return y, new_state, ckpt
-
-
-def _shifted(state: jax.Array, x: jax.Array, j: int, T: int) -> jax.Array:
-    """full[:, j:j + T] for full = concat(state, x) along time ([B, KC-1, C] and [B, T, C])."""
-    k1 = state.shape[1]
-    if j == k1:
-        return x
-    head = state[:, j:]
-    if T <= k1 - j:
-        return head[:, :T]
-    return jnp.concatenate([head, x[:, :T - (k1 - j)]], axis=1)
-
-
-def _rows_of_full(state: jax.Array, x: jax.Array, rows: jax.Array) -> jax.Array:
-    """full[b, rows[b, i]] for full = concat(state, x) along time; rows [B, R] in [0, KC-1+T). Two small gathers."""
-    k1, T = state.shape[1], x.shape[1]
-    from_x = jnp.take_along_axis(x, jnp.clip(rows - k1, 0, T - 1)[..., None], axis=1)
-    from_state = jnp.take_along_axis(state, jnp.clip(rows, 0, k1 - 1)[..., None], axis=1)
-    return jnp.where((rows >= k1)[..., None], from_x, from_state)
 
 
 def causal_conv1d_step(x: jax.Array, conv_state: jax.Array, weight: jax.Array):
