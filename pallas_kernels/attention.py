@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .config import merged_config
 from .invariant import softmax
 
 # Measured on the H200 (BENCHMARKS.md), decode B=64 over 1088 slots: 3 stages 90.5 us (2 stages 123 us; XLA's
@@ -91,8 +92,7 @@ def _attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, bk, nblocks, scale
 
 @functools.partial(jax.jit, static_argnames=("rows", "interpret", "config"))
 def _attention_impl(q, keys, values, pos, *, rows, interpret, config):
-    cfg = dict(DEFAULT_CONFIG)
-    cfg.update(dict(config or ()))
+    cfg = merged_config("attention_invariant", DEFAULT_CONFIG, config, pow2=("bk",))
     B, T, H, Dh = q.shape
     N, HKV = keys.shape[1], keys.shape[2]
     R = H // HKV

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .config import merged_config
+
 DEFAULT_CONFIG = dict(bc=1024, num_warps=4, num_stages=1)
 
 
@@ -37,8 +39,7 @@ def _update_kernel(x_ref, s_ref, w_ref, y_ref, so_ref, *, kc):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def _update_impl(x, conv_state, weight, *, interpret, config):
-    cfg = dict(DEFAULT_CONFIG)
-    cfg.update(dict(config or ()))
+    cfg = merged_config("causal_conv1d_update", DEFAULT_CONFIG, config, blocks={"bc": x.shape[1]})
     B, C = x.shape
     kc = weight.shape[0]
     bc = min(cfg["bc"], C)

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .config import merged_config
+
 # BM is fixed (never chosen by M); BN is the largest of BN_CHOICES dividing N (a property of the weight).
 # Measured on the H200 (BENCHMARKS.md): bm=128 with 8 warps reaches 0.90-0.98 of XLA's bf16 GEMM at M >= 1024
 # (0.93 at M = 64); bm=64 configurations reached 0.54-0.86.
@@ -71,8 +73,7 @@ def _sum_fixed_order(parts):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "out_dtype", "w_rows_out"))
 def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
-    cfg = dict(DEFAULT_CONFIG)
-    cfg.update(dict(config or ()))
+    cfg = merged_config("matmul_invariant", DEFAULT_CONFIG, config, pow2=("bm", "bn", "bk"))
     M, K = x.shape
     N = w.shape[0] if w_rows_out else w.shape[1]
     bm, bn, bk, split = _tiling(K, N, cfg)

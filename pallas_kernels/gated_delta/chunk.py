@@ -40,6 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..config import merged_config
+
 CHUNK = 64
 _SUB = 16  # diagonal block size of the triangular inverse
 _EPS = 1e-6
@@ -366,20 +368,12 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
 
 def _checked_config(config, V: int) -> dict:
     """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
-    cfg = dict(DEFAULT_CONFIG)
-    cfg.update(dict(config or ()))
-    unknown = set(cfg) - set(DEFAULT_CONFIG) - {"only_prep", "stop_after"}
-    if unknown:
-        raise ValueError(f"unknown chunk kernel config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": V, "bv_out": V},
+                        extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
     if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64"):
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
-    for name in ("bv", "bv_out"):
-        b = min(cfg[name], V)
-        _check_pow2(name, b)
-        if V % b:
-            raise ValueError(f"{name}={cfg[name]} must divide V={V}")
     for name, p in cfg.items():
         if name.startswith("p_") and p not in _PRECISIONS:
             raise ValueError(f"{name}={p!r}: expected one of {_PRECISIONS}")

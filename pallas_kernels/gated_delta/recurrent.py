@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..config import merged_config
+
 _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md), kernel-only, B=64/256: bv=64, 4 warps 3.37/3.64 TB/s; bv=32, 4 warps
 # 3.34/3.53; bv=128, 8 warps 2.65/2.81.
@@ -56,8 +58,7 @@ def _decode_kernel(*refs, scale, use_l2, fused):
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "fused", "interpret", "config"))
 def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2norm, fused, interpret, config):
-    cfg = dict(DEFAULT_CONFIG)
-    cfg.update(dict(config or ()))
+    cfg = merged_config("recurrent_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": v.shape[2]})
     B, HK, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G = HV // HK

@@ -223,7 +223,7 @@ def test_tiles16_inverse_with_lengths_split_and_batch(seq):
 
 @pytest.mark.parametrize("config,match", [({"bv_out": 24}, "power of two"), ({"bv": 24}, "power of two"),
                                           ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
-                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown chunk kernel config")])
+                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
     with pytest.raises(ValueError, match=match):

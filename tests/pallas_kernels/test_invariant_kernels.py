@@ -141,3 +141,23 @@ def test_matmul_transposed_weight_empty_input_and_many_slices():
     y2 = matmul_invariant_pallas(x2, w2, interpret=True, out_dtype=jnp.float32)
     ref = _np(x2) @ _np(w2)
     assert y2.dtype == jnp.float32 and np.abs(np.asarray(y2) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_kernel_configs_are_checked():
+    """A block that would leave part of an output unwritten, or a tile Triton cannot load, is refused up front."""
+    from pallas_kernels.conv1d import causal_conv1d_update_pallas
+    from pallas_kernels.gated_delta.recurrent import recurrent_gated_delta_rule_pallas
+
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bn=24 must be a power of two"):
+        matmul_invariant_pallas(x, jnp.ones((64, 64), jnp.bfloat16), interpret=True, config={"bn": 24})
+    with pytest.raises(ValueError, match="unknown config keys"):
+        attention_invariant_pallas(jnp.ones((1, 2, 4, 32)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32)),
+                                   jnp.zeros((1, 2), jnp.int32), interpret=True, config={"block": 64})
+    with pytest.raises(ValueError, match="48"):
+        causal_conv1d_update_pallas(x, jnp.ones((4, 3, 64), jnp.bfloat16), jnp.ones((4, 64)), interpret=True,
+                                    config={"bc": 48})
+    with pytest.raises(ValueError, match="bv=96"):
+        recurrent_gated_delta_rule_pallas(
+            jnp.ones((1, 1, 32)), jnp.ones((1, 1, 32)), jnp.ones((1, 2, 128)), jnp.zeros((1, 2)), jnp.zeros((1, 2)),
+            initial_state=jnp.zeros((1, 2, 32, 128)), interpret=True, config={"bv": 96})

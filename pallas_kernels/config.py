@@ -1,0 +1,35 @@
+"""Kernel launch configurations: one check for every kernel, so that a bad choice fails loudly instead of leaving
+part of an output unwritten (a block that does not divide its axis) or failing deep inside the Triton lowering."""
+
+from __future__ import annotations
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def merged_config(kernel: str, defaults: dict, config, *, blocks: dict[str, int] | None = None,
+                  pow2: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> dict:
+    """`defaults` updated with `config` (a dict or a tuple of items), checked.
+
+    blocks: {key: axis length}: the block min(cfg[key], length) must be a power of two >= 16 dividing the axis.
+    pow2: keys that must be powers of two >= 16 (tiles of padded axes). extra: further keys allowed.
+    """
+    cfg = dict(defaults)
+    cfg.update(dict(config or ()))
+    unknown = set(cfg) - set(defaults) - set(extra)
+    if unknown:
+        raise ValueError(f"{kernel}: unknown config keys {sorted(unknown)}; known: {sorted(defaults)}")
+    for key, length in (blocks or {}).items():
+        b = min(cfg[key], length)
+        if b < 16 or not _pow2(b) or length % b:
+            raise ValueError(f"{kernel}: {key}={cfg[key]} gives a block of {b} on an axis of {length}: it must be a "
+                             "power of two >= 16 dividing the axis")
+    for key in pow2:
+        if cfg[key] < 16 or not _pow2(cfg[key]):
+            raise ValueError(f"{kernel}: {key}={cfg[key]} must be a power of two >= 16")
+    for key in ("num_warps", "num_stages", "warps_prep", "stages_prep", "warps_state", "stages_state", "warps_out",
+                "stages_out"):
+        if key in cfg and (not isinstance(cfg[key], int) or cfg[key] < 1):
+            raise ValueError(f"{kernel}: {key}={cfg[key]!r} must be a positive integer")
+    return cfg
