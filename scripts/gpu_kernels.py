@@ -763,6 +763,9 @@ def main():
         "tiles16_w8": dict(inv="tiles16", warps_prep=8),
         "tiles16_bv32_s2": dict(inv="tiles16", bv=32, stages_state=2),
         "tiles16_fused": dict(inv="tiles16", design="fused"),
+        "prep2": dict(prep_kernels=2),
+        "prep2_w2": dict(prep_kernels=2, warps_prep=2),
+        "prep2_tiles16": dict(prep_kernels=2, inv="tiles16"),
     }
     if args.quick:
         chunk_configs = {"default": None}

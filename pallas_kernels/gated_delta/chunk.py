@@ -57,6 +57,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #   yet measured on the GPU), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
 #   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
 #   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
+#   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd; not yet measured);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -65,7 +66,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="state" (split design) returns after the recurrence kernel.
 DEFAULT_CONFIG = dict(
-    design="split", bv_out=128, warps_out=4, stages_out=1,
+    design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="block16", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
@@ -263,20 +264,27 @@ def _wy(k, v, beta, gc, cfg, interpret, di=None):
     """WY/UT form of one chunk: X = (I + A)^-1 with A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i);
     returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K].
     `di`: the block-diagonal inverse when already computed (inv="tiles16")."""
+    return _apply_wy(_wy_inverse(k, beta, gc, cfg, interpret, di), k, v, beta, gc, cfg, interpret)
+
+
+def _wy_inverse(k, beta, gc, cfg, interpret, di=None):
+    """X = (I + A)^-1 [C, C] (see `_wy`)."""
     lower, decay = _causal_decay(gc, strict=True)
-    kb = k * beta[:, None]
-    kk = _dot(kb, k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
+    kk = _dot(k * beta[:, None], k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
     a = jnp.where(lower, kk * decay, 0.0)
     if di is not None:
-        x = _merge_block_inverse(a, di, cfg["p_inv"], interpret)
-    elif cfg["inv"] == "fwd64":
-        x = _unit_lower_inverse_fwd64(a)
-    elif cfg["inv"] == "doubling":
-        x = _unit_lower_inverse_doubling(a, cfg["p_inv"], interpret)
-    else:
-        x = _unit_lower_inverse(a, cfg["p_inv"], interpret)
+        return _merge_block_inverse(a, di, cfg["p_inv"], interpret)
+    if cfg["inv"] == "fwd64":
+        return _unit_lower_inverse_fwd64(a)
+    if cfg["inv"] == "doubling":
+        return _unit_lower_inverse_doubling(a, cfg["p_inv"], interpret)
+    return _unit_lower_inverse(a, cfg["p_inv"], interpret)
+
+
+def _apply_wy(x, k, v, beta, gc, cfg, interpret):
+    """(w, u, kd) of `_wy` from the inverse X."""
     u = _dot(x, v * beta[:, None], cfg["p_wu"], interpret)
-    w = _dot(x, kb * jnp.exp(gc)[:, None], cfg["p_wu"], interpret)
+    w = _dot(x, k * beta[:, None] * jnp.exp(gc)[:, None], cfg["p_wu"], interpret)
     kd = k * jnp.exp(_last(gc) - gc)[:, None]
     return w, u, kd
 
@@ -342,6 +350,26 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
                                               di)
 
 
+def _inverse_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, gc_ref, *, use_l2, cfg, interpret):
+    """Split design with prep_kernels=2, part 1: X = (I + A)^-1 [C, C] and gc of one chunk (a small footprint:
+    [C, C] tiles and one [C, K] block live, so more programs fit on an SM to hide the inverse's latency)."""
+    valid = _valid_rows(len_ref[0])
+    di = None
+    if cfg["inv"] == "tiles16":
+        di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
+    gc = jnp.cumsum(_masked(g_ref, valid))
+    gc_ref[...] = gc
+    x_ref[...] = _wy_inverse(_load_key(k_ref, valid, use_l2), _masked(beta_ref, valid), gc, cfg, interpret, di)
+
+
+def _apply_kernel(len_ref, k_ref, v_ref, beta_ref, gc_ref, x_ref, w_ref, u_ref, kd_ref, *, use_l2, cfg, interpret):
+    """Split design with prep_kernels=2, part 2: w, u and kd of one chunk from X (two dots, throughput-bound)."""
+    valid = _valid_rows(len_ref[0])
+    w_ref[...], u_ref[...], kd_ref[...] = _apply_wy(x_ref[...], _load_key(k_ref, valid, use_l2),
+                                                    _masked(v_ref, valid), _masked(beta_ref, valid), gc_ref[...],
+                                                    cfg, interpret)
+
+
 def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, *, nt, cfg, interpret):
     """Split design, sequential part: only the state recurrence (two dots per chunk). Writes the fp32 state at the
     start of every chunk (h) and v_new = u - w S; the output needs nothing else from the recurrence."""
@@ -374,6 +402,8 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
     if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64"):
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
+    if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
+        raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
     for name, p in cfg.items():
         if name.startswith("p_") and p not in _PRECISIONS:
             raise ValueError(f"{name}={p!r}: expected one of {_PRECISIONS}")
@@ -477,18 +507,28 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
 
 
 def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
-    """The split design's three pallas_calls (inputs already padded to the grid): prep -> state -> out."""
+    """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
+    prep_kernels=2) -> recurrence -> output."""
+    if cfg["prep_kernels"] == 2:
+        w, u, kd, gc = _prep_two_calls(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
+    else:
+        w, u, kd, gc = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
+    if cfg.get("only_prep") or cfg.get("stop_after") == "prep":
+        return w, u, kd, gc
+    return _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, T=T, scale=scale, use_l2=use_l2,
+                                  checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
+
+
+def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     B, tp, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
     nt = tp // CHUNK
-    bv = min(cfg["bv"], V)
-    bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
     len_spec = pl.BlockSpec((1,), lambda c, h, b: (b,))
     key_spec = pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0))
     tok_spec = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
-    w, u, kd, gc = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=(nt, HV, B),
         in_specs=[len_spec, key_spec, pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)),
@@ -509,9 +549,55 @@ def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, 
         interpret=interpret,
         name="gdn_chunk_prep",
     )(lengths, k, v, g, beta)
-    if cfg.get("only_prep") or cfg.get("stop_after") == "prep":
-        return w, u, kd, gc
 
+
+def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
+    """prep_kernels=2: the inverse (and gc) in one kernel, w / u / kd in a second; X goes through memory (fp32)."""
+    B, tp, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // HK
+    nt = tp // CHUNK
+    f32 = jnp.float32
+    len_spec = pl.BlockSpec((1,), lambda c, h, b: (b,))
+    key_spec = pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0))
+    tok_spec = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
+    row_spec = lambda n: pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))  # noqa: E731
+    gc_spec = pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c))
+    x, gc = pl.pallas_call(
+        functools.partial(_inverse_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        grid=(nt, HV, B),
+        in_specs=[len_spec, key_spec, tok_spec, tok_spec],
+        out_specs=[row_spec(CHUNK), gc_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, tp, CHUNK), f32), jax.ShapeDtypeStruct((B, HV, tp), f32)],
+        compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
+        interpret=interpret,
+        name="gdn_chunk_inverse",
+    )(lengths, k, g, beta)
+    w, u, kd = pl.pallas_call(
+        functools.partial(_apply_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        grid=(nt, HV, B),
+        in_specs=[len_spec, key_spec, pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)), tok_spec,
+                  gc_spec, row_spec(CHUNK)],
+        out_specs=[row_spec(K), row_spec(V), row_spec(K)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, tp, K), f32), jax.ShapeDtypeStruct((B, HV, tp, V), f32),
+                   jax.ShapeDtypeStruct((B, HV, tp, K), f32)],
+        compiler_params=_triton_params(cfg["warps_apply"], 1),
+        interpret=interpret,
+        name="gdn_chunk_apply",
+    )(lengths, k, v, beta, gc, x)
+    return w, u, kd, gc
+
+
+def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride,
+                           interpret, cfg):
+    """The split design's recurrence and output kernels, and the in-call checkpoints."""
+    B, tp, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // HK
+    nt = tp // CHUNK
+    bv = min(cfg["bv"], V)
+    bvo = min(cfg["bv_out"], V)
+    f32 = jnp.float32
     h, vn, final = pl.pallas_call(
         functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),

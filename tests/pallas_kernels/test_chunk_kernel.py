@@ -31,8 +31,14 @@ def run(d, *, lengths=None, initial_state="from_inputs", checkpoint_stride=None,
         jnp.asarray(d["g"][:, sl]), jnp.asarray(d["beta"][:, sl]),
         initial_state=None if s0 is None else jnp.asarray(s0),
         lengths=None if lengths is None else jnp.asarray(lengths, jnp.int32),
-        checkpoint_stride=checkpoint_stride, interpret=True, config=None if design is None else {"design": design})
+        checkpoint_stride=checkpoint_stride, interpret=True, config=_design_config(design))
     return tuple(np.asarray(x) for x in out)
+
+
+def _design_config(design):
+    if design is None:
+        return None
+    return {"design": "split", "prep_kernels": 2} if design == "split2" else {"design": design}
 
 
 def valid_rows(o, lengths):
@@ -49,6 +55,7 @@ def valid_rows(o, lengths):
         (1, 130, 1, 4, "realistic", "zero", None, "split"),
         (2, 65, 2, 4, "very_negative", "realistic", [65, 30], "fused"),
         (3, 130, 1, 2, "realistic", "mixed", [130, 64, 1], "fused"),
+        (2, 65, 2, 4, "very_negative", "mixed", [65, 30], "split2"),
     ],
 )
 def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths, design):
@@ -83,9 +90,10 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
-@pytest.fixture(params=["split", "fused"])
+@pytest.fixture(params=["split", "fused", "split2"])
 def design(request):
-    """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output)."""
+    """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
+    and the split design with its prep in two kernels ("split2": inverse, then w / u / kd)."""
     return request.param
 
 
@@ -223,7 +231,8 @@ def test_tiles16_inverse_with_lengths_split_and_batch(seq):
 
 @pytest.mark.parametrize("config,match", [({"bv_out": 24}, "power of two"), ({"bv": 24}, "power of two"),
                                           ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
-                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys")])
+                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"),
+                                          ({"prep_kernels": 2, "design": "fused"}, "prep_kernels")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
     with pytest.raises(ValueError, match=match):
