@@ -691,7 +691,8 @@ def _bench(args, out: _Outputs) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from .model import _prefill_jit as prefill, decode_step
+    from .generate import greedy_decode
+    from .model import _prefill_jit as prefill
 
     if args.output:
         out.target(args.output)
@@ -705,14 +706,7 @@ def _bench(args, out: _Outputs) -> int:
         raise CapacityError(f"{T} prompt + {N} decode tokens exceed the capacity of {_max_length(args)} tokens")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (B, T)), jnp.int32)
     lengths = jnp.full((B,), T, jnp.int32)
-    @jax.jit
-    def decode_loop(model, state, tok):
-        def step(carry, _):
-            state, tok = carry
-            state, logits = decode_step(model, state, tok)
-            return (state, jnp.argmax(logits, -1).astype(jnp.int32)), None
-        (state, tok), _ = jax.lax.scan(step, (state, tok), None, length=N)
-        return state, tok
+    decode_loop = jax.jit(functools.partial(greedy_decode, steps=N))
 
     def timed(fn):
         times = []

@@ -80,6 +80,32 @@ def bench_jax(f, *args, n=20, reps=7):
     return statistics.median(times)
 
 
+def bench_state_loop(loop, args, state, steps_per_call, inner=5, reps=7):
+    """Median seconds per step of `loop(*args, state) -> state` (a compiled loop of `steps_per_call` steps whose
+    state is donated), called `inner` times back to back per repetition. Returns (seconds, final state)."""
+    state = jax.block_until_ready(loop(*args, state))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            state = loop(*args, state)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / (inner * steps_per_call))
+    return statistics.median(times), state
+
+
+def bench_state_calls(step, args, state, n=50):
+    """Seconds per call of `step(*args, state) -> (out, state)`, back to back (pipelined; the state donated).
+    Returns (seconds, last out, final state)."""
+    out, state = step(*args, state)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out, state = step(*args, state)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - t0) / n, out, state
+
+
 def bf16(x):
     return jnp.asarray(x, jnp.bfloat16)
 
@@ -421,7 +447,6 @@ def decode_timing(configs):
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, HV)))
         s0 = jax.random.normal(ks[5], (B, HV, K, V), jnp.float32) * 0.1
         state_bytes = 2 * B * HV * K * V * 4
-        best = None
         for cname, cfg in configs.items():
             kern = functools.partial(recurrent_gated_delta_rule_pallas, config=cfg)
 
@@ -432,24 +457,9 @@ def decode_timing(configs):
 
             step = jax.jit(lambda q, k, v, g, beta, s: kern(q, k, v, g, beta, initial_state=s), donate_argnums=5)
             try:
-                s = jnp.array(s0)
-                s = jax.block_until_ready(loop(q, k, v, g, beta, s))
-                ts = []
-                for _ in range(7):
-                    t0 = time.perf_counter()
-                    for _ in range(5):
-                        s = loop(q, k, v, g, beta, s)
-                    jax.block_until_ready(s)
-                    ts.append((time.perf_counter() - t0) / (5 * nstep))
-                t_kernel = statistics.median(ts)
+                t_kernel, s = bench_state_loop(loop, (q, k, v, g, beta), jnp.array(s0), nstep)
                 # per call, pipelined and latency (block each call)
-                o, s = step(q, k, v, g, beta, s)
-                jax.block_until_ready(s)
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    o, s = step(q, k, v, g, beta, s)
-                jax.block_until_ready(s)
-                t_call = (time.perf_counter() - t0) / 50
+                t_call, o, s = bench_state_calls(step, (q, k, v, g, beta), s)
                 lats = []
                 for _ in range(50):
                     t0 = time.perf_counter()
@@ -507,14 +517,7 @@ def decode_timing(configs):
         try:
             fr = jax.jit(lambda q, k, v, g, beta, s: gated_delta_step_reference(q, k, v, g, beta, s),
                          donate_argnums=5)
-            s = jnp.array(s0)
-            o, s = fr(q, k, v, g, beta, s)
-            jax.block_until_ready(s)
-            t0 = time.perf_counter()
-            for _ in range(50):
-                o, s = fr(q, k, v, g, beta, s)
-            jax.block_until_ready(s)
-            t_call = (time.perf_counter() - t0) / 50
+            t_call, _, _ = bench_state_calls(fr, (q, k, v, g, beta), jnp.array(s0))
             RESULTS["decode"].append(dict(B=B, impl="jax-reference", call_us=t_call * 1e6,
                                           TBps=state_bytes / t_call / 1e12))
             log(f"{B:4d} {'jax-ref':>14s} {'':>10s} {state_bytes / t_call / 1e12:6.2f} {t_call * 1e6:8.1f}")
@@ -638,14 +641,7 @@ def replay_timing():
         state_bytes = 2 * B * HV * K * V * 4
 
         def timed_loop(loop, *args):
-            s = jax.block_until_ready(loop(*args))
-            ts = []
-            for _ in range(7):
-                t0 = time.perf_counter()
-                s = loop(*args[:-1], s)
-                jax.block_until_ready(s)
-                ts.append((time.perf_counter() - t0) / nstep)
-            return statistics.median(ts)
+            return bench_state_loop(loop, args[:-1], args[-1], nstep, inner=1)[0]
 
         @functools.partial(jax.jit, donate_argnums=5)
         def rec_loop(q, k, v, g, beta, s):
@@ -697,22 +693,9 @@ def conv1d_timing():
             @functools.partial(jax.jit, donate_argnums=1)
             def loop(x, s, w, fn=fn):
                 return jax.lax.fori_loop(0, 20, lambda i, s: fn(x, s, w)[1], s, unroll=True)
-            s = jnp.zeros((B, KC - 1, C), jnp.bfloat16)
-            s = jax.block_until_ready(loop(x, s, w))
-            ts = []
-            for _ in range(7):
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    s = loop(x, s, w)
-                jax.block_until_ready(s)
-                ts.append((time.perf_counter() - t0) / 100)
-            t_k = statistics.median(ts)
-            y, s = step(x, s, w)
-            t0 = time.perf_counter()
-            for _ in range(50):
-                y, s = step(x, s, w)
-            jax.block_until_ready(s)
-            t_c = (time.perf_counter() - t0) / 50
+            # the state is the middle argument: bind x and w around it
+            t_k, s = bench_state_loop(lambda s: loop(x, s, w), (), jnp.zeros((B, KC - 1, C), jnp.bfloat16), 20)
+            t_c, _, _ = bench_state_calls(lambda s: step(x, s, w), (), s)
             RESULTS.setdefault("conv1d", []).append(dict(kind=f"update-{name}", B=B, kernel_us=t_k * 1e6,
                                                          call_us=t_c * 1e6))
             log(f"conv update {name:>6s} B={B}: in-loop {t_k * 1e6:.1f} us/step, per call {t_c * 1e6:.1f} us")

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 import jaxgdn  # noqa: E402
 from jaxgdn.config import LINEAR, PRESETS  # noqa: E402
+from jaxgdn.generate import greedy_decode  # noqa: E402
 from jaxgdn.init import random_params  # noqa: E402
 
 RESULTS: dict = {"errors": []}
@@ -153,14 +154,8 @@ def decode_setup(model, B: int, context: int, steps: int):
     state, _ = jaxgdn.model.jit(jaxgdn.prefill_chunk, static_argnames="last_only")(
         model, state, toks, jnp.full((B,), context, jnp.int32), last_only=True)
 
-    def loop(model, state, tok):
-        def body(c, _):
-            s, t = c
-            s, logits = jaxgdn.decode_step(model, s, t)
-            return (s, jnp.argmax(logits, -1).astype(jnp.int32)), None
-        return jax.lax.scan(body, (state, tok), None, length=steps)[0]
-
-    return jaxgdn.model.jit(loop), state, jnp.zeros((B,), jnp.int32)
+    loop = jaxgdn.model.jit(functools.partial(greedy_decode, steps=steps))
+    return loop, state, jnp.zeros((B,), jnp.int32)
 
 
 def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):

@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from gpu_model_bench import build as build_shared, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
+from jaxgdn.generate import greedy_decode  # noqa: E402
 from jaxgdn.model import decode_step, prefill_chunk  # noqa: E402
 from jaxgdn.state import AttentionLayerState, GDNLayerState  # noqa: E402
 
@@ -248,16 +249,7 @@ def decode_time(model, mesh, B: int, context: int, steps: int = 16):
     """Seconds per decode step inside one compiled loop of `steps` (state donated), and per separate call."""
     cap = context + steps + 64
 
-    def loop(model, state, tok):
-        def body(c, _):
-            s, t = c
-            s, logits = decode_step(model, s, t)
-            return (s, jnp.argmax(logits, -1).astype(jnp.int32)), None
-
-        (s, t), _ = jax.lax.scan(body, (state, tok), None, length=steps)
-        return s, t
-
-    f = jax.jit(loop, donate_argnums=1)
+    f = jax.jit(functools.partial(greedy_decode, steps=steps), donate_argnums=1)
     tok = jnp.zeros((B,), jnp.int32)
     with on_mesh(mesh):
         state = fresh_state(model, B, cap, context)

@@ -33,10 +33,12 @@ def hf_config() -> dict:
     return json.loads((SRC / "config.json").read_text())
 
 
-def write_checkpoint(path: Path, tensors: dict[str, np.ndarray], config: dict) -> Path:
+def write_checkpoint(path: Path, tensors: dict[str, np.ndarray], config: dict | str | None) -> Path:
+    """A checkpoint folder: model.safetensors and config.json (a dict, raw text, or None for no config file)."""
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config))
+    if config is not None:
+        (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     return path
 
 
@@ -218,18 +220,13 @@ def test_path_is_a_file(tmp_path):
 
 
 def test_missing_config(tmp_path, tensors):
-    path = tmp_path / "noconfig"
-    path.mkdir()
-    save_file(tensors, str(path / "model.safetensors"))
+    path = write_checkpoint(tmp_path / "noconfig", tensors, None)
     with pytest.raises(jaxgdn.CheckpointError, match="config.json"):
         jaxgdn.load_pretrained(path)
 
 
 def test_malformed_config(tmp_path, tensors):
-    path = tmp_path / "badjson"
-    path.mkdir()
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text('{"model_type": "qwen3_5_text", ')
+    path = write_checkpoint(tmp_path / "badjson", tensors, '{"model_type": "qwen3_5_text", ')
     with pytest.raises(jaxgdn.CheckpointError, match="not valid JSON"):
         jaxgdn.load_pretrained(path)
 

@@ -43,21 +43,13 @@ def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array) -> jax.Array:
 
 def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array, det: str | bool = False) -> jax.Array:
     """x: [..., D]. `det`: False, or the kernel backend of deterministic mode, where no token's result depends on
-    the others: the dense MLP's three projections go through the fixed-tile Pallas matmul ("pallas"/"interpret", and
-    on meshes of more than 2 devices, for the fixed-order sum of down_proj's partials); on "reference" the whole
-    block runs in fixed 64-token tiles. The mixture of experts runs in fixed 64-token tiles on every backend (on a
-    mesh of more than 2 devices its cross-device sums are XLA's: not covered by the fixed-order rule)."""
+    the others: the dense MLP's three projections each go through `linear`'s batch-invariant matmul (down_proj's rows
+    are the ones tensor parallelism splits). The mixture of experts runs in fixed 64-token tiles on every backend
+    (on a mesh of more than 2 devices its cross-device sums are XLA's: not covered by the fixed-order rule)."""
     if isinstance(p, MoEParams):
-        fn = lambda t: moe(cfg, p, t)
-    elif det in ("pallas", "interpret") or (det and _tp_mesh_size() > 2):
-        # each projection batch-invariant on its own; down_proj's rows are split by tensor parallelism
-        h = jax.nn.silu(linear(x, p.gate_proj, det)) * linear(x, p.up_proj, det)
-        return linear(h, p.down_proj, det, rows_split=True)
-    else:
-        fn = lambda t: mlp(p, t)
-    return row_tiled(fn, x) if det else fn(x)
-
-
-def _tp_mesh_size() -> int:
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.shape["tp"] if not mesh.empty and "tp" in mesh.axis_names else 1
+        fn = lambda t: moe(cfg, p, t)  # noqa: E731
+        return row_tiled(fn, x) if det else fn(x)
+    if not det:
+        return mlp(p, x)
+    h = jax.nn.silu(linear(x, p.gate_proj, det)) * linear(x, p.up_proj, det)
+    return linear(h, p.down_proj, det, rows_split=True)

@@ -421,7 +421,6 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
     cfg = _checked_config(config, v.shape[3])
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    G = HV // HK
     nt = -(-T // CHUNK)
     tp = nt * CHUNK
     if tp != T:
@@ -435,33 +434,14 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
         return _split_calls(q, k, v, g, beta, initial_state, lengths, T=T, scale=scale, use_l2=use_qk_l2norm,
                             checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
 
+    cg = _ChunkGrid(q, v)
     prep = pl.pallas_call(
         functools.partial(_prep_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
-        grid=(nt, HV, B),
-        in_specs=[
-            pl.BlockSpec((1,), lambda c, h, b: (b,)),
-            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0)),
-            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0)),
-            pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)),
-            pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h)),
-            pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK, V), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK, CHUNK), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # w
-            jax.ShapeDtypeStruct((B, HV, tp, V), f32),  # u
-            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # q * scale * exp(gc)
-            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # k * exp(gc_last - gc)
-            jax.ShapeDtypeStruct((B, HV, tp, CHUNK), f32),  # masked intra-chunk attention
-            jax.ShapeDtypeStruct((B, HV, tp), f32),  # gc
-        ],
+        grid=cg.grid,
+        in_specs=[cg.lengths, cg.key, cg.key, cg.value, cg.token, cg.token],
+        out_specs=[cg.rows(K), cg.rows(V), cg.rows(K), cg.rows(K), cg.rows(CHUNK), cg.gc],
+        # w, u, q * scale * exp(gc), k * exp(gc_last - gc), masked intra-chunk attention, gc
+        out_shape=[cg.rows_out(K), cg.rows_out(V), cg.rows_out(K), cg.rows_out(K), cg.rows_out(CHUNK), cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
@@ -506,6 +486,30 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
     return o, outs[1], ck
 
 
+class _ChunkGrid:
+    """Grid (NT, HV, B) of the chunk-parallel kernels (prep, inverse, apply) and their operands' BlockSpecs, for
+    inputs q/k [B, Tp, HK, K], v [B, Tp, HV, V], g/beta [B, Tp, HV] and per-chunk outputs [B, HV, Tp, n]."""
+
+    def __init__(self, q, v):
+        self.B, self.tp, hk, self.K = q.shape
+        self.HV, self.V = v.shape[2], v.shape[3]
+        g = self.HV // hk
+        self.grid = (self.tp // CHUNK, self.HV, self.B)
+        self.lengths = pl.BlockSpec((1,), lambda c, h, b: (b,))
+        self.key = pl.BlockSpec((None, CHUNK, None, self.K), lambda c, h, b: (b, c, h // g, 0))
+        self.value = pl.BlockSpec((None, CHUNK, None, self.V), lambda c, h, b: (b, c, h, 0))
+        self.token = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
+        self.gc = pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c))
+        self.gc_out = jax.ShapeDtypeStruct((self.B, self.HV, self.tp), jnp.float32)
+
+    def rows(self, n):
+        """BlockSpec of a per-chunk [B, HV, Tp, n] array."""
+        return pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))
+
+    def rows_out(self, n):
+        return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), jnp.float32)
+
+
 def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
     """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
     prep_kernels=2) -> recurrence -> output."""
@@ -520,31 +524,14 @@ def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, 
 
 
 def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    B, tp, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    G = HV // HK
-    nt = tp // CHUNK
-    f32 = jnp.float32
-    len_spec = pl.BlockSpec((1,), lambda c, h, b: (b,))
-    key_spec = pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0))
-    tok_spec = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
+    """The split design's prep kernel: (w, u, kd, gc)."""
+    cg = _ChunkGrid(q, v)
     return pl.pallas_call(
         functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
-        grid=(nt, HV, B),
-        in_specs=[len_spec, key_spec, pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)),
-                  tok_spec, tok_spec],
-        out_specs=[
-            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK, V), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK, K), lambda c, h, b: (b, h, c, 0)),
-            pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # w
-            jax.ShapeDtypeStruct((B, HV, tp, V), f32),  # u
-            jax.ShapeDtypeStruct((B, HV, tp, K), f32),  # kd = k exp(gc_last - gc)
-            jax.ShapeDtypeStruct((B, HV, tp), f32),  # gc
-        ],
+        grid=cg.grid,
+        in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
+        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
+        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out],  # w, u, kd, gc
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
@@ -553,34 +540,23 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
 
 def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     """prep_kernels=2: the inverse (and gc) in one kernel, w / u / kd in a second; X goes through memory (fp32)."""
-    B, tp, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    G = HV // HK
-    nt = tp // CHUNK
-    f32 = jnp.float32
-    len_spec = pl.BlockSpec((1,), lambda c, h, b: (b,))
-    key_spec = pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h // G, 0))
-    tok_spec = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
-    row_spec = lambda n: pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))  # noqa: E731
-    gc_spec = pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c))
+    cg = _ChunkGrid(q, v)
     x, gc = pl.pallas_call(
         functools.partial(_inverse_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
-        grid=(nt, HV, B),
-        in_specs=[len_spec, key_spec, tok_spec, tok_spec],
-        out_specs=[row_spec(CHUNK), gc_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, tp, CHUNK), f32), jax.ShapeDtypeStruct((B, HV, tp), f32)],
+        grid=cg.grid,
+        in_specs=[cg.lengths, cg.key, cg.token, cg.token],
+        out_specs=[cg.rows(CHUNK), cg.gc],
+        out_shape=[cg.rows_out(CHUNK), cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_inverse",
     )(lengths, k, g, beta)
     w, u, kd = pl.pallas_call(
         functools.partial(_apply_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
-        grid=(nt, HV, B),
-        in_specs=[len_spec, key_spec, pl.BlockSpec((None, CHUNK, None, V), lambda c, h, b: (b, c, h, 0)), tok_spec,
-                  gc_spec, row_spec(CHUNK)],
-        out_specs=[row_spec(K), row_spec(V), row_spec(K)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, tp, K), f32), jax.ShapeDtypeStruct((B, HV, tp, V), f32),
-                   jax.ShapeDtypeStruct((B, HV, tp, K), f32)],
+        grid=cg.grid,
+        in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.gc, cg.rows(CHUNK)],
+        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K)],
+        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K)],
         compiler_params=_triton_params(cfg["warps_apply"], 1),
         interpret=interpret,
         name="gdn_chunk_apply",
