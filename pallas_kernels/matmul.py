@@ -27,7 +27,10 @@ from .config import merged_config
 # BM is fixed (never chosen by M); BN is the largest of BN_CHOICES dividing N (a property of the weight).
 # Measured on the H200 (BENCHMARKS.md): bm=128 with 8 warps reaches 0.90-0.98 of XLA's bf16 GEMM at M >= 1024
 # (0.93 at M = 64); bm=64 configurations reached 0.54-0.86.
-DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16)
+# target_programs > 0 (a candidate for decode, where M <= BM leaves one row of tiles): BN as narrow as bn_min to
+# reach that many column tiles, then a fixed split-K for the rest (still from the weight's shape alone).
+DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16,
+                      target_programs=0, bn_min=64)
 BN_CHOICES = (256, 128, 64, 32, 16)
 
 
@@ -57,9 +60,19 @@ def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
     bn = enough[0] if enough else min((b for b in pool if b >= N), default=pool[0])
     nk = -(-K // bk)
     split = 1
-    if not enough:  # S a power of two dividing nk
-        while split * 2 <= cfg["max_split"] and nk % (split * 2) == 0 and nk // (split * 2) >= 4:
-            split *= 2
+
+    def split_to(programs):  # S a power of two dividing nk, each slice keeping >= 4 BK steps
+        s = 1
+        while (-(-N // bn)) * s < programs and s * 2 <= cfg["max_split"] and nk % (s * 2) == 0 and nk // (s * 2) >= 4:
+            s *= 2
+        return s
+
+    wide = [b for b in pool if b >= cfg["bn_min"]]
+    if cfg["target_programs"] and enough and wide:
+        bn = next((b for b in wide if -(-N // b) >= cfg["target_programs"]), min(wide[-1], bn))
+        split = split_to(cfg["target_programs"])
+    elif not enough:
+        split = split_to(float("inf"))
     return cfg["bm"], bn, bk, split
 
 

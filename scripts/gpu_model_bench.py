@@ -263,9 +263,15 @@ def main():
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
                     help="comma list, run in this order; also 'profile' (decode kernel times, normal and deterministic)")
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
+    ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
+                    "(the deterministic mode's matmul tiling policy) for this run")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     small = args.preset.startswith("tiny")
+    if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
+        from pallas_kernels import matmul as _mm
+        _mm.DEFAULT_CONFIG.update(json.loads(args.matmul_config))
+        RESULTS["matmul_config"] = dict(_mm.DEFAULT_CONFIG)
     RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
                    host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
     log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")

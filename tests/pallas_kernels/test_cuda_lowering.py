@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.chunk import EXACT_CONFIG, chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrent import recurrent_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.replay import replay_gated_delta_step_pallas
 
 SDS = jax.ShapeDtypeStruct
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -88,23 +89,49 @@ def test_chunk_lowers_for_h200(B, T, HK, HV, K, V, dtype, stride):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    checkpoint_stride=stride)
     lowered, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, K, V, dtype))
-    assert len(modules) == 3  # default (split) design: prep, state recurrence, output
+    assert len(modules) == 4  # default (split) design: inverse, w/u/kd, state recurrence, output
     n, bad = dot_problems(modules)
     assert n >= 10 and not bad, bad
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
 @pytest.mark.parametrize("config", [{"bv": 64, "p_ws": "bf16", "p_kv": "ieee"}, {"bv": 16}, {"inv": "doubling"},
-                                    {"inv": "fwd64", "bv": 32}, {"design": "fused"},
-                                    {"design": "fused", "bv": 32, "stages_state": 2},
+                                    {"inv": "fwd64", "bv": 32}, {"design": "fused", "prep_kernels": 1},
+                                    {"design": "fused", "bv": 32, "stages_state": 2, "prep_kernels": 1},
                                     {"bv": 32, "bv_out": 64, "stages_state": 2, "warps_out": 8}, {"inv": "tiles16"},
-                                    {"inv": "tiles16", "design": "fused", "warps_prep": 8}, {"prep_kernels": 2},
+                                    {"inv": "tiles16", "design": "fused", "warps_prep": 8, "prep_kernels": 1},
+                                    {"prep_kernels": 1},
                                     {"prep_kernels": 2, "inv": "tiles16", "warps_apply": 8}])
 def test_chunk_configs_lower(config):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    config=config)
     _, modules = lower_for_h200(f, *chunk_args(2, 256, 2, 4, 128, 128, jnp.bfloat16))
     assert not dot_problems(modules)[1]
+
+
+def test_exact_config_lowers_with_open_buffers():
+    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
+                                                                   config=EXACT_CONFIG, return_open=True)
+    _, modules = lower_for_h200(f, *chunk_args(2, 130, 16, 32, 128, 128, jnp.bfloat16))
+    assert len(modules) == 3
+    n, bad = dot_problems(modules)
+    assert n >= 10 and not bad, bad
+
+
+@pytest.mark.parametrize("B,HK,HV,K,V,groups,config", [(64, 16, 32, 128, 128, 1, None),
+                                                        (256, 16, 32, 128, 128, 1, {"bv": 128, "num_warps": 8}),
+                                                        (3, 2, 4, 32, 32, 2, {"bv": 16})])
+def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V, groups, config):
+    f = lambda qkv, gates, s, x, vn, idx: replay_gated_delta_step_pallas(qkv, gates, s, x, vn, idx, groups=groups,
+                                                                         config=config)
+    args = (SDS((B, 64, 2 * HK * K + HV * V), jnp.bfloat16), SDS((B, 64, 2, HV), jnp.float32),
+            SDS((B, HV, K, V), jnp.float32), SDS((B, HV, 64, 64), jnp.float32), SDS((B, HV, 64, V), jnp.float32),
+            SDS((B,), jnp.int32))
+    lowered, modules = lower_for_h200(f, *args)
+    assert len(modules) == 1
+    n, bad = dot_problems(modules)
+    assert n >= 8 and not bad, bad
+    assert "output_operand_aliases" in lowered.as_text()
 
 
 @pytest.mark.parametrize("B,HK,HV,K,V,fused", [(64, 16, 32, 128, 128, True), (3, 1, 2, 16, 32, False)])
