@@ -183,11 +183,9 @@ def param_specs(config: ModelConfig, mesh: Mesh | int) -> ModelParams:
 def _gdn_state_specs(pl: TPPlan, replay: bool, lead: tuple = (None,)) -> GDNLayerState:
     """Specs of one GDN layer's state; `lead`: the axes before the per-sequence ones (batch; batch and M)."""
     ch = _s(pl.gdn_heads, *lead, None, TP)  # [.., KC-1, C] / [.., 64, C]
-    heads = _s(pl.gdn_heads, *lead, TP)  # [.., HV, ...]
-    return GDNLayerState(conv=ch, recurrent=heads,
+    return GDNLayerState(conv=ch, recurrent=_s(pl.gdn_heads, *lead, TP),
                          open_qkv=ch if replay else None,
-                         open_gates=_s(pl.gdn_heads, *lead, None, None, TP) if replay else None,
-                         open_x=heads if replay else None, open_vnew=heads if replay else None)
+                         open_gates=_s(pl.gdn_heads, *lead, None, None, TP) if replay else None)
 
 
 def state_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False) -> ModelState:

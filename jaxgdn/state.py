@@ -28,16 +28,10 @@ class GDNLayerState(NamedTuple):
     # [B, HV, K, V] fp32: the state at `position` (recurrent decode mode), or at the last 64-token grid boundary
     # at or before `position` (replay decode mode)
     recurrent: jax.Array
-    # Replay decode mode only (None otherwise): the open chunk since that boundary, its first position % 64 rows
-    # valid (the rows after them are never read: zeros after a prefill, an earlier chunk's rows after decode
-    # steps): post-conv q|k|v [B, 64, C] in model dtype, and the gates g, beta [B, 64, 2, HV] fp32
+    # Replay decode mode only (None otherwise): the open chunk since that boundary, position % 64 tokens valid,
+    # zeros after them: post-conv q|k|v [B, 64, C] in model dtype, and the gates g, beta [B, 64, 2, HV] fp32
     open_qkv: jax.Array | None = None
     open_gates: jax.Array | None = None
-    # Replay decode mode, Pallas backends: what the open chunk's valid rows produced in the exact prefill
-    # arithmetic, so that a decode step computes only its own row (`pallas_kernels.gated_delta.replay`): the WY
-    # inverse's rows X [B, HV, 64, 64] and v_new [B, HV, 64, V], fp32 (unused by the reference backend: zeros)
-    open_x: jax.Array | None = None
-    open_vnew: jax.Array | None = None
 
 
 class AttentionLayerState(NamedTuple):
@@ -89,10 +83,7 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
                 recurrent=jnp.zeros((batch_size, hv, config.linear_key_head_dim, config.linear_value_head_dim),
                                     jnp.float32),
                 open_qkv=jnp.zeros((batch_size, CHUNK, config.gdn_conv_dim), dtype) if replay else None,
-                open_gates=jnp.zeros((batch_size, CHUNK, 2, hv), jnp.float32) if replay else None,
-                open_x=jnp.zeros((batch_size, hv, CHUNK, CHUNK), jnp.float32) if replay else None,
-                open_vnew=jnp.zeros((batch_size, hv, CHUNK, config.linear_value_head_dim), jnp.float32)
-                if replay else None))
+                open_gates=jnp.zeros((batch_size, CHUNK, 2, hv), jnp.float32) if replay else None))
         else:
             shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
             layers.append(AttentionLayerState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype)))

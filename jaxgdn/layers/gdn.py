@@ -85,10 +85,6 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         return _output(cfg, p, out[0], z, det), new_state, ckpt
 
     open_len = position % CHUNK  # [B] tokens since the boundary
-    # Pallas backends: the exact arithmetic, whose rows the replay decode kernel reproduces one token at a time
-    exact = pallas_kernels.resolve_backend(backend) != "reference"
-    if exact and T == 1 and checkpoint_stride is None:
-        return _replay_decode(cfg, p, pre, g, beta, z, state, lengths, open_len, backend, det)
     width = -(-(CHUNK - 1 + T) // CHUNK) * CHUNK
     stride = checkpoint_stride
     ends = None
@@ -107,12 +103,10 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     def rule(qkv, gts, init, lens, stride):
         q, k, v = _split_qkv(cfg, qkv)
         return pallas_kernels.chunk_gated_delta_rule(q, k, v, gts[:, :, 0], gts[:, :, 1], initial_state=init,
-                                                     lengths=lens, checkpoint_stride=stride, backend=backend,
-                                                     exact=exact)
+                                                     lengths=lens, checkpoint_stride=stride, backend=backend)
 
     ckpt_states = None
-    open_x, open_vnew = state.open_x, state.open_vnew  # reference backend: unused, passed along
-    if stride is None and width <= 2 * CHUNK and not exact:
+    if stride is None and width <= 2 * CHUNK:
         # Short calls (decode): one pass; the new boundary is the in-call state at the last boundary crossed.
         o_all, _, boundaries = rule(qkv_all, gates_all, state.recurrent, total, CHUNK)  # [B, W/64, HV, K, V]
         newest = jnp.take_along_axis(boundaries, jnp.maximum(n_full - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
@@ -123,44 +117,19 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         out = rule(qkv_all, gates_all, state.recurrent, CHUNK * n_full, stride)
         o_full, recurrent = out[0], out[1]
         ckpt_states = out[2] if stride is not None else None
-        tail_out = rule(tail_qkv, tail_gates, recurrent, total - CHUNK * n_full, None)
-        o_tail = tail_out[0]  # [B, 64, HV, V]
-        if exact:  # X and v_new of the new open chunk's rows (rows past its length: never read)
-            open_x, open_vnew = tail_out[2], tail_out[3]
+        o_tail, _ = rule(tail_qkv, tail_gates, recurrent, total - CHUNK * n_full, None)  # [B, 64, HV, V]
         in_tail = jnp.arange(width)[None, :] - CHUNK * n_full[:, None]  # [B, W] row within the tail chunk
         o_all = jnp.where((in_tail < 0)[..., None, None], o_full,
                           _gather_rows(o_tail, in_tail, jnp.ones_like(in_tail, bool)))
     o = _gather_rows(o_all, open_len[:, None] + jnp.arange(T)[None, :], jnp.ones((B, T), bool))
-    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates,
-                              open_x=open_x, open_vnew=open_vnew)
+    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates)
     ckpt = None
-    if stride is not None:  # grid boundaries: the open chunk is empty (zeros)
+    if stride is not None:
         m = ckpt_states.shape[1]
         ckpt = GDNLayerState(conv=conv[2], recurrent=ckpt_states,
-                             **{f: jnp.zeros((B, m) + getattr(state, f).shape[1:], getattr(state, f).dtype)
-                                for f in ("open_qkv", "open_gates", "open_x", "open_vnew")})
+                             open_qkv=jnp.zeros((B, m) + state.open_qkv.shape[1:], state.open_qkv.dtype),
+                             open_gates=jnp.zeros((B, m) + state.open_gates.shape[1:], jnp.float32))
     return _output(cfg, p, o, z, det), new_state, ckpt
-
-
-def _replay_decode(cfg: ModelConfig, p: GDNParams, pre, g, beta, z, state: GDNLayerState, lengths, open_len, backend,
-                   det):
-    """Replay mode, one token per row (Pallas backends): the token is written into the open chunk at row
-    position % 64 and the replay kernel computes its output row — bitwise what a prefill computes there — from the
-    boundary state and the earlier rows' X and v_new; at the chunk's end it writes the next boundary state.
-    pre: [B, 1, C] pre-conv q|k|v; g, beta: [B, 1, HV]; z: [B, 1, HV*V]; rows with lengths 0 are left untouched."""
-    B = pre.shape[0]
-    conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, None)  # as the prefill computes it for T = 1
-    active = lengths > 0
-    rows = jnp.arange(B)
-    at = jnp.where(active, open_len, CHUNK)  # CHUNK: out of range, dropped
-    open_qkv = state.open_qkv.at[rows, at].set(conv[0][:, 0], mode="drop")
-    open_gates = state.open_gates.at[rows, at].set(jnp.stack([g[:, 0], beta[:, 0]], axis=1), mode="drop")
-    o, recurrent, open_x, open_vnew = pallas_kernels.replay_gated_delta_step(
-        open_qkv, open_gates, state.recurrent, state.open_x, state.open_vnew, jnp.where(active, open_len, -1),
-        groups=cfg.gdn_qkv_groups, backend=backend)
-    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=open_qkv, open_gates=open_gates,
-                              open_x=open_x, open_vnew=open_vnew)
-    return _output(cfg, p, o[:, None], z, det), new_state, None
 
 
 def gdn_decode(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, backend: str | None,

@@ -113,3 +113,27 @@ def test_return_open_needs_the_exact_configuration():
     with pytest.raises(ValueError, match="exact"):
         chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), interpret=True,
                                       config=dict(EXACT_CONFIG, p_qk="tf32"))
+
+
+def test_dispatcher_routes_exact_prefill_and_replay_step():
+    """pallas_kernels.chunk_gated_delta_rule(exact=True) and replay_gated_delta_step go to the same kernels as
+    above (bitwise), and refuse the reference backend."""
+    import pallas_kernels
+
+    d = random_gdn_inputs(np.random.default_rng(6), 1, 20, 1, 2, K, V, np.float32)
+    args = [jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")]
+    s0 = jnp.asarray(d["initial_state"])
+    o, s, x, vn = pallas_kernels.chunk_gated_delta_rule(*args, initial_state=s0, exact=True, backend="interpret")
+    o2, s2, x2, vn2 = prefill(d, 0, 20, s0, return_open=True)
+    for a, b in ((o, o2), (s, s2), (x, x2), (vn, vn2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="Pallas backend"):
+        pallas_kernels.chunk_gated_delta_rule(*args, exact=True, backend="reference")
+    mix = jnp.asarray(mixed(d["q"], d["k"], d["v"], 1))[:, :1].repeat(CHUNK, axis=1)
+    gates = jnp.zeros((1, CHUNK, 2, 2), jnp.float32)
+    with pytest.raises(ValueError, match="Pallas backend"):
+        pallas_kernels.replay_gated_delta_step(mix, gates, s0, x[:, :, :CHUNK], vn[:, :, :CHUNK],
+                                               jnp.zeros((1,), jnp.int32), backend="reference")
+    out = pallas_kernels.replay_gated_delta_step(mix, gates, s0, x, vn, jnp.zeros((1,), jnp.int32),
+                                                 backend="interpret")
+    assert out[0].shape == (1, 2, V) and np.isfinite(np.asarray(out[0])).all()
