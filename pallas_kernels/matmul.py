@@ -27,10 +27,13 @@ from .config import merged_config
 # BM is fixed (never chosen by M); BN is the largest of BN_CHOICES dividing N (a property of the weight).
 # Measured on the H200 (BENCHMARKS.md): bm=128 with 8 warps reaches 0.90-0.98 of XLA's bf16 GEMM at M >= 1024
 # (0.93 at M = 64); bm=64 configurations reached 0.54-0.86.
-# target_programs > 0 (a candidate for decode, where M <= BM leaves one row of tiles): BN as narrow as bn_min to
-# reach that many column tiles, then a fixed split-K for the rest (still from the weight's shape alone).
+# target_programs > 0: at decode M <= BM leaves one row of tiles, so BN is narrowed (down to bn_min) towards that
+# many column tiles, then K split (up to max_split_target, a fixed power of two) for the rest — from the weight's
+# shape alone. Measured on the H200 (BENCHMARKS.md, 4-layer 9B slice, deterministic mode): 64 / 128 / 2 took decode
+# at B=64 from 2.58 to 2.17 ms per step for prefill 8k 37.9 -> 41.4 ms; 128 / 64 / 16: 2.07 / 56.3 ms;
+# 64 / 64 / 1: 2.42 / 46.9 ms.
 DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16,
-                      target_programs=0, bn_min=64)
+                      target_programs=64, bn_min=128, max_split_target=2)
 BN_CHOICES = (256, 128, 64, 32, 16)
 
 
@@ -61,18 +64,18 @@ def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
     nk = -(-K // bk)
     split = 1
 
-    def split_to(programs):  # S a power of two dividing nk, each slice keeping >= 4 BK steps
+    def split_to(programs, most):  # S a power of two dividing nk, each slice keeping >= 4 BK steps
         s = 1
-        while (-(-N // bn)) * s < programs and s * 2 <= cfg["max_split"] and nk % (s * 2) == 0 and nk // (s * 2) >= 4:
+        while (-(-N // bn)) * s < programs and s * 2 <= most and nk % (s * 2) == 0 and nk // (s * 2) >= 4:
             s *= 2
         return s
 
     wide = [b for b in pool if b >= cfg["bn_min"]]
     if cfg["target_programs"] and enough and wide:
         bn = next((b for b in wide if -(-N // b) >= cfg["target_programs"]), min(wide[-1], bn))
-        split = split_to(cfg["target_programs"])
+        split = split_to(cfg["target_programs"], cfg["max_split_target"])
     elif not enough:
-        split = split_to(float("inf"))
+        split = split_to(float("inf"), cfg["max_split"])
     return cfg["bm"], bn, bk, split
 
 
