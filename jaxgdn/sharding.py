@@ -47,9 +47,9 @@ NCCL's: with 2 devices each element is a + b whatever the algorithm (the same in
 all-reduce is kept; with more, NCCL's summation order of an element can depend on the message size, i.e. on the
 batch, so deterministic mode on meshes of more than 2 devices computes the row-split output projections (GDN
 out_proj, attention o_proj, MLP down_proj) per shard in `shard_map`, all-gathers the fp32 partial products and
-adds them in device order (`pallas_kernels.matmul_invariant(rows_split=True)`). Not covered: the mixture of
-experts' down projections (XLA's all-reduce; MoE models on more than 2 devices are not bitwise-safe in
-deterministic mode), and the GPU run itself (tested on CPU virtual devices only).
+adds them in device order (`pallas_kernels.matmul_invariant(rows_split=True)`), and so do the mixture of
+experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_order=True)`). On two H200s the
+deterministic checks pass (BENCHMARKS.md); meshes of more than 2 GPUs have not been run (none lent so far).
 """
 
 from __future__ import annotations

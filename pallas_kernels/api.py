@@ -175,6 +175,30 @@ def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = Fal
     return _per_shard(shard, mesh, (x, w), (xspec, P(TP_AXIS, None)), P())
 
 
+def expert_down(h, w, *, fixed_order: bool = False):
+    """Each expert's down projection: h [..., E, I] @ w [E, I, D] -> [..., E, D] (h's dtype, fp32 accumulation).
+
+    `fixed_order` (deterministic mode) under a tensor-parallel mesh of more than 2 devices, which splits w's I rows:
+    each device's fp32 partial product is all-gathered and the partials are added in device order, as
+    `matmul_invariant` does for the dense row-split projections (an all-reduce's order can depend on the message
+    size). Otherwise XLA's einsum (and, on a mesh, its all-reduce)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = mesh.shape[TP_AXIS] if _sharded() else 1
+    if not fixed_order or tp <= 2 or h.shape[-1] % tp:
+        return jnp.einsum("...ei,eid->...ed", h, w, preferred_element_type=jnp.float32).astype(h.dtype)
+
+    def shard(hs, ws):
+        parts = jax.lax.all_gather(jnp.einsum("...ei,eid->...ed", hs, ws, preferred_element_type=jnp.float32),
+                                   TP_AXIS)
+        acc = parts[0]
+        for i in range(1, tp):  # device order
+            acc = acc + parts[i]
+        return acc.astype(h.dtype)
+
+    hspec = P(*([None] * (h.ndim - 1) + [TP_AXIS]))
+    return _per_shard(shard, mesh, (h, w), (hspec, P(None, TP_AXIS, None)), P())
+
+
 def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None = None):
     """Causal attention over a KV cache (default mode). q [B,T,H,Dh]; keys/values [B,N,HKV,Dh]; pos [B,T].
 

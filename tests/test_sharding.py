@@ -265,16 +265,20 @@ def _worker() -> dict:
     record("det/tiny-next/2", lambda: det_checks(jaxgdn.tiny_model("tiny-next", seed=21, deterministic=True), 2,
                                                  full=False))
     record("det/qwen3_5_tiny/4", lambda: det_checks(det_fixture, 4, full=False))
+    det_next = jaxgdn.tiny_model("tiny-next", seed=21, deterministic=True)
+    record("det/tiny-next/4", lambda: det_checks(det_next, 4, full=False))
 
     def fixed_order():
         """Deterministic mode on meshes of more than 2 devices sums the output projections' partial products in a
         fixed device order (all_gather + adds) instead of an all-reduce; on 2 devices the all-reduce stays."""
         counts = {}
-        for tp in (2, 4):
-            sm = S.shard_model(det_fixture, S.make_mesh(tp))
-            with jax.set_mesh(S.mesh_of(sm)):
-                counts[tp] = str(jax.make_jaxpr(prefill_chunk)(sm, init(sm, 2, 128), toks, lens)).count("all_gather")
-        return {"all_gathers_tp2": counts[2], "all_gathers_tp4": counts[4]}
+        for name, m in (("dense", det_fixture), ("moe", det_next)):
+            for tp in (2, 4):
+                sm = S.shard_model(m, S.make_mesh(tp))
+                with jax.set_mesh(S.mesh_of(sm)):
+                    jaxpr = str(jax.make_jaxpr(prefill_chunk)(sm, init(sm, 2, 128), toks, lens))
+                counts[f"{name}_all_gathers_tp{tp}"] = jaxpr.count("all_gather")
+        return counts
 
     record("fixed_order", fixed_order)
 
@@ -413,11 +417,14 @@ def test_deterministic_mode_is_bitwise_on_a_fixed_mesh(results, key):
         assert r["vs_single_device_max_diff"] <= TOL, r
 
 
-def test_deterministic_mode_on_four_devices_sums_in_a_fixed_order(results):
-    r = _get(results, "det/qwen3_5_tiny/4")
+@pytest.mark.parametrize("key", ["det/qwen3_5_tiny/4", "det/tiny-next/4"])
+def test_deterministic_mode_on_four_devices_sums_in_a_fixed_order(results, key):
+    r = _get(results, key)
     assert r["twice"] and r["in_batch_row2"] and r["state_misplaced"] == [], r
     f = _get(results, "fixed_order")
-    assert f["all_gathers_tp4"] > 0 and f["all_gathers_tp2"] == 0, f
+    assert f["dense_all_gathers_tp4"] > 0 and f["dense_all_gathers_tp2"] == 0, f
+    # the MoE's routed and shared down projections too (per MoE layer, inside the 64-token tile map)
+    assert f["moe_all_gathers_tp4"] > f["dense_all_gathers_tp4"] / 2 and f["moe_all_gathers_tp2"] == 0, f
 
 
 def test_generate_and_prefix_cache_on_a_mesh(results):
