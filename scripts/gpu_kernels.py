@@ -3,7 +3,10 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
-      [--skip accuracy,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d]
+      [--skip accuracy,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,invariant,
+              replay,replay_exact] [--only SECTIONS] [--configs NAMES]
+(replay: the model's recompute-per-step replay at the kernel level; replay_exact: the incremental replay kernel
+ against the exact prefill, bitwise, and its timing.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
  `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`.)
 Prints tables and writes results.json into --out.

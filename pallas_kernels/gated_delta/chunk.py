@@ -662,48 +662,33 @@ def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, 
                  return_open=False):
     """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
     prep_kernels=2) -> recurrence -> output. `return_open` (exact configuration): also X and v_new of every chunk."""
-    x = None
     if cfg["prep_kernels"] == 2:
         w, u, kd, gc = _prep_two_calls(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
-    elif cfg["exact"]:
-        w, u, kd, gc, x = _prep_exact_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
     else:
-        w, u, kd, gc = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
+        w, u, kd, gc, *x = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
     if cfg.get("only_prep") or cfg.get("stop_after") == "prep":
         return w, u, kd, gc
     out = _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, T=T, scale=scale, use_l2=use_l2,
                                  checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg,
                                  return_vn=return_open)
-    return out if not return_open else out[:-1] + (x, out[-1])
-
-
-def _prep_exact_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """The exact configuration's prep kernel: (w, u, kd, gc, X [B, HV, Tp, C])."""
-    cg = _ChunkGrid(q, v)
-    return pl.pallas_call(
-        functools.partial(_prep_exact_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
-        grid=cg.grid,
-        in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
-        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc, cg.rows(CHUNK)],
-        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out, cg.rows_out(CHUNK)],
-        compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
-        interpret=interpret,
-        name="gdn_chunk_prep_exact",
-    )(lengths, k, v, g, beta)
+    return out if not return_open else out[:-1] + (x[0], out[-1])
 
 
 def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """The split design's prep kernel: (w, u, kd, gc)."""
+    """The split design's prep kernel: (w, u, kd, gc), and X [B, HV, Tp, C] in the exact configuration."""
     cg = _ChunkGrid(q, v)
+    exact = cfg["exact"]
+    extra = 1 if exact else 0
     return pl.pallas_call(
-        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        functools.partial(_prep_exact_kernel if exact else _prep_split_kernel, use_l2=use_l2, cfg=cfg,
+                          interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
-        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
-        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out],  # w, u, kd, gc
+        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc] + [cg.rows(CHUNK)] * extra,
+        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out] + [cg.rows_out(CHUNK)] * extra,
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
-        name="gdn_chunk_prep",
+        name="gdn_chunk_prep_exact" if exact else "gdn_chunk_prep",
     )(lengths, k, v, g, beta)
 
 
