@@ -2,12 +2,13 @@
 
 Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `config["design"]` picks one.
 
-"split" (default: three kernels, the recurrence kept to two dots per chunk):
-1. `_prep_split_kernel`, grid (NT, HV, B), fully parallel: per chunk and value head, fp32 L2-norm of k, masking of
-   padded tokens, the in-chunk cumulative log-decay gc, the strictly-lower A[i, j] = beta_i (k_i . k_j)
-   exp(gc_i - gc_j) (j < i), its unit-lower inverse X = (I + A)^-1 (four 16x16 diagonal blocks by exact fp32
-   forward substitution, merged with three block-Neumann products), w = X (beta exp(gc) k), u = X (beta v) and
-   kd = k exp(gc_last - gc). Written in fp32.
+"split" (default: the recurrence kept to two dots per chunk):
+1. prep, grid (NT, HV, B), fully parallel: per chunk and value head, fp32 L2-norm of k, masking of padded tokens,
+   the in-chunk cumulative log-decay gc, the strictly-lower A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) (j < i),
+   its unit-lower inverse X = (I + A)^-1 (four 16x16 diagonal blocks by exact fp32 forward substitution, merged
+   with three block-Neumann products), w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc), written
+   in fp32 — by default in two kernels (`_inverse_kernel`: X and gc; `_apply_kernel`: w, u, kd; measured faster),
+   or in one (`_prep_split_kernel`, prep_kernels=1).
 2. `_state_split_kernel`, grid (V // BV, HV, B), sequential over chunks with the fp32 state block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
@@ -18,6 +19,10 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
 1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
 2. `_state_kernel`: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new; stores o, the
    final state and (optionally) the state after every `checkpoint_stride` tokens.
+
+The exact configuration (EXACT_CONFIG: split design, one prep kernel `_prep_exact_kernel`, every dot an fp32 FMA
+chain, the inverse one row at a time) computes every row of a chunk independently of the tile's row count, which
+the incremental replay decode kernel (`replay.py`) relies on; it is far slower (BENCHMARKS.md).
 
 Determinism properties (tested on CPU in interpret mode and on the GPU):
 - every chunk's arithmetic depends only on that chunk's (masked) inputs and the incoming fp32 state, with fixed
@@ -66,7 +71,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "fma")
 #   prep and recurrence kernels (fused).
 # Measured on the H200 (BENCHMARKS.md, run 3): split with 4 prep warps was the fastest over (1, 8192, 16, 32) +
 # (8, 4096, 16, 32); all configurations kept outputs within 1.8e-3 and states within 8e-4 of the float64 oracle.
-# Run 5: prep_kernels=2 (the inverse in its own kernel) took 2.23 + 6.08 ms against 2.42 + 7.19 ms, as accurate.
+# Run 4: prep_kernels=2 (the inverse in its own kernel) took 2.23 + 6.08 ms against 2.42 + 7.19 ms, as accurate.
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="state" (split design) returns after the recurrence kernel.
 DEFAULT_CONFIG = dict(
@@ -76,7 +81,8 @@ DEFAULT_CONFIG = dict(
     exact=False,
 )
 
-# The row-exact configuration (deterministic mode with replay decode): every dot an FMA chain ("fma"), the
+# The row-exact configuration (for an incremental replay decode; the model does not use it yet): every dot an
+# FMA chain ("fma"), the
 # L2 norms and the cumulative gates as FMA dots too, and the WY inverse by forward substitution one row at a time
 # (inv="rows"). Every per-row quantity (gc_i, A[i, :], X[i, :], w_i, u_i, v_new_i, o_i) is then computed by
 # operations whose result for row i depends only on rows <= i and not on the tile's row count, so the replay
