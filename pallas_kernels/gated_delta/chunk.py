@@ -87,9 +87,9 @@ DEFAULT_CONFIG = dict(
 # (inv="rows"). Every per-row quantity (gc_i, A[i, :], X[i, :], w_i, u_i, v_new_i, o_i) is then computed by
 # operations whose result for row i depends only on rows <= i and not on the tile's row count, so the replay
 # decode kernel (`gated_delta.replay`) can compute one new row on a 16-row tile and get the prefill's bits.
-# Measured on the H200: 130 ms at B=1 T=8192 and 328 ms at B=8 T=4096 (HK=16 HV=32), 54-58x the default — Triton's
-# FMA dots keep whole K extents in registers and spill at K = 128 (see `gated_delta/replay.py`). Accuracy as the
-# default's (1.7e-3 on bf16 outputs against the float64 oracle).
+# Measured on the H200 with unsliced FMA dots: 130 ms at B=1 T=8192 and 328 ms at B=8 T=4096 (HK=16 HV=32), 54-58x
+# the default — Triton's FMA dots kept whole K extents in registers and spilled at K = 128; the dots now take K in
+# slices of 16 (`_fma_dot`), not yet measured. Accuracy as the default's (1.7e-3 on bf16 outputs vs float64).
 EXACT_CONFIG = dict(DEFAULT_CONFIG, exact=True, inv="rows", prep_kernels=1,
                     **{k: "fma" for k in DEFAULT_CONFIG if k.startswith("p_")})
 
@@ -100,9 +100,7 @@ def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     cb = 1 if trans_b else 0
     dn = (((ca,), (cb,)), ((), ()))
     if prec == "fma":
-        if interpret:
-            return _fma_chain(a.T if trans_a else a, b.T if trans_b else b)
-        prec = "ieee"  # the Triton FMA dot: one fp32 FMA per k, in k order, per output element
+        return _fma_dot(a.T if trans_a else a, b.T if trans_b else b, interpret)
     if interpret:
         return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if prec == "bf16":
@@ -119,6 +117,28 @@ def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     else:
         raise ValueError(f"unknown precision {prec!r}; expected one of {_PRECISIONS}")
     return lax.dot_general(a, b, dn, precision=p, preferred_element_type=jnp.float32)
+
+
+_FMA_K = 16  # K slice of the "fma" dots
+
+
+def _fma_dot(a, b, interpret):
+    """The "fma" dot [M, K] @ [K, N]: K in slices of _FMA_K, each an fp32 FMA chain in k order (Triton's "ieee"
+    dot on the GPU; `_fma_chain` in interpret mode), the slices' products added in slice order. A row's result
+    depends only on that row and b, never on M. (Unsliced, Triton's FMA dot holds each thread's whole K extent of
+    both operands in registers and spilled at K = 128: 54-88x slower, BENCHMARKS.md.)"""
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    n = max(a.shape[1] // _FMA_K, 1)
+    a_parts = jnp.split(a, n, axis=1) if n > 1 else [a]
+    b_parts = jnp.split(b, n, axis=0) if n > 1 else [b]
+    dn = (((1,), (0,)), ((), ()))
+    acc = None
+    for ap, bp in zip(a_parts, b_parts):
+        d = (_fma_chain(ap, bp) if interpret else
+             lax.dot_general(ap, bp, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32))
+        acc = d if acc is None else acc + d
+    return acc
 
 
 def _fma_chain(a, b):

@@ -31,9 +31,10 @@ Status (H200, BENCHMARKS.md, 2026-11-29): correct — 150 steps of it equal the 
 and boundary states — but slow: 7.5 ms per step at B=64 (bv=128, 4 warps; 88x the recurrent kernel), and the
 exact prefill is 54-58x the default one. Triton lowers an fp32 "ieee" dot to FMAs that hold each thread's whole
 K extent of both operands in registers, which spills at K = 128. So `jaxgdn`'s replay decode mode does not use
-this kernel yet; it still recomputes the open chunk with the default prefill kernels each step. What would make it
-fast: the same row-exact structure on 16-row tensor-core tiles in both kernels (an MMA row does not depend on the
-tile's other rows), or FMA dots over K slices of 16-32 loaded from the refs.
+this kernel yet; it still recomputes the open chunk with the default prefill kernels each step. Since that run the
+"fma" dots take K in slices of 16 (`chunk._fma_dot`; a different but equally row-exact association), which keeps
+each thread's operands small: not yet measured. The other way out: the same row-exact structure on 16-row
+tensor-core tiles in both kernels (an MMA row does not depend on the tile's other rows).
 """
 
 from __future__ import annotations
