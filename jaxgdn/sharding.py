@@ -50,6 +50,10 @@ out_proj, attention o_proj, MLP down_proj) per shard in `shard_map`, all-gathers
 adds them in device order (`pallas_kernels.matmul_invariant(rows_split=True)`), and so do the mixture of
 experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_order=True)`). On two H200s the
 deterministic checks pass (BENCHMARKS.md); meshes of more than 2 GPUs have not been run (none lent so far).
+Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
+last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —
+XLA compiles the interpreted kernel body inside the partitioned program differently per batch size. The compiled
+Pallas kernels (GPU) and the reference backend (the CPU default) are not affected.
 """
 
 from __future__ import annotations
