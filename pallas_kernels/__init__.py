@@ -5,5 +5,6 @@ from .api import (attention_invariant, cache_attention, chunk_gated_delta_rule, 
 from .backend import BACKENDS, resolve_backend
 from .gated_delta.reference import CHUNK, gdn_gates, l2_normalize
 
-__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "replay_gated_delta_step", "expert_down", "matmul_invariant", "cache_attention", "attention_invariant", "BACKENDS", "resolve_backend", "CHUNK",
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "replay_gated_delta_step", "expert_down",
+           "matmul_invariant", "cache_attention", "attention_invariant", "BACKENDS", "resolve_backend", "CHUNK",
            "gdn_gates", "l2_normalize"]

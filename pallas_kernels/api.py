@@ -130,6 +130,16 @@ def _sharded() -> bool:
     return not mesh.empty and TP_AXIS in mesh.axis_names and mesh.shape[TP_AXIS] > 1
 
 
+def _sum_in_device_order(part, tp: int):
+    """Inside `shard_map`: every device's fp32 partial all-gathered and added in device order — a fixed order,
+    where an all-reduce's order can depend on the message size (NCCL), i.e. on the batch."""
+    parts = jax.lax.all_gather(part, TP_AXIS)  # [tp, ...]
+    acc = parts[0]
+    for i in range(1, tp):
+        acc = acc + parts[i]
+    return acc
+
+
 def _local_matmul_invariant(x, w, backend: str, out_dtype=None, w_transposed: bool = False):
     """The batch-invariant product on one device (no mesh logic)."""
     if backend == "reference":
@@ -165,11 +175,7 @@ def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = Fal
         return _local_matmul_invariant(x, w, "reference", w_transposed=w_transposed)
 
     def shard(xs, ws):  # xs [..., K / tp], ws [K / tp, N]
-        parts = jax.lax.all_gather(_local_matmul_invariant(xs, ws, backend, jnp.float32), TP_AXIS)  # [tp, ..., N]
-        acc = parts[0]
-        for i in range(1, tp):  # device order
-            acc = acc + parts[i]
-        return acc.astype(x.dtype)
+        return _sum_in_device_order(_local_matmul_invariant(xs, ws, backend, jnp.float32), tp).astype(x.dtype)
 
     xspec = P(*([None] * (x.ndim - 1) + [TP_AXIS]))
     return _per_shard(shard, mesh, (x, w), (xspec, P(TP_AXIS, None)), P())
@@ -187,13 +193,9 @@ def expert_down(h, w, *, fixed_order: bool = False):
     if not fixed_order or tp <= 2 or h.shape[-1] % tp:
         return jnp.einsum("...ei,eid->...ed", h, w, preferred_element_type=jnp.float32).astype(h.dtype)
 
-    def shard(hs, ws):
-        parts = jax.lax.all_gather(jnp.einsum("...ei,eid->...ed", hs, ws, preferred_element_type=jnp.float32),
-                                   TP_AXIS)
-        acc = parts[0]
-        for i in range(1, tp):  # device order
-            acc = acc + parts[i]
-        return acc.astype(h.dtype)
+    def shard(hs, ws):  # hs [..., E, I / tp], ws [E, I / tp, D]
+        part = jnp.einsum("...ei,eid->...ed", hs, ws, preferred_element_type=jnp.float32)
+        return _sum_in_device_order(part, tp).astype(h.dtype)
 
     hspec = P(*([None] * (h.ndim - 1) + [TP_AXIS]))
     return _per_shard(shard, mesh, (h, w), (hspec, P(None, TP_AXIS, None)), P())

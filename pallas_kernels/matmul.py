@@ -6,11 +6,12 @@ whatever M is: the K axis is reduced in BK-wide steps in a fixed order with an f
 (BM, BN, BK, warps, stages) depends only on the weight's shape, never on M. A row's result therefore depends on that
 row and the weight alone: the same compiled program code runs it, only the grid's length changes.
 
-Grid (ceil(M / BM), ceil(N / BN), S). Skinny weights (too narrow for `split_k_below` column tiles even at BN = 16,
-e.g. the GDN gate projections with N = 32) would leave the GPU nearly idle, so their K axis is split into S fixed
-slices (S again a function of K and N only): each program writes an fp32 partial product and the S partials are
-added in a fixed pairwise order. Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded rows and
-columns are cut off).
+Grid (ceil(M / BM), ceil(N / BN), S). At decode (M <= BM: one row of tiles) a weight with few column tiles would
+leave the GPU nearly idle, so BN is narrowed towards `target_programs` column tiles and, for the rest — and for
+skinny weights (e.g. the GDN gate projections, N = 32) — the K axis is split into S fixed slices (S again a function
+of K and N only): each program writes an fp32 partial product and the S partials are added in a fixed pairwise
+order. Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded rows and columns are
+cut off).
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from jax.experimental import pallas as pl
 
 from .config import merged_config
 
-# BM is fixed (never chosen by M); BN is the largest of BN_CHOICES dividing N (a property of the weight).
-# Measured on the H200 (BENCHMARKS.md): bm=128 with 8 warps reaches 0.90-0.98 of XLA's bf16 GEMM at M >= 1024
-# (0.93 at M = 64); bm=64 configurations reached 0.54-0.86.
+# BM is fixed (never chosen by M); BN and the split S come from the weight's shape (`_tiling`).
+# Measured on the H200 (BENCHMARKS.md, run 3, with target_programs=0): bm=128 with 8 warps reaches 0.90-0.98 of
+# XLA's bf16 GEMM at M >= 1024 (0.93 at M = 64); bm=64 configurations reached 0.54-0.86.
 # target_programs > 0: at decode M <= BM leaves one row of tiles, so BN is narrowed (down to bn_min) towards that
-# many column tiles, then K split (up to max_split_target, a fixed power of two) for the rest — from the weight's
-# shape alone. Measured on the H200 (BENCHMARKS.md, 4-layer 9B slice, deterministic mode): 64 / 128 / 2 took decode
-# at B=64 from 2.58 to 2.17 ms per step for prefill 8k 37.9 -> 41.4 ms; 128 / 64 / 16: 2.07 / 56.3 ms;
-# 64 / 64 / 1: 2.42 / 46.9 ms.
+# many column tiles, then K split (up to max_split_target, a fixed power of two) for the rest. Measured inside the
+# deterministic model (4-layer 9B slice, decode B=64 / prefill 8k, ms): target_programs=0: 2.58 / 37.9; the
+# default (64, bn_min 128, max_split_target 2): 2.11 / 41.3 (run K; 0.83 / 0.84 of normal mode, 0.81 / 0.83 at 32
+# layers); target 128 with BN >= 64: 2.07 / 56.3; 64 with BN >= 64 and no split: 2.42 / 46.9. The default's
+# per-kernel table (as above) is not re-measured yet.
 DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16,
                       target_programs=64, bn_min=128, max_split_target=2)
 BN_CHOICES = (256, 128, 64, 32, 16)
@@ -55,7 +57,9 @@ def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
 
     BN: the largest of BN_CHOICES (up to cfg["bn"]) that divides N — or, when none does, any (N is padded) — and
     still gives `split_k_below` column tiles; when no choice gives that many (N <= 8 * 16 or so), the smallest
-    choice covering N, and K is then split into S fixed slices (each keeping >= 4 BK steps)."""
+    choice covering N, and K is then split into S fixed slices (each keeping >= 4 BK steps, at most max_split).
+    With target_programs, for weights wide enough: the widest BN >= bn_min giving that many column tiles (else
+    the narrowest such BN), then S (at most max_split_target) towards that many programs."""
     bk = cfg["bk"]
     choices = [b for b in BN_CHOICES if b <= cfg["bn"]]
     pool = [b for b in choices if N % b == 0] or choices

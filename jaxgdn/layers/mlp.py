@@ -7,17 +7,21 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import expert_down
-from pallas_kernels.invariant import softmax, tree_sum
+from pallas_kernels.invariant import row_tiled, softmax, tree_sum
 
 from ..config import ModelConfig
 from ..params import MLPParams, MoEParams
 from .linear import linear
-from pallas_kernels.invariant import row_tiled
+
+
+def _swiglu(p: MLPParams, x: jax.Array) -> jax.Array:
+    """x: [..., D] -> [..., I]: silu(gate(x)) * up(x)."""
+    return jax.nn.silu(x @ p.gate_proj) * (x @ p.up_proj)
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ p.gate_proj) * (x @ p.up_proj)) @ p.down_proj
+    return _swiglu(p, x) @ p.down_proj
 
 
 def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array, fixed_order: bool = False) -> jax.Array:
@@ -40,8 +44,8 @@ def moe(cfg: ModelConfig, p: MoEParams, x: jax.Array, fixed_order: bool = False)
     h = jax.nn.silu(jnp.einsum("...d,edi->...ei", x, p.gate_proj)) * jnp.einsum("...d,edi->...ei", x, p.up_proj)
     if fixed_order:
         expert_out = expert_down(h, p.down_proj, fixed_order=True)  # [.., E, D]
-        hs = jax.nn.silu(x @ p.shared.gate_proj) * (x @ p.shared.up_proj)
-        shared_out = expert_down(hs[..., None, :], p.shared.down_proj[None], fixed_order=True)[..., 0, :]
+        shared_out = expert_down(_swiglu(p.shared, x)[..., None, :], p.shared.down_proj[None],
+                                 fixed_order=True)[..., 0, :]
     else:
         expert_out = jnp.einsum("...ei,eid->...ed", h, p.down_proj)  # [.., E, D]
         shared_out = mlp(p.shared, x)

@@ -61,14 +61,15 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "fma")
 
 # Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
 #   bv: V block of the state kernel; inv: "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16]
-#   stack + block-Neumann merge), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`; not
-#   yet measured on the GPU), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
+#   stack + block-Neumann merge), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`;
+#   measured slower, run 4), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
 #   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
 #   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
-#   prep and recurrence kernels (fused).
+#   prep and recurrence kernels (fused); exact: the row-exact arithmetic (only as EXACT_CONFIG, below; inv="rows"
+#   and the "fma" dots belong to it).
 # Measured on the H200 (BENCHMARKS.md, run 3): split with 4 prep warps was the fastest over (1, 8192, 16, 32) +
 # (8, 4096, 16, 32); all configurations kept outputs within 1.8e-3 and states within 8e-4 of the float64 oracle.
 # Run 4: prep_kernels=2 (the inverse in its own kernel) took 2.23 + 6.08 ms against 2.42 + 7.19 ms, as accurate.
@@ -229,7 +230,7 @@ def _diag_inverses_tiles16(k_ref, g_ref, beta_ref, length, use_l2, cfg, interpre
     differences are the same sums) is built directly, so that row i of A_b is a reduction over the tile's second
     axis and the forward substitution never transposes a vector. The four tiles are placed into [64, 64] by exact
     selection products (fp32 FMA dots with one non-zero term per entry).
-    Candidate for speed (not yet measured on the GPU); row-causal like the default."""
+    Measured slower than "block16" on the H200 (BENCHMARKS.md, run 4); row-causal like the default."""
     s = _SUB
     r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
     c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
@@ -601,12 +602,12 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
         pad = tp - T
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
-    bv = min(cfg["bv"], V)
-    nv = V // bv
-    f32 = jnp.float32
     if cfg["design"] == "split":
         return _split_calls(q, k, v, g, beta, initial_state, lengths, T=T, scale=scale, use_l2=use_qk_l2norm,
                             checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg, return_open=return_open)
+    bv = min(cfg["bv"], V)
+    nv = V // bv
+    f32 = jnp.float32
 
     cg = _ChunkGrid(q, v)
     prep = pl.pallas_call(

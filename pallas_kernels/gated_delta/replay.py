@@ -47,11 +47,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import merged_config
-from .chunk import (CHUNK, EXACT_CONFIG, _SUB, _block_slice, _chunk_gc, _dot, _exact_a_block, _exact_block_rows, _exact_x_row,
-                    _intra, _last, _load_key, _pick_row, _triton_params, _wy_rhs)
+from .chunk import (CHUNK, EXACT_CONFIG, _SUB, _block_slice, _chunk_gc, _dot, _exact_a_block, _exact_block_rows,
+                    _exact_x_row, _intra, _last, _load_key, _pick_row, _triton_params, _wy_rhs)
 
-# Launch configuration (bv: V block per program). On the H200 at B=64 every configuration took 7.5-12.8 ms per
-# step (bv128/w4 7.47, bv128/w8 7.94, bv64/w8 8.37, bv64/w4 9.50, bv32/w4 12.79): see the module docstring.
+# Launch configuration (bv: V block per program). On the H200 at B=64, with unsliced FMA dots, every configuration
+# took 7.5-12.8 ms per step (bv128/w4 7.47, bv128/w8 7.94, bv64/w8 8.37, bv64/w4 9.50, bv32/w4 12.79): see the
+# module docstring. Not re-tuned since the dots take K in slices.
 DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1)
 
 
@@ -112,7 +113,7 @@ def _columns(groups: int, HK: int, K: int, HV: int, V: int):
     def v_col(h):
         return (h // hvg) * cg + 2 * hkg * K + (h % hvg) * V
 
-    return cg, q_col, k_col, v_col
+    return q_col, k_col, v_col
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "scale", "use_qk_l2norm", "interpret", "config"))
@@ -123,7 +124,7 @@ def _replay_impl(open_qkv, open_gates, state, open_x, open_vnew, index, *, group
     HK = (open_qkv.shape[2] - HV * V) // (2 * K)
     G = HV // HK
     bv = min(cfg["bv"], V)
-    cg, q_col, k_col, v_col = _columns(groups, HK, K, HV, V)
+    q_col, k_col, v_col = _columns(groups, HK, K, HV, V)
     f32 = jnp.float32
     o, s, x, vn = pl.pallas_call(
         functools.partial(_replay_kernel, scale=scale, use_l2=use_qk_l2norm, interpret=interpret),
