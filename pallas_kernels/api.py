@@ -96,54 +96,6 @@ def replay_gated_delta_step(open_qkv, open_gates, state, open_x, open_vnew, inde
                       (P(None, None, TP_AXIS), P(None, None, None, TP_AXIS), h, h, h, P()), (h, h, h, h))
 
 
-def _split_mixed(open_qkv, HK: int, K: int, HV: int, V: int, groups: int):
-    """[B, T, C_mix] (G groups of [q_g | k_g | v_g]) -> q, k [B, T, HK, K], v [B, T, HV, V]."""
-    B, T, C = open_qkv.shape
-    grouped = open_qkv.reshape(B, T, groups, C // groups)
-    kd = HK // groups * K
-    q = grouped[..., :kd].reshape(B, T, HK, K)
-    k = grouped[..., kd:2 * kd].reshape(B, T, HK, K)
-    return q, k, grouped[..., 2 * kd:].reshape(B, T, HV, V)
-
-
-def replay_open_chunk(open_qkv, open_gates, state, lengths, *, groups: int = 1, scale=None, use_qk_l2norm=True,
-                      backend: str | None = None):
-    """One replay decode step per row: the prefill's output for the newest token of the open chunk, recomputed from
-    the last grid boundary (`gated_delta.open_chunk`: one fused kernel on the Pallas backends).
-
-    open_qkv [B,64,C_mix]: the open chunk's post-conv q|k|v (G = `groups` groups of [q_g | k_g | v_g]) with the new
-    token at row lengths[b] - 1 (later rows ignored); open_gates [B,64,2,HV] (g, beta); state fp32 [B,HV,K,V] at
-    the boundary; lengths int32 [B] in [1, 64]. Returns (o [B,HV,V], state): o bitwise what this backend's
-    `chunk_gated_delta_rule` gives that token when it prefills the chunk from `state`; the state replaced by the
-    prefill's state after the chunk where lengths[b] == 64, unchanged elsewhere. Under a tensor-parallel mesh the
-    kernel runs per shard (each shard holds whole column groups: `groups` a multiple of the mesh size).
-    """
-    backend = resolve_backend(backend)
-    B, HV, K, V = state.shape
-    HK = (open_qkv.shape[2] - HV * V) // (2 * K)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if backend == "reference":
-        q, k, v = _split_mixed(open_qkv, HK, K, HV, V, groups)
-        o, final = _ref.chunk_gated_delta_rule_reference(
-            q, k, v, open_gates[:, :, 0], open_gates[:, :, 1], scale=scale, initial_state=state,
-            use_qk_l2norm=use_qk_l2norm, lengths=lengths)
-        o = jnp.take_along_axis(o, (lengths - 1)[:, None, None, None], axis=1)[:, 0]
-        return o, jnp.where((lengths == _ref.CHUNK)[:, None, None, None], final, state)
-    from .gated_delta.open_chunk import replay_open_chunk_pallas
-
-    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
-    mesh = _tp_mesh(HK)
-    if mesh is None:
-        return replay_open_chunk_pallas(open_qkv, open_gates, state, lengths, groups=groups, **kw)
-    tp = mesh.shape[TP_AXIS]
-    if groups % tp:
-        raise ValueError(f"open_qkv's {groups} column groups cannot be split over {tp} devices")
-    h = P(None, TP_AXIS)
-    return _per_shard(lambda *a: replay_open_chunk_pallas(*a, groups=groups // tp, **kw), mesh,
-                      (open_qkv, open_gates, state, lengths),
-                      (P(None, None, TP_AXIS), P(None, None, None, TP_AXIS), h, P()), (h, h))
-
-
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True, A_log=None,
                                dt_bias=None, backend: str | None = None):
     """One recurrent step per row (decode). q, k: [B,HK,K]; v: [B,HV,V]; g, beta: [B,HV] — or, with A_log and

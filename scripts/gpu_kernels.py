@@ -4,10 +4,9 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,invariant,
-              replay,replay_chunk,replay_exact] [--only SECTIONS] [--configs NAMES]
-(replay: the previous recompute-per-step replay at the kernel level; replay_chunk: the open-chunk replay step that
- jaxgdn's replay decode runs, bitwise against the prefill, and its timing; replay_exact: the incremental replay
- kernel against the exact prefill, bitwise, and its timing.)
+              replay,replay_exact] [--only SECTIONS] [--configs NAMES]
+(replay: the model's recompute-per-step replay at the kernel level; replay_exact: the incremental replay kernel
+ against the exact prefill, bitwise, and its timing.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
  `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`.)
 Prints tables and writes results.json into --out.
@@ -777,101 +776,6 @@ def replay_exact(configs, small=False):
 
 
 @section
-def replay_chunk(small=False):
-    """The open-chunk replay step (`gated_delta.open_chunk`: the default prefill's arithmetic fused into one kernel)
-    without interpret mode:
-    1. bitwise: a prefill of 128 tokens with the in-call checkpoint at 64; from the boundary state at 64, one step
-       per n = 1..64 (the open chunk's first n tokens valid; the later rows hold real later tokens, which the kernel
-       must mask) gives o == the prefill's output at 64 + n - 1 and, at n = 64, the state == the final state; one
-       call with a different n per row; per launch variant (warps);
-    2. the assumption behind it (an MMA element does not depend on N): prefills with bv_out = 64 and bv = 128 are
-       bitwise the default's;
-    3. timing: kernel-only, 20 steps in one compiled loop (rows at different chunk phases, so boundary writes happen
-       at their real rate), B = 64 and 256, HK=16 HV=32 K=V=128, against the recurrent kernel and the previous
-       recompute path (four kernels over the open chunk) in the same loop form. Bar (issue 7): <= 1.5x recurrent."""
-    from pallas_kernels.gated_delta.open_chunk import replay_open_chunk_pallas
-    B, HK, HV, K, V = (2, 2, 4, 32, 32) if small else (8, 16, 32, 128, 128)
-    d = random_gdn_inputs(np.random.default_rng(12), B, 128, HK, HV, K, V, np.float32, beta_kind="mixed")
-    x = dev_inputs(d)
-    o_full, s_full, ck = call_chunk(x, stride=64)
-    for name, cfg in (("bv_out=64", dict(bv_out=64)), ("bv=128", dict(bv=128))):
-        o2, s2, _ = call_chunk(x, stride=64, config=cfg)
-        check(f"prefill with {name} == default, bitwise (outputs, final state)",
-              np.array_equal(o2, o_full) and np.array_equal(s2, s_full))
-    mix = _mixed(x["q"], x["k"], x["v"])[:, 64:]  # bf16 [B, 64, C]
-    gates = jnp.stack([x["g"], x["beta"]], axis=2).astype(jnp.float32)[:, 64:]
-    s64 = jnp.asarray(ck[:, 0])
-    variants = {"w4": None} if small else {"w4": None, "w8": 8}
-    for vname, warps in variants.items():
-        step = jax.jit(functools.partial(replay_open_chunk_pallas, num_warps=warps))
-        bad_o, bad_s = [], False
-        for n in range(1, 65):
-            o, s = step(mix, gates, s64, jnp.full((B,), n, jnp.int32))
-            if not np.array_equal(np.asarray(o), o_full[:, 63 + n]):
-                bad_o.append(n)
-            if n == 64:
-                bad_s = not np.array_equal(np.asarray(s), s_full)
-            elif not np.array_equal(np.asarray(s), np.asarray(s64)):
-                bad_s = True
-        ns = np.random.default_rng(1).integers(1, 65, B)
-        o, s = step(mix, gates, s64, jnp.asarray(ns, jnp.int32))
-        mixed_ok = all(np.array_equal(np.asarray(o)[b], o_full[b, 63 + ns[b]]) for b in range(B))
-        check(f"open-chunk step ({vname}) == prefill, bitwise: every n = 1..64, state at 64, per-row n "
-              f"(B={B} HK={HK} HV={HV})", not bad_o and not bad_s and mixed_ok,
-              f"rows differing at n={bad_o[:8]}{'...' if len(bad_o) > 8 else ''}, state differs={bad_s}, "
-              f"per-row n ok={mixed_ok}")
-    if small:
-        return
-    nstep = 20
-    for B in (64, 256):
-        ks = jax.random.split(jax.random.PRNGKey(B), 8)
-        mixb = jax.random.normal(ks[0], (B, 64, 2 * HK * K + HV * V), jnp.bfloat16)
-        gts = jnp.stack([-jax.nn.softplus(jax.random.normal(ks[1], (B, 64, HV))),
-                         jax.nn.sigmoid(jax.random.normal(ks[2], (B, 64, HV)))], axis=2)
-        s0 = jax.random.normal(ks[3], (B, HV, K, V), jnp.float32) * 0.1
-        phase = jax.random.randint(ks[6], (B,), 0, 64)
-        q1 = jax.random.normal(ks[7], (B, HK, K), jnp.bfloat16)
-        v1 = jax.random.normal(ks[7], (B, HV, V), jnp.bfloat16)
-        g1, b1 = gts[:, 0, 0], gts[:, 0, 1]
-        state_bytes = 2 * B * HV * K * V * 4
-
-        @functools.partial(jax.jit, donate_argnums=4)
-        def rec_loop(q, k, v, g, s):
-            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
-                q, k, v, g, b1, initial_state=s)[1], s)
-
-        t_rec, _ = bench_state_loop(rec_loop, (q1, q1, v1, g1), s0 + 0, nstep, inner=2)
-        row = dict(B=B, recurrent_us=t_rec * 1e6, recurrent_TBps=state_bytes / t_rec / 1e12)
-        log(f"B={B}: recurrent {t_rec * 1e6:.1f} us/step ({state_bytes / t_rec / 1e12:.2f} TB/s)")
-        for vname, warps in variants.items():
-            @functools.partial(jax.jit, donate_argnums=2)
-            def oc_loop(qkv, gates, s, warps=warps):
-                def body(t, s):
-                    o, s = replay_open_chunk_pallas(qkv, gates, s, (phase + t) % 64 + 1, num_warps=warps)
-                    return s + 0 * o[:, :, :1, None].astype(jnp.float32)  # keep o live
-                return jax.lax.fori_loop(0, nstep, body, s)
-
-            t, _ = bench_state_loop(oc_loop, (mixb, gts), s0 + 0, nstep, inner=2)
-            row[f"open_chunk_{vname}_us"] = t * 1e6
-            log(f"  open-chunk step {vname}: {t * 1e6:.1f} us/step = {t / t_rec:.2f}x recurrent")
-        q, k = mixb[:, :, :HK * K].reshape(B, 64, HK, K), mixb[:, :, HK * K:2 * HK * K].reshape(B, 64, HK, K)
-        v = mixb[:, :, 2 * HK * K:].reshape(B, 64, HV, V)
-
-        @functools.partial(jax.jit, donate_argnums=5)
-        def old_loop(q, k, v, g, beta, s):
-            def body(t, s):
-                o, _, c = chunk_gated_delta_rule_pallas(q, k, v, g, beta, initial_state=s,
-                                                        lengths=(phase + t) % 64 + 1, checkpoint_stride=64)
-                return c[:, 0] + 0 * o[:, 0, :, :1, None].astype(jnp.float32)
-            return jax.lax.fori_loop(0, nstep, body, s)
-
-        t, _ = bench_state_loop(old_loop, (q, k, v, gts[:, :, 0], gts[:, :, 1]), s0 + 0, nstep, inner=2)
-        row["recompute_us"] = t * 1e6
-        log(f"  previous recompute path (4 kernels): {t * 1e6:.1f} us/step = {t / t_rec:.2f}x recurrent")
-        RESULTS.setdefault("replay_chunk", []).append(row)
-
-
-@section
 def conv1d_timing():
     """XLA prefill conv (jaxgdn.layers.conv) against the copy roofline; one-token update: XLA vs the Pallas kernel."""
     from jaxgdn.layers.conv import causal_conv1d, causal_conv1d_step
@@ -915,7 +819,7 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     if args.only:
         every = {"accuracy", "bitwise", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
-                 "conv1d", "invariant", "replay", "reference", "replay_exact", "replay_chunk"}
+                 "conv1d", "invariant", "replay", "reference", "replay_exact"}
         skip = every - set(args.only.split(","))
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -992,8 +896,6 @@ def main():
         invariant_kernels()
     if "replay" not in skip:
         replay_timing()
-    if "replay_chunk" not in skip:
-        replay_chunk()
     if "replay_exact" not in skip:
         replay_exact({"bv64_w4": None, "bv32_w4": dict(bv=32), "bv128_w4": dict(bv=128),
                       "bv64_w8": dict(num_warps=8), "bv128_w8": dict(bv=128, num_warps=8),

@@ -61,8 +61,7 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     Recurrent mode (state.open_qkv is None): the chunked rule runs from the state at `position`.
     Replay mode: it runs from the last grid boundary over the open chunk followed by the new tokens, so the
     result is bitwise what an unsplit prefill computes (the kernel is row-causal inside a chunk), whatever
-    `position` is; the state keeps the newest boundary state and the new open chunk. A one-token call (decode)
-    takes the fused open-chunk kernel (`pallas_kernels.replay_open_chunk`), longer calls the prefill kernels.
+    `position` is; the state keeps the newest boundary state and the new open chunk.
 
     Checkpoints: a GDNLayerState whose leaves carry an extra axis M: conv [B, M, KC-1, C], recurrent
     [B, M, HV, K, V] — every `checkpoint_stride` tokens from the call's start (recurrent mode) or from the last
@@ -107,13 +106,6 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
                                                      lengths=lens, checkpoint_stride=stride, backend=backend)
 
     ckpt_states = None
-    if stride is None and T == 1:
-        # Decode: one fused kernel recomputes the open chunk from the boundary and keeps the new token's row; the
-        # boundary state advances where the chunk fills (`pallas_kernels.replay_open_chunk`).
-        o, recurrent = pallas_kernels.replay_open_chunk(qkv_all, gates_all, state.recurrent, total,
-                                                        groups=cfg.gdn_qkv_groups, backend=backend)
-        new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates)
-        return _output(cfg, p, o[:, None], z, det), new_state, None
     if stride is None and width <= 2 * CHUNK:
         # Short calls (decode): one pass; the new boundary is the in-call state at the last boundary crossed.
         o_all, _, boundaries = rule(qkv_all, gates_all, state.recurrent, total, CHUNK)  # [B, W/64, HV, K, V]

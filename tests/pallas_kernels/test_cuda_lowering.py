@@ -21,7 +21,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gated_delta.chunk import EXACT_CONFIG, chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrent import recurrent_gated_delta_rule_pallas
-from pallas_kernels.gated_delta.open_chunk import replay_open_chunk_pallas
 from pallas_kernels.gated_delta.replay import replay_gated_delta_step_pallas
 
 SDS = jax.ShapeDtypeStruct
@@ -132,19 +131,6 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V, groups, config):
     assert len(modules) == 1
     n, bad = dot_problems(modules)
     assert n >= 8 and not bad, bad
-    assert "output_operand_aliases" in lowered.as_text()
-
-
-@pytest.mark.parametrize("B,HK,HV,K,V,groups,dtype", [(64, 16, 32, 128, 128, 1, jnp.bfloat16),
-                                                       (3, 2, 4, 32, 32, 2, jnp.float32)])
-def test_open_chunk_step_lowers_for_h200_in_place(B, HK, HV, K, V, groups, dtype):
-    f = lambda qkv, gates, s, n: replay_open_chunk_pallas(qkv, gates, s, n, groups=groups)
-    args = (SDS((B, 64, 2 * HK * K + HV * V), dtype), SDS((B, 64, 2, HV), jnp.float32),
-            SDS((B, HV, K, V), jnp.float32), SDS((B,), jnp.int32))
-    lowered, modules = lower_for_h200(f, *args)
-    assert len(modules) == 1
-    n, bad = dot_problems(modules)
-    assert n >= 9 and not bad, bad
     assert "output_operand_aliases" in lowered.as_text()
 
 
