@@ -4,9 +4,10 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,invariant,
-              replay,replay_exact] [--only SECTIONS] [--configs NAMES]
+              replay,replay_exact,scan] [--only SECTIONS] [--configs NAMES]
 (replay: the model's recompute-per-step replay at the kernel level; replay_exact: the incremental replay kernel
- against the exact prefill, bitwise, and its timing.)
+ against the exact prefill, bitwise, and its timing; scan: the token-by-token prefill kernel, bitwise against the
+ decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
  `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`.)
 Prints tables and writes results.json into --out.
@@ -775,6 +776,98 @@ def replay_exact(configs, small=False):
         RESULTS.setdefault("replay_exact", []).append(row)
 
 
+SCAN_CONFIGS = {"bv32_w1": dict(bv=32, num_warps=1), "bv16_w1": dict(bv=16, num_warps=1),
+                "bv64_w1": dict(bv=64, num_warps=1), "bv32_w2": dict(bv=32, num_warps=2),
+                "bv64_w2": dict(bv=64, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4),
+                "bv128_w4": dict(bv=128, num_warps=4)}
+
+
+@section
+def scan(small=False):
+    """The token-by-token prefill kernel (`gated_delta.scan`, the recurrence with the decode arithmetic):
+    1. bitwise, per launch config: a T-token call == T one-token decode-kernel calls with the same config (outputs
+       and state); a split off the 64 grid == the unsplit call; in-call checkpoints (stride 50) == the split
+       calls' states; a row alone == the same row in a batch with other lengths; accuracy against float64 (2e-3);
+    2. prefill time on the issue's shapes per config, beside the chunked default in the same run;
+    3. a one-token call (what the model's replay decode runs with gdn_prefill="recurrent") in a compiled loop of 20
+       steps at B = 64 and 256, against the decode kernel (default config)."""
+    from pallas_kernels.gated_delta.scan import fused_recurrent_gated_delta_rule_pallas as scan_fn
+    B, T, HK, HV, K, V = (2, 70, 1, 2, 32, 32) if small else (3, 70, 16, 32, 128, 128)
+    d = random_gdn_inputs(np.random.default_rng(21), B, T, HK, HV, K, V, np.float32, beta_kind="mixed")
+    x = dev_inputs(d)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    lengths = jnp.asarray([T, 41, 9][:B], jnp.int32)
+    configs = {"bv32_w1": SCAN_CONFIGS["bv32_w1"]} if small else SCAN_CONFIGS
+    ro, rs = oracle_of(x)
+    for name, cfg in configs.items():
+        f = jax.jit(functools.partial(scan_fn, config=cfg), static_argnames=("checkpoint_stride",))
+        o, s = f(*args, initial_state=x["s0"])
+        st, outs = x["s0"], []
+        step = jax.jit(functools.partial(recurrent_gated_delta_rule_pallas, config=cfg))
+        for t in range(T):
+            ot, st = step(*(a[:, t] for a in args), initial_state=st)
+            outs.append(np.asarray(ot))
+        ok_dec = np.array_equal(np.stack(outs, 1), np.asarray(o)) and np.array_equal(np.asarray(st), np.asarray(s))
+        o1, s1 = f(*(a[:, :37] for a in args), initial_state=x["s0"])
+        o2, s2 = f(*(a[:, 37:] for a in args), initial_state=s1)
+        ok_split = np.array_equal(np.concatenate([o1, o2], 1), np.asarray(o)) and np.array_equal(s2, s)
+        _, _, ck = f(*args, initial_state=x["s0"], checkpoint_stride=50)
+        _, s50 = f(*(a[:, :50] for a in args), initial_state=x["s0"])
+        ok_ck = np.array_equal(np.asarray(ck[:, 0]), np.asarray(s50))
+        ob, sb = f(*args, initial_state=x["s0"], lengths=lengths)
+        oa, sa = f(*(a[1:2, :41] for a in args), initial_state=x["s0"][1:2])
+        ok_row = (np.array_equal(np.asarray(ob)[1, :41], np.asarray(oa)[0]) and np.array_equal(sb[1], sa[0])
+                  and not np.asarray(ob)[1, 41:].any())
+        eo, es = rel_err(np.asarray(o, np.float32), ro), rel_err(np.asarray(s), rs)
+        check(f"scan {name}: == {T} decode-kernel steps, split at 37, checkpoint at 50, row alone == in batch "
+              f"(bitwise); accuracy <= 2e-3", ok_dec and ok_split and ok_ck and ok_row and eo <= 2e-3 and es <= 2e-3,
+              f"decode={ok_dec} split={ok_split} ckpt={ok_ck} row={ok_row} err out {eo:.1e} state {es:.1e}")
+    if small:
+        return
+    for shp in [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32)]:
+        q, k, v, g, beta = make_prefill(*shp)
+        row = dict(shape=shp)
+        row["chunked_ms"] = bench_jax(jax.jit(chunk_gated_delta_rule_pallas), q, k, v, g, beta, n=5, reps=5) * 1e3
+        for name, cfg in SCAN_CONFIGS.items():
+            row[f"{name}_ms"] = bench_jax(jax.jit(functools.partial(scan_fn, config=cfg)), q, k, v, g, beta,
+                                          n=3, reps=3) * 1e3
+        log(f"prefill {shp}: chunked {row['chunked_ms']:.2f} ms | " +
+            " | ".join(f"{n} {row[n + '_ms']:.2f}" for n in SCAN_CONFIGS))
+        RESULTS.setdefault("scan_prefill", []).append(row)
+        del q, k, v, g, beta
+    nstep = 20
+    for B in (64, 256):
+        ks = jax.random.split(jax.random.PRNGKey(B), 6)
+        q1 = jax.random.normal(ks[0], (B, 1, HK, K), jnp.bfloat16)
+        v1 = jax.random.normal(ks[1], (B, 1, HV, V), jnp.bfloat16)
+        g1 = -jax.nn.softplus(jax.random.normal(ks[2], (B, 1, HV)))
+        b1 = jax.nn.sigmoid(jax.random.normal(ks[3], (B, 1, HV)))
+        s0 = jax.random.normal(ks[4], (B, HV, K, V), jnp.float32) * 0.1
+        state_bytes = 2 * B * HV * K * V * 4
+
+        @functools.partial(jax.jit, donate_argnums=4)
+        def rec_loop(q, k, v, g, s):
+            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], b1[:, 0], initial_state=s)[1], s)
+
+        t_rec, _ = bench_state_loop(rec_loop, (q1, q1, v1, g1), s0 + 0, nstep, inner=2)
+        row = dict(B=B, recurrent_us=t_rec * 1e6, recurrent_TBps=state_bytes / t_rec / 1e12)
+        log(f"B={B}: decode kernel {t_rec * 1e6:.1f} us/step ({state_bytes / t_rec / 1e12:.2f} TB/s)")
+        for name, cfg in SCAN_CONFIGS.items():
+            @functools.partial(jax.jit, donate_argnums=4)
+            def sc_loop(q, k, v, g, s, cfg=cfg):
+                def body(i, s):
+                    o, s = scan_fn(q, k, v, g, b1, initial_state=s, config=cfg)
+                    return s + 0 * o[:, 0, :, :1, None].astype(jnp.float32)
+                return jax.lax.fori_loop(0, nstep, body, s)
+
+            t, _ = bench_state_loop(sc_loop, (q1, q1, v1, g1), s0 + 0, nstep, inner=2)
+            row[f"scan_{name}_us"] = t * 1e6
+            log(f"  one-token scan {name}: {t * 1e6:.1f} us/step = {t / t_rec:.2f}x the decode kernel "
+                f"({state_bytes / t / 1e12:.2f} TB/s)")
+        RESULTS.setdefault("scan_decode", []).append(row)
+
+
 @section
 def conv1d_timing():
     """XLA prefill conv (jaxgdn.layers.conv) against the copy roofline; one-token update: XLA vs the Pallas kernel."""
@@ -819,7 +912,7 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     if args.only:
         every = {"accuracy", "bitwise", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
-                 "conv1d", "invariant", "replay", "reference", "replay_exact"}
+                 "conv1d", "invariant", "replay", "reference", "replay_exact", "scan"}
         skip = every - set(args.only.split(","))
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -896,6 +989,8 @@ def main():
         invariant_kernels()
     if "replay" not in skip:
         replay_timing()
+    if "scan" not in skip:
+        scan()
     if "replay_exact" not in skip:
         replay_exact({"bv64_w4": None, "bv32_w4": dict(bv=32), "bv128_w4": dict(bv=128),
                       "bv64_w8": dict(num_warps=8), "bv128_w8": dict(bv=128, num_warps=8),

@@ -31,29 +31,40 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
+def _normalized(q, k, use_l2, scale):
+    """fp32 q, k [K] L2-normalised (optional); q scaled."""
+    if use_l2:
+        q = q * lax.rsqrt(jnp.sum(q * q) + _EPS)
+        k = k * lax.rsqrt(jnp.sum(k * k) + _EPS)
+    return q * scale, k
+
+
+def token_update(s, q, k, v, g, beta):
+    """One token of the recurrence on a state block: s fp32 [K, BV]; q (normalised, scaled), k [K]; v [BV];
+    g, beta [1], all fp32. Returns (o [BV] fp32, s). The decode kernel and the token-by-token prefill kernel
+    (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same bits."""
+    s = s * jnp.exp(g)[:, None]  # [K, BV] * [1, 1]
+    kv = jnp.sum(s * k[:, None], axis=0)  # [BV]
+    u = beta * (v - kv)
+    s = s + k[:, None] * u[None, :]
+    return jnp.sum(s * q[:, None], axis=0), s
+
+
 def _decode_kernel(*refs, scale, use_l2, fused):
     if fused:
         q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, s_ref, o_ref, so_ref = refs
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref = refs
-    q = q_ref[...].astype(jnp.float32)  # [K]
-    k = k_ref[...].astype(jnp.float32)
-    if use_l2:
-        q = q * lax.rsqrt(jnp.sum(q * q) + _EPS)
-        k = k * lax.rsqrt(jnp.sum(k * k) + _EPS)
-    q = q * scale
+    q, k = _normalized(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32), use_l2, scale)  # [K]
     v = v_ref[...].astype(jnp.float32)  # [BV]
     g = g_ref[...].astype(jnp.float32)  # [1]
     beta = beta_ref[...].astype(jnp.float32)
     if fused:
         g = -jnp.exp(alog_ref[...].astype(jnp.float32)) * _softplus(g + dtb_ref[...].astype(jnp.float32))
         beta = 1.0 / (1.0 + jnp.exp(-beta))
-    s = s_ref[...] * jnp.exp(g)[:, None]  # [K, BV] * [1, 1]
-    kv = jnp.sum(s * k[:, None], axis=0)  # [BV]
-    u = beta * (v - kv)
-    s = s + k[:, None] * u[None, :]
+    o, s = token_update(s_ref[...], q, k, v, g, beta)
     so_ref[...] = s
-    o_ref[...] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "fused", "interpret", "config"))

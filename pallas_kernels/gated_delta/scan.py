@@ -1,0 +1,147 @@
+"""Token-by-token gated delta rule over a whole prompt (a prefill with the decode arithmetic): a Pallas-Triton
+kernel for the H200 (interpretable on CPU).
+
+Dimension legend in `reference.py`. Grid (V // BV, HV, B): one program per (batch row, value head, V block) keeps
+its fp32 state block S [K, BV] on chip for the whole call and runs, for t = 0 .. T - 1, exactly the decode
+kernel's per-token arithmetic (`recurrent.token_update`: S = exp(g) S; u = beta (v - S^T k); S = S + k u^T;
+o = S^T q, q and k fp32-L2-normalised). The next token's inputs are loaded one iteration ahead (a software
+prefetch: the loads do not depend on S, so their latency hides behind the current token's arithmetic).
+
+Why it exists (deterministic mode, `jaxgdn`'s `gdn_prefill="recurrent"`): a chunked prefill and a recurrent decode
+compute the same recurrence with different arithmetic, so a decoded state is not bitwise the state a prefill of
+the same tokens produces. With this kernel the prefill *is* the recurrence, token by token: a one-token call is
+the decode step, and any split of a prompt — on the 64 grid or not — gives the same bits as the unsplit call.
+The price is a sequential chain of T steps per program (no tensor cores): BENCHMARKS.md measures it against the
+chunked kernels.
+
+Padded tokens (t >= lengths[b]) leave the state bit-identical and give o = 0. In-call checkpoints: exact copies
+of the state after every `checkpoint_stride` tokens (any positive stride).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ..config import merged_config
+from .recurrent import _normalized, token_update
+
+# Launch configuration: bv (V block per program), warps, stages. A prefill and a one-token call agree bit for bit
+# only under the same configuration (the reductions over K follow the layout), so the model uses this one for
+# both. Chosen on the H200: BENCHMARKS.md.
+DEFAULT_CONFIG = dict(bv=32, num_warps=1, num_stages=1)
+
+
+def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
+                 scale, use_l2):
+    n = len_ref[0]
+
+    def load(t):  # token t's inputs (t clamped: the prefetch past the end reads the last token again)
+        t = jnp.minimum(t, T - 1)
+        one = pl.ds(t, 1)
+        return (q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), v_ref[t].astype(jnp.float32),
+                g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32))
+
+    def body(t, carry):
+        s, cur = carry
+        nxt = load(t + 1)
+        q, k, v, g, beta = cur
+        q, k = _normalized(q, k, use_l2, scale)
+        o, s_new = token_update(s, q, k, v, g, beta)
+        live = t < n
+        s = jnp.where(live, s_new, s)  # padded tokens: the state bit-identical
+        o_ref[t] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+        if nck:
+            m = lax.div(t + 1, stride)
+
+            @pl.when((lax.rem(t + 1, stride) == 0) & (m <= nck))
+            def _():
+                ck_refs[0][m - 1] = s
+
+        return s, nxt
+
+    s, _ = lax.fori_loop(0, T, body, (s_ref[...].astype(jnp.float32), load(0)))
+    so_ref[...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
+def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret, config):
+    cfg = merged_config("fused_recurrent_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": v.shape[3]})
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // HK
+    bv = min(cfg["bv"], V)
+    nck = 0 if checkpoint_stride is None else T // checkpoint_stride
+    out_specs = [pl.BlockSpec((None, T, None, bv), lambda j, h, b: (b, 0, h, j)),
+                 pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j))]
+    out_shape = [jax.ShapeDtypeStruct((B, T, HV, V), v.dtype), jax.ShapeDtypeStruct((B, HV, K, V), jnp.float32)]
+    if nck:
+        out_specs.append(pl.BlockSpec((None, nck, None, K, bv), lambda j, h, b: (b, 0, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, nck, HV, K, V), jnp.float32))
+    from jax.experimental.pallas import triton as pltriton
+
+    outs = pl.pallas_call(
+        functools.partial(_scan_kernel, T=T, stride=checkpoint_stride or 0, nck=nck, scale=scale,
+                          use_l2=use_qk_l2norm),
+        grid=(V // bv, HV, B),
+        in_specs=[
+            pl.BlockSpec((1,), lambda j, h, b: (b,)),
+            pl.BlockSpec((None, T, None, K), lambda j, h, b: (b, 0, h // G, 0)),
+            pl.BlockSpec((None, T, None, K), lambda j, h, b: (b, 0, h // G, 0)),
+            pl.BlockSpec((None, T, None, bv), lambda j, h, b: (b, 0, h, j)),
+            pl.BlockSpec((None, T, None), lambda j, h, b: (b, 0, h)),
+            pl.BlockSpec((None, T, None), lambda j, h, b: (b, 0, h)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={6: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name="gdn_scan",
+    )(lengths, q, k, v, g, beta, state)
+    if checkpoint_stride is None:
+        return outs[0], outs[1]
+    ck = outs[2] if nck else jnp.zeros((B, 0, HV, K, V), jnp.float32)
+    return outs[0], outs[1], ck
+
+
+def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                                            lengths=None, checkpoint_stride=None, interpret=False, config=None):
+    """The recurrence token by token over T tokens, with the decode kernel's arithmetic.
+
+    q, k: [B,T,HK,K] (bf16 or fp32); v: [B,T,HV,V]; g: fp32 log-decay [B,T,HV]; beta: [B,T,HV]; initial_state fp32
+    [B,HV,K,V] or None (updated in place when donated); lengths int32 [B] or None; checkpoint_stride None or a
+    positive int. Returns (o [B,T,HV,V] in v.dtype, final_state fp32 [B,HV,K,V]) or (o, final_state, checkpoints
+    [B, T // stride, HV, K, V]: the state after every `stride` tokens). `config`: see DEFAULT_CONFIG.
+    """
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"expected q, k [B,T,HK,K] and v [B,T,HV,V]; got {q.shape}, {k.shape}, {v.shape}")
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if T < 1:
+        raise ValueError("T must be at least 1")
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
+        raise ValueError(f"g and beta must be [B,T,HV]={(B, T, HV)}; got {g.shape}, {beta.shape}")
+    if checkpoint_stride is not None and checkpoint_stride <= 0:
+        raise ValueError(f"checkpoint_stride must be positive; got {checkpoint_stride}")
+    for name, n in (("K", K), ("V", V)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name}={n}: the Pallas-Triton kernel needs a power of two >= 16")
+    if initial_state is None:
+        initial_state = jnp.zeros((B, HV, K, V), jnp.float32)
+    elif initial_state.shape != (B, HV, K, V):
+        raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
+    scale = float(K**-0.5 if scale is None else scale)
+    lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
+               else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
+    config = None if config is None else tuple(sorted(dict(config).items()))
+    return _scan_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), initial_state.astype(jnp.float32),
+                      lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=checkpoint_stride,
+                      interpret=bool(interpret), config=config)
