@@ -38,7 +38,7 @@ from .state import GDNLayerState, ModelState, PrefillCheckpoints, Provenance, in
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
-                   meta_fields=["config", "dtype", "backend", "deterministic", "decode_mode"])
+                   meta_fields=["config", "dtype", "backend", "deterministic", "decode_mode", "gdn_prefill"])
 @dataclasses.dataclass(frozen=True)
 class Model:
     params: ModelParams
@@ -53,10 +53,23 @@ class Model:
     # last grid boundary, so decoded states and logits are bitwise what a prefill computes (provenance stays
     # PREFILL) — in deterministic mode this makes generated text cacheable.
     decode_mode: str = "recurrent"
+    # The GDN layers' prefill arithmetic. "chunked": the chunked (WY, chunk 64) kernels — fast prefill; a replay
+    # decode then recomputes the open chunk every step. "recurrent": the recurrence token by token with the decode
+    # kernel's arithmetic (`pallas_kernels.fused_recurrent_gated_delta_rule`) — a slower prefill (sequential in
+    # T; BENCHMARKS.md), but a replay decode is then one recurrent step, and any split of a prompt, on the grid or
+    # not, gives the unsplit call's bits.
+    gdn_prefill: str = "chunked"
 
     def __post_init__(self):
         if self.decode_mode not in ("recurrent", "replay"):
             raise ValueError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
+        if self.gdn_prefill not in ("chunked", "recurrent"):
+            raise ValueError(f"gdn_prefill must be 'chunked' or 'recurrent'; got {self.gdn_prefill!r}")
+
+    @property
+    def keeps_open_chunk(self) -> bool:
+        """Whether states carry the open 64-token chunk's inputs (replay decode over the chunked prefill)."""
+        return self.decode_mode == "replay" and self.gdn_prefill == "chunked"
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
         """A fresh state; for a model placed on a mesh (`jaxgdn.sharding`), created already split over it."""
@@ -64,7 +77,7 @@ class Model:
 
         if sharding.mesh_of(self.params) is not None:
             return sharding.init_state(self, batch_size, capacity)
-        return init_state(self.config, batch_size, capacity, self.dtype, replay=self.decode_mode == "replay")
+        return init_state(self.config, batch_size, capacity, self.dtype, replay=self.keeps_open_chunk)
 
     def with_backend(self, backend: str | None) -> "Model":
         return dataclasses.replace(self, backend=backend)
@@ -75,6 +88,9 @@ class Model:
     def with_decode_mode(self, decode_mode: str) -> "Model":
         return dataclasses.replace(self, decode_mode=decode_mode)
 
+    def with_gdn_prefill(self, gdn_prefill: str) -> "Model":
+        return dataclasses.replace(self, gdn_prefill=gdn_prefill)
+
     def prefill_chunk(self, state: ModelState, tokens, lengths=None):
         """Absorb a batch of token runs. tokens: int32 [B, T]; lengths: int32 [B] valid tokens per row (None: T).
 
@@ -82,7 +98,8 @@ class Model:
         padded positions are meaningless. Padded tokens leave the state bit-identical.
         """
         tokens, lengths = _check_prefill(self.config, state, tokens, lengths,
-                                         self.deterministic and self.decode_mode == "recurrent")
+                                         self.deterministic and self.decode_mode == "recurrent"
+                                         and self.gdn_prefill == "chunked")
         with mesh_context(self):
             return _prefill_jit(self, state, tokens, lengths)
 
@@ -205,12 +222,13 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     [B, T, Vocab] tensor — 8 GB for one 8k-token prompt of a 248k vocabulary — and its matmul).
 
     With `checkpoint_stride` (a multiple of 64) it also returns `PrefillCheckpoints`: the GDN states every
-    `stride` tokens counted from the call's start (recurrent mode) or from the last grid boundary (replay mode),
-    each bitwise equal to the final state of a separate prefill ending there.
+    `stride` tokens counted from the call's start (recurrent decode mode, or gdn_prefill="recurrent") or from the
+    last grid boundary (replay decode over the chunked prefill), each bitwise equal to the final state of a
+    separate prefill ending there.
     """
     if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
         raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
-    replay = model.decode_mode == "replay"
+    replay = model.keeps_open_chunk
     cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
@@ -218,14 +236,15 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
         h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
         if kind == LINEAR:
             h, ls, ck = gdn_prefill(cfg, lp.mixer, h, ls, lengths, state.position, model.backend, checkpoint_stride,
-                                    det)
+                                    det, form=model.gdn_prefill)
             ckpts.append(ck)
         else:
             h, ls = attention(cfg, lp.mixer, h, ls, state.position, lengths, det, backend=model.backend)
         x = x + h
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
-    on_grid = replay | ((state.position % CHUNK) == 0)  # replay continues exactly from anywhere
+    # replay over the open chunk, and the token-by-token prefill, continue exactly from anywhere
+    on_grid = replay | (model.gdn_prefill == "recurrent") | ((state.position % CHUNK) == 0)
     taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
     new_state = _advance(state, new_layers, lengths, taint)
     if last_only:
@@ -247,8 +266,9 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
 def decode_step(model: Model, state: ModelState, token: jax.Array):
     """Pure decode of one token per row. token int32 [B]. Returns (state, logits fp32 [B, Vocab]).
 
-    Recurrent mode: the one-token recurrent update (taints the state DECODE). Replay mode: a one-token prefill,
-    which replays the open chunk from the last grid boundary: bitwise what a prefill computes.
+    Recurrent mode: the one-token recurrent update (taints the state DECODE). Replay mode: a one-token prefill —
+    with the chunked GDN prefill it replays the open chunk from the last grid boundary, with gdn_prefill="recurrent"
+    it is one step of the token-by-token kernel — bitwise what a prefill computes.
     """
     if model.decode_mode == "replay":
         state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))

@@ -403,7 +403,7 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
 
     mesh: default the mesh the model's parameters are on (an unsharded model gets `model.init_state`)."""
     mesh = mesh_of(model.params) if mesh is None else mesh
-    replay = model.decode_mode == "replay"
+    replay = model.keeps_open_chunk
     if mesh is None:
         return _init_state(model.config, batch_size, capacity, model.dtype, replay)
     return _sharded_zeros(model.config, batch_size, capacity, jnp.dtype(model.dtype), replay, mesh)()

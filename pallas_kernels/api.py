@@ -68,6 +68,38 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
 
 
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                                     lengths=None, checkpoint_stride=None, backend: str | None = None):
+    """The recurrence token by token over a whole call (a prefill with the decode arithmetic; fla's name).
+    q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV]. Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus
+    checkpoints [B,T//stride,HV,K,V] (the state after every `checkpoint_stride` tokens, any positive stride).
+
+    Any split of a call gives the same bits as the unsplit call, and on the Pallas backends a one-token call is
+    bitwise the decode kernel (`gated_delta.scan`). Padded tokens (lengths) leave the state bit-identical, o = 0.
+    """
+    kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
+              checkpoint_stride=checkpoint_stride)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return _ref.recurrent_gated_delta_rule_reference(q, k, v, g, beta, **kw)
+    from .gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
+
+    mesh = _tp_mesh(q.shape[2])
+    if mesh is None:
+        return fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret", **kw)
+    B, T, HV = v.shape[:3]
+    s0 = jnp.zeros((B, HV, q.shape[3], v.shape[3]), jnp.float32) if initial_state is None else initial_state
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+
+    def shard(q, k, v, g, beta, s0, lengths):
+        return fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret",
+                                                       **dict(kw, initial_state=s0, lengths=lengths))
+
+    h = P(None, None, TP_AXIS)  # [B, T, H, ...]
+    out = (h, P(None, TP_AXIS)) + ((h,) if checkpoint_stride is not None else ())
+    return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
+
+
 def replay_gated_delta_step(open_qkv, open_gates, state, open_x, open_vnew, index, *, groups: int = 1, scale=None,
                             use_qk_l2norm=True, backend: str | None = None):
     """One replay decode step per row (`gated_delta.replay`): bitwise the exact-configuration prefill's output

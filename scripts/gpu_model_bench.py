@@ -3,7 +3,8 @@
 Measures, in one process: copy bandwidth and bf16 matmul rate (the ceilings); prefill of 8k tokens (tokens/s
 against its compute roofline); decode at batch 64 (step time against its memory roofline: weights + GDN
 states + KV bytes over copy bandwidth); the cost of deterministic mode (deterministic / normal throughput);
-bitwise batch-invariance and split checks in deterministic mode; replay vs recurrent decode step time.
+bitwise batch-invariance and split checks in deterministic mode; replay vs recurrent decode step time, over the
+chunked GDN prefill (stage `replay`) and the token-by-token one (`scan`, `scan_bitwise`).
 
   PYTHONPATH=. python3 scripts/gpu_model_bench.py [--preset qwen3.5-9b] [--layers N] [--out DIR] [--stages ...]
 
@@ -232,7 +233,13 @@ def stage_bitwise(model, max_len: int, max_tokens: int = 65536):
     return all(checks.values())
 
 
-def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 140, batch: int = 4):
+def scan_model(model):
+    """Deterministic, replay decode over the token-by-token GDN prefill."""
+    return model.with_deterministic().with_decode_mode("replay").with_gdn_prefill("recurrent")
+
+
+def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 140, batch: int = 4,
+                         tag: str = "replay_bitwise"):
     """Replay decode, deterministic: generated logprobs == teacher-forced `jaxgdn.score`, bitwise, and a row alone
     == the same row in a batch; the generation crosses grid boundaries."""
     rng = np.random.default_rng(3)
@@ -245,9 +252,9 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 140, ba
     [alone] = jaxgdn.generate(model, prompts[:1], max_new_tokens=new_tokens, temperature=0.8, seed=0)
     checks["row 0 alone == in batch"] = alone.tokens == out[0].tokens and bool(
         np.array_equal(np.array(alone.logprobs), np.array(out[0].logprobs)))
-    RESULTS["replay_bitwise"] = checks
+    RESULTS[tag] = checks
     for k, v in checks.items():
-        log(f"  [{'PASS' if v else 'FAIL'}] replay {k}")
+        log(f"  [{'PASS' if v else 'FAIL'}] {tag} {k}")
     return all(checks.values())
 
 
@@ -287,6 +294,11 @@ def main():
                                       "deterministic"))),
         ("replay", lambda: stage_decode(model.with_deterministic().with_decode_mode("replay"), args.decode_batch,
                                         args.context, bw, "replay")),
+        # gdn_prefill="recurrent": the GDN prefill token by token with the decode arithmetic; replay decode is then
+        # one recurrent step (and any prefill split is exact)
+        ("scan", lambda: (stage_prefill(scan_model(model), args.prefill_tokens, rate, "deterministic_scan"),
+                          stage_decode(scan_model(model), args.decode_batch, args.context, bw, "replay_scan"))),
+        ("scan_bitwise", lambda: stage_replay_bitwise(scan_model(model), tag="replay_scan_bitwise")),
         ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
                              for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"))),
@@ -304,15 +316,18 @@ def main():
         log(f"  ({name}: {time.time() - t1:.0f}s)")
         with open(os.path.join(args.out, "model_bench.json"), "w") as fh:
             json.dump(RESULTS, fh, indent=1, default=float)
-    if "prefill_normal" in RESULTS and "prefill_deterministic" in RESULTS:
-        r = RESULTS["prefill_normal"]["seconds"] / RESULTS["prefill_deterministic"]["seconds"]
-        log(f"deterministic/normal prefill throughput {r:.2f}")
     if "decode_normal" in RESULTS and "decode_deterministic" in RESULTS:
         r = RESULTS["decode_normal"]["step_s_in_loop"] / RESULTS["decode_deterministic"]["step_s_in_loop"]
         log(f"deterministic/normal decode throughput {r:.2f}")
-    if "decode_normal" in RESULTS and "decode_replay" in RESULTS:
-        r = RESULTS["decode_replay"]["step_s_in_loop"] / RESULTS["decode_normal"]["step_s_in_loop"]
-        log(f"replay/recurrent decode step time {r:.2f}")
+    for tag in ("replay", "replay_scan"):
+        for base in ("normal", "deterministic"):
+            if f"decode_{base}" in RESULTS and f"decode_{tag}" in RESULTS:
+                r = RESULTS[f"decode_{tag}"]["step_s_in_loop"] / RESULTS[f"decode_{base}"]["step_s_in_loop"]
+                log(f"{tag} / {base} recurrent decode step time {r:.2f}")
+    for tag in ("deterministic", "deterministic_scan"):
+        if "prefill_normal" in RESULTS and f"prefill_{tag}" in RESULTS:
+            r = RESULTS["prefill_normal"]["seconds"] / RESULTS[f"prefill_{tag}"]["seconds"]
+            log(f"{tag}/normal prefill throughput {r:.2f}")
     log("errors: " + ("; ".join(RESULTS["errors"]) or "none"))
 
 

@@ -60,8 +60,9 @@ def test_recurrent_decode_alone_equals_batched(model):
     assert np.array_equal(np.array(alone.logprobs), np.array(batched[2].logprobs))
 
 
-def test_replay_generation_equals_scoring(model):
-    replay = model.with_decode_mode("replay")
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_replay_generation_equals_scoring(model, form):
+    replay = model.with_decode_mode("replay").with_gdn_prefill(form)
     prompts = [np.random.default_rng(2).integers(0, 256, n).tolist() for n in (50, 9)]
     out = jaxgdn.generate(replay, prompts, max_new_tokens=24, temperature=0.8, seed=[4, 5])  # row 0 crosses 64
     scored = jaxgdn.score(replay, [p + r.tokens for p, r in zip(prompts, out)], start=[len(p) for p in prompts])

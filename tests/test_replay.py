@@ -1,4 +1,6 @@
-"""Replay decode: decoded tokens' logprobs and states are bitwise what a prefill (teacher forcing) computes."""
+"""Replay decode: decoded tokens' logprobs and states are bitwise what a prefill (teacher forcing) computes — over
+the chunked GDN prefill (the open chunk replayed each step) and over the token-by-token one (gdn_prefill="recurrent":
+one recurrent step per token, and any split of a prompt exact)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ from jaxgdn.state import Provenance
 NEW = 200  # generated tokens: crosses at least three 64-token grid boundaries
 
 
-def _model(name):
-    return jaxgdn.tiny_model(name, seed=11, deterministic=True).with_decode_mode("replay")
+FORMS = ["chunked", "recurrent"]
+
+
+def _model(name, form="chunked", **kw):
+    return jaxgdn.tiny_model(name, seed=11, deterministic=True, **kw).with_decode_mode("replay").with_gdn_prefill(form)
 
 
 def _teacher_forced(model, sequences, starts):
@@ -23,9 +28,10 @@ def _teacher_forced(model, sequences, starts):
     return [np.array(s, np.float32) for s in jaxgdn.score(model, sequences, start=list(starts))]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("name", ["tiny", "tiny-next"])
-def test_generation_logprobs_equal_teacher_forced_scoring(name):
-    model = _model(name)
+def test_generation_logprobs_equal_teacher_forced_scoring(name, form):
+    model = _model(name, form)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (37, 64, 5, 100)]
     batch = jaxgdn.generate(model, prompts, max_new_tokens=NEW, temperature=0.8, seed=[1, 2, 3, 4])
@@ -47,8 +53,9 @@ def test_greedy_generation_equals_scoring_batch_of_one():
     assert np.array_equal(np.array(r.logprobs, np.float32), s)
 
 
-def test_replay_state_at_grid_boundary_equals_prefill():
-    model = _model("tiny")
+@pytest.mark.parametrize("form", FORMS)
+def test_replay_state_at_grid_boundary_equals_prefill(form):
+    model = _model("tiny", form)
     toks = np.random.default_rng(2).integers(0, 256, 140).tolist()
     step = jax.jit(jaxgdn.decode_step)
     state, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks[:50]], jnp.int32))
@@ -76,8 +83,9 @@ def test_recurrent_mode_still_shows_the_difference():
     assert int(state.provenance[0]) == Provenance.DECODE
 
 
-def test_multi_turn_reuses_answer_prefixes_bitwise():
-    model = _model("tiny")
+@pytest.mark.parametrize("form", FORMS)
+def test_multi_turn_reuses_answer_prefixes_bitwise(form):
+    model = _model("tiny", form)
     rng = np.random.default_rng(3)
     cache = jaxgdn.PrefixCache(interval=64, deterministic=True)
     turn1 = rng.integers(0, 256, 90).tolist()
@@ -98,12 +106,33 @@ def test_multi_turn_reuses_answer_prefixes_bitwise():
     jaxgdn.check_cache(warm.cache, model, recompute=True)
 
 
-def test_bf16_generation_equals_scoring():
+@pytest.mark.parametrize("form", FORMS)
+def test_bf16_generation_equals_scoring(form):
     """bf16 too: jaxgdn's compiled entry points round every bf16 op (no XLA excess precision), so the replayed
     decode and the teacher-forced prefill round alike whatever their shapes."""
-    model = jaxgdn.tiny_model("tiny", seed=11, dtype=jnp.bfloat16, deterministic=True).with_decode_mode("replay")
+    model = _model("tiny", form, dtype=jnp.bfloat16)
     prompts = [np.random.default_rng(4).integers(0, 256, n).tolist() for n in (60, 33)]
     out = jaxgdn.generate(model, prompts, max_new_tokens=80, temperature=0.8, seed=[5, 6])
     scored = _teacher_forced(model, [p + r.tokens for p, r in zip(prompts, out)], [len(p) for p in prompts])
     for r, s in zip(out, scored):
         assert np.array_equal(np.array(r.logprobs, np.float32), s)
+
+
+def test_recurrent_gdn_prefill_splits_anywhere_bitwise():
+    """gdn_prefill="recurrent" in deterministic mode: a prompt split off the 64 grid (no grid error) gives the
+    unsplit call's state and logits bitwise, and its states are admissible PREFILL checkpoints; the chunked prefill
+    with recurrent decode refuses the same split."""
+    model = _model("tiny", "recurrent")
+    toks = jnp.asarray([np.random.default_rng(7).integers(0, 256, 150).tolist()], jnp.int32)
+    whole, lg = model.prefill_chunk(model.init_state(1, 192), toks)
+    s, lg1 = model.prefill_chunk(model.init_state(1, 192), toks[:, :37])
+    s, lg2 = model.prefill_chunk(s, toks[:, 37:101])
+    s, lg3 = model.prefill_chunk(s, toks[:, 101:])
+    chex.assert_trees_all_equal(s, whole)
+    np.testing.assert_array_equal(np.concatenate([lg1, lg2, lg3], axis=1), np.asarray(lg))
+    assert int(s.provenance[0]) == Provenance.PREFILL
+    assert s.layers[0].open_qkv is None  # no open-chunk buffers: nothing to replay
+    chunked = jaxgdn.tiny_model("tiny", seed=11, deterministic=True)
+    st, _ = chunked.prefill_chunk(chunked.init_state(1, 192), toks[:, :37])
+    with pytest.raises(jaxgdn.InputError, match="grid"):
+        chunked.prefill_chunk(st, toks[:, 37:101])

@@ -55,10 +55,13 @@ def _splice(open_buf, new, open_len, lengths, width):
 
 
 def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, lengths: jax.Array,
-                position: jax.Array, backend: str | None, checkpoint_stride: int | None = None, det: str | bool = False):
+                position: jax.Array, backend: str | None, checkpoint_stride: int | None = None, det: str | bool = False,
+                form: str = "chunked"):
     """x: [B, T, D]; lengths, position: [B]. Returns (y [B, T, D], new_state, checkpoints or None).
 
-    Recurrent mode (state.open_qkv is None): the chunked rule runs from the state at `position`.
+    Recurrent mode (state.open_qkv is None): the chunked rule (`form="chunked"`) or the token-by-token one
+    (`form="recurrent"`: the decode arithmetic, `pallas_kernels.fused_recurrent_gated_delta_rule`) runs from the
+    state at `position`.
     Replay mode: it runs from the last grid boundary over the open chunk followed by the new tokens, so the
     result is bitwise what an unsplit prefill computes (the kernel is row-causal inside a chunk), whatever
     `position` is; the state keeps the newest boundary state and the new open chunk.
@@ -78,8 +81,10 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
             ends = jnp.broadcast_to(checkpoint_stride * jnp.arange(1, T // checkpoint_stride + 1), (B, T // checkpoint_stride))
         conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends)
         q, k, v = _split_qkv(cfg, conv[0])
-        out = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent, lengths=lengths,
-                                                    checkpoint_stride=checkpoint_stride, backend=backend)
+        rule = (pallas_kernels.fused_recurrent_gated_delta_rule if form == "recurrent"
+                else pallas_kernels.chunk_gated_delta_rule)
+        out = rule(q, k, v, g, beta, initial_state=state.recurrent, lengths=lengths,
+                   checkpoint_stride=checkpoint_stride, backend=backend)
         ckpt = None if checkpoint_stride is None else GDNLayerState(conv=conv[2], recurrent=out[2])
         new_state = GDNLayerState(conv=conv[1], recurrent=out[1])
         return _output(cfg, p, out[0], z, det), new_state, ckpt

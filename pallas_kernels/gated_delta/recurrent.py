@@ -31,38 +31,50 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
-def _normalized(q, k, use_l2, scale):
+def _ksum(x, interpret):
+    """Sum over axis 0 (K). On the GPU Triton's reduction (its order follows the layout, fixed by the launch
+    configuration); in interpret mode a fixed pairwise tree (`invariant.tree_sum`): XLA's CPU reductions pick
+    their order by context, so a loop body and a single step could otherwise differ in the last bit."""
+    if not interpret:
+        return jnp.sum(x, axis=0)
+    from ..invariant import tree_sum
+
+    return tree_sum(jnp.moveaxis(x, 0, -1))
+
+
+def _normalized(q, k, use_l2, scale, interpret=False):
     """fp32 q, k [K] L2-normalised (optional); q scaled."""
     if use_l2:
-        q = q * lax.rsqrt(jnp.sum(q * q) + _EPS)
-        k = k * lax.rsqrt(jnp.sum(k * k) + _EPS)
+        q = q * lax.rsqrt(_ksum(q * q, interpret) + _EPS)
+        k = k * lax.rsqrt(_ksum(k * k, interpret) + _EPS)
     return q * scale, k
 
 
-def token_update(s, q, k, v, g, beta):
+def token_update(s, q, k, v, g, beta, interpret=False):
     """One token of the recurrence on a state block: s fp32 [K, BV]; q (normalised, scaled), k [K]; v [BV];
     g, beta [1], all fp32. Returns (o [BV] fp32, s). The decode kernel and the token-by-token prefill kernel
     (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same bits."""
     s = s * jnp.exp(g)[:, None]  # [K, BV] * [1, 1]
-    kv = jnp.sum(s * k[:, None], axis=0)  # [BV]
+    kv = _ksum(s * k[:, None], interpret)  # [BV]
     u = beta * (v - kv)
     s = s + k[:, None] * u[None, :]
-    return jnp.sum(s * q[:, None], axis=0), s
+    return _ksum(s * q[:, None], interpret), s
 
 
-def _decode_kernel(*refs, scale, use_l2, fused):
+def _decode_kernel(*refs, scale, use_l2, fused, interpret):
     if fused:
         q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, s_ref, o_ref, so_ref = refs
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref = refs
-    q, k = _normalized(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32), use_l2, scale)  # [K]
+    q, k = _normalized(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32), use_l2, scale,
+                       interpret)  # [K]
     v = v_ref[...].astype(jnp.float32)  # [BV]
     g = g_ref[...].astype(jnp.float32)  # [1]
     beta = beta_ref[...].astype(jnp.float32)
     if fused:
         g = -jnp.exp(alog_ref[...].astype(jnp.float32)) * _softplus(g + dtb_ref[...].astype(jnp.float32))
         beta = 1.0 / (1.0 + jnp.exp(-beta))
-    o, s = token_update(s_ref[...], q, k, v, g, beta)
+    o, s = token_update(s_ref[...], q, k, v, g, beta, interpret)
     so_ref[...] = s
     o_ref[...] = o.astype(o_ref.dtype)
 
@@ -93,7 +105,7 @@ def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2nor
     from jax.experimental.pallas import triton as pltriton
 
     o, new_state = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale, use_l2=use_qk_l2norm, fused=fused),
+        functools.partial(_decode_kernel, scale=scale, use_l2=use_qk_l2norm, fused=fused, interpret=interpret),
         grid=(nv, HV, B),
         in_specs=in_specs,
         out_specs=[

@@ -94,24 +94,53 @@ def gated_delta_step_reference(q, k, v, g, beta, state, *, scale=None, use_qk_l2
     return o[:, 0], s
 
 
+def _token_step(s, xs):
+    """One token for every (row, value head): s fp32 [B,HV,K,V]; xs = q, k [B,HV,K], v [B,HV,V], g, beta [B,HV]
+    (fp32, q scaled). The reductions over K are fixed-order trees (`tree_sum`), so a row's result does not
+    depend on the batch's shape."""
+    qt, kt, vt, gt, bt = xs
+    s = s * jnp.exp(gt)[..., None, None]
+    st = jnp.swapaxes(s, -1, -2)  # [B,HV,V,K]
+    kv = tree_sum(st * kt[..., None, :])  # [B,HV,V]
+    u = bt[..., None] * (vt - kv)
+    s = s + kt[..., :, None] * u[..., None, :]
+    o = tree_sum(jnp.swapaxes(s, -1, -2) * qt[..., None, :])
+    return s, o
+
+
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
-                                         lengths=None):
-    """Token-by-token recurrence (fp32). Shapes as the chunked form; returns (o [B,T,HV,V], final_state)."""
+                                         lengths=None, checkpoint_stride=None):
+    """Token-by-token recurrence (fp32). Shapes as the chunked form; returns (o [B,T,HV,V], final_state), plus the
+    states after every `checkpoint_stride` tokens [B, T // stride, HV, K, V] when a stride is given (exact copies:
+    the scan runs segment by segment)."""
+    if q.shape[1] == 1 and checkpoint_stride is None:
+        # One token: run a two-token scan whose second token is padding (it leaves the state bit-identical). XLA
+        # inlines a one-trip loop and fuses its body with the neighbouring ops, and on CPU that changes the
+        # rounding with the batch size; a real loop keeps the step's arithmetic the one every longer call runs.
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
+        n = jnp.ones((q.shape[0],), jnp.int32) if lengths is None else jnp.minimum(lengths, 1)
+        o, s = recurrent_gated_delta_rule_reference(pad(q), pad(k), pad(v), pad(g), pad(beta), scale=scale,
+                                                    initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                                                    lengths=n)
+        return o[:, :1], s
     out_dtype = v.dtype
-    q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, lengths)
-
-    def step(s, xs):  # s: [B,HV,K,V]
-        qt, kt, vt, gt, bt = xs  # [B,HV,K], [B,HV,K], [B,HV,V], [B,HV], [B,HV]
-        s = s * jnp.exp(gt)[..., None, None]
-        kv = jnp.einsum("bhk,bhkv->bhv", kt, s, precision=_HI)
-        u = bt[..., None] * (vt - kv)
-        s = s + kt[..., :, None] * u[..., None, :]
-        o = jnp.einsum("bhk,bhkv->bhv", qt, s, precision=_HI)
-        return s, o
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    s, o = jax.lax.scan(step, s0, xs)
-    return jnp.moveaxis(o, 0, 1).astype(out_dtype), s
+    q, k, v, g, beta, s = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, lengths)
+    T = q.shape[1]
+    if lengths is not None:  # padded tokens: o = 0 (their q is zeroed too)
+        q = jnp.where((jnp.arange(T)[None, :] < lengths[:, None])[..., None, None], q, 0.0)
+    stride = checkpoint_stride or T
+    outs, cks = [], []
+    for start in range(0, T, stride):
+        xs = tuple(jnp.moveaxis(x[:, start:start + stride], 1, 0) for x in (q, k, v, g, beta))
+        s, o = jax.lax.scan(_token_step, s, xs)
+        outs.append(jnp.moveaxis(o, 0, 1))
+        if start + stride <= T:
+            cks.append(s)
+    o = jnp.concatenate(outs, axis=1).astype(out_dtype)
+    if checkpoint_stride is None:
+        return o, s
+    B, HV, K, V = s.shape
+    return o, s, (jnp.stack(cks, axis=1) if cks else jnp.zeros((B, 0, HV, K, V), jnp.float32))
 
 
 def _chunk_step(s, xs):

@@ -4,8 +4,8 @@ kernel for the H200 (interpretable on CPU).
 Dimension legend in `reference.py`. Grid (V // BV, HV, B): one program per (batch row, value head, V block) keeps
 its fp32 state block S [K, BV] on chip for the whole call and runs, for t = 0 .. T - 1, exactly the decode
 kernel's per-token arithmetic (`recurrent.token_update`: S = exp(g) S; u = beta (v - S^T k); S = S + k u^T;
-o = S^T q, q and k fp32-L2-normalised). The next token's inputs are loaded one iteration ahead (a software
-prefetch: the loads do not depend on S, so their latency hides behind the current token's arithmetic).
+o = S^T q, q and k fp32-L2-normalised). The next token's inputs are loaded and normalised one iteration ahead (a
+software prefetch: they do not depend on S, so their latency hides behind the current token's arithmetic).
 
 Why it exists (deterministic mode, `jaxgdn`'s `gdn_prefill="recurrent"`): a chunked prefill and a recurrent decode
 compute the same recurrence with different arithmetic, so a decoded state is not bitwise the state a prefill of
@@ -37,21 +37,19 @@ DEFAULT_CONFIG = dict(bv=32, num_warps=1, num_stages=1)
 
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
-                 scale, use_l2):
+                 scale, use_l2, interpret):
     n = len_ref[0]
 
-    def load(t):  # token t's inputs (t clamped: the prefetch past the end reads the last token again)
+    def load(t):  # token t's inputs, q and k normalised (t clamped: the prefetch past the end rereads the last)
         t = jnp.minimum(t, T - 1)
         one = pl.ds(t, 1)
-        return (q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), v_ref[t].astype(jnp.float32),
-                g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32))
+        q, k = _normalized(q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), use_l2, scale, interpret)
+        return q, k, v_ref[t].astype(jnp.float32), g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32)
 
     def body(t, carry):
         s, cur = carry
-        nxt = load(t + 1)
-        q, k, v, g, beta = cur
-        q, k = _normalized(q, k, use_l2, scale)
-        o, s_new = token_update(s, q, k, v, g, beta)
+        nxt = load(t + 1)  # independent of s: overlaps with this token's chain
+        o, s_new = token_update(s, *cur, interpret)
         live = t < n
         s = jnp.where(live, s_new, s)  # padded tokens: the state bit-identical
         o_ref[t] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
@@ -86,7 +84,7 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
 
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, T=T, stride=checkpoint_stride or 0, nck=nck, scale=scale,
-                          use_l2=use_qk_l2norm),
+                          use_l2=use_qk_l2norm, interpret=interpret),
         grid=(V // bv, HV, B),
         in_specs=[
             pl.BlockSpec((1,), lambda j, h, b: (b,)),
@@ -142,6 +140,14 @@ def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, ini
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
     config = None if config is None else tuple(sorted(dict(config).items()))
+    if interpret and T == 1 and checkpoint_stride is None:
+        # Interpret mode: XLA inlines a one-trip loop and fuses it with its neighbours, which on CPU changes the
+        # rounding with the batch size; a second, padded token keeps a real loop (and the state bit-identical).
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
+        o, s = _scan_impl(pad(q), pad(k), pad(v), pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32)),
+                          initial_state.astype(jnp.float32), jnp.minimum(lengths, 1), scale=scale,
+                          use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=None, interpret=True, config=config)
+        return o[:, :1], s
     return _scan_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), initial_state.astype(jnp.float32),
                       lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=checkpoint_stride,
                       interpret=bool(interpret), config=config)

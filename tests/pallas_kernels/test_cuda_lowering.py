@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gated_delta.chunk import EXACT_CONFIG, chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrent import recurrent_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.replay import replay_gated_delta_step_pallas
+from pallas_kernels.gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
 
 SDS = jax.ShapeDtypeStruct
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -131,6 +132,16 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V, groups, config):
     assert len(modules) == 1
     n, bad = dot_problems(modules)
     assert n >= 8 and not bad, bad
+    assert "output_operand_aliases" in lowered.as_text()
+
+
+@pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
+                                               (2, 130, 64, {"bv": 64, "num_warps": 4}), (3, 7, None, {"bv": 16})])
+def test_scan_lowers_for_h200_in_place(B, T, stride, config):
+    f = lambda q, k, v, g, b, s0, n: fused_recurrent_gated_delta_rule_pallas(
+        q, k, v, g, b, initial_state=s0, lengths=n, checkpoint_stride=stride, config=config)
+    lowered, modules = lower_for_h200(f, *chunk_args(B, T, 16, 32, 128, 128, jnp.bfloat16))
+    assert len(modules) == 1 and not dot_problems(modules)[1]
     assert "output_operand_aliases" in lowered.as_text()
 
 
