@@ -4,8 +4,8 @@ kernel for the H200 (interpretable on CPU).
 Dimension legend in `reference.py`. Grid (V // BV, HV, B): one program per (batch row, value head, V block) keeps
 its fp32 state block S [K, BV] on chip for the whole call and runs, for t = 0 .. T - 1, exactly the decode
 kernel's per-token arithmetic (`recurrent.token_update`: S = exp(g) S; u = beta (v - S^T k); S = S + k u^T;
-o = S^T q, q and k fp32-L2-normalised). The next token's inputs are loaded and normalised one iteration ahead (a
-software prefetch: they do not depend on S, so their latency hides behind the current token's arithmetic).
+o = S^T q, q and k fp32-L2-normalised). Inputs are loaded two tokens ahead and normalised one token ahead (a
+software pipeline: none of it depends on S, so its latency hides behind the chain of state updates).
 
 Why it exists (deterministic mode, `jaxgdn`'s `gdn_prefill="recurrent"`): a chunked prefill and a recurrent decode
 compute the same recurrence with different arithmetic, so a decoded state is not bitwise the state a prefill of
@@ -30,25 +30,31 @@ from jax.experimental import pallas as pl
 from ..config import merged_config
 from .recurrent import _normalized, token_update
 
-# Launch configuration: bv (V block per program), warps, stages. A prefill and a one-token call agree bit for bit
-# only under the same configuration (the reductions over K follow the layout), so the model uses this one for
-# both. Chosen on the H200: BENCHMARKS.md.
-DEFAULT_CONFIG = dict(bv=32, num_warps=1, num_stages=1)
+# Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages. A prefill and a
+# one-token call agree bit for bit only under the same configuration (the reductions over K follow the layout), so
+# the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs N and O): bv=16 with one warp was the
+# fastest prefill (6.8 ms at B=1 T=8192, HK=16 HV=32, against 7.0-204 ms for the others; the chunked kernels
+# 2.2 ms) and a one-token call 1.30-1.33x the decode kernel (bar <= 1.5x).
+DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1)
 
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
                  scale, use_l2, interpret):
     n = len_ref[0]
 
-    def load(t):  # token t's inputs, q and k normalised (t clamped: the prefetch past the end rereads the last)
+    def load(t):  # token t's raw inputs (t clamped: a prefetch past the end rereads the last token)
         t = jnp.minimum(t, T - 1)
         one = pl.ds(t, 1)
-        q, k = _normalized(q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), use_l2, scale, interpret)
-        return q, k, v_ref[t].astype(jnp.float32), g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32)
+        return (q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), v_ref[t].astype(jnp.float32),
+                g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32))
+
+    def ready(raw):  # q, k normalised (q scaled)
+        q, k = _normalized(raw[0], raw[1], use_l2, scale, interpret)
+        return (q, k) + tuple(raw[2:])
 
     def body(t, carry):
-        s, cur = carry
-        nxt = load(t + 1)  # independent of s: overlaps with this token's chain
+        s, cur, nxt = carry  # cur: token t, ready; nxt: token t + 1, raw (loaded one iteration ago)
+        after = load(t + 2)  # two tokens ahead: the loads, and normalising t + 1, stay off the chain through s
         o, s_new = token_update(s, *cur, interpret)
         live = t < n
         s = jnp.where(live, s_new, s)  # padded tokens: the state bit-identical
@@ -60,15 +66,16 @@ def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so
             def _():
                 ck_refs[0][m - 1] = s
 
-        return s, nxt
+        return s, ready(nxt), after
 
-    s, _ = lax.fori_loop(0, T, body, (s_ref[...].astype(jnp.float32), load(0)))
+    s, _, _ = lax.fori_loop(0, T, body, (s_ref[...].astype(jnp.float32), ready(load(0)), load(1)))
     so_ref[...] = s
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
 def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret, config):
-    cfg = merged_config("fused_recurrent_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": v.shape[3]})
+    cfg = merged_config("fused_recurrent_gated_delta_rule", DEFAULT_CONFIG, config,
+                        blocks={} if dict(config or ()).get("bv") == 8 else {"bv": v.shape[3]})
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
