@@ -81,7 +81,8 @@ def _decode_kernel(*refs, scale, use_l2, fused, interpret):
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "fused", "interpret", "config"))
 def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2norm, fused, interpret, config):
-    cfg = merged_config("recurrent_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": v.shape[2]})
+    cfg = merged_config("recurrent_gated_delta_rule", DEFAULT_CONFIG, config,
+                        blocks={} if dict(config or ()).get("bv") == 8 else {"bv": v.shape[2]})
     B, HK, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G = HV // HK
