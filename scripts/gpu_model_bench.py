@@ -233,6 +233,49 @@ def stage_bitwise(model, max_len: int, max_tokens: int = 65536):
     return all(checks.values())
 
 
+def _trees_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def replay_state_checks(model) -> dict:
+    """Replay decode (model in replay mode, deterministic), bitwise on the device: the state after decoding the
+    tokens of a sequence one by one == the state of a prefill of the same tokens (at a grid boundary, and off the
+    grid); a second turn warmed by the first turn's cache (checkpoints inside the generated answer) == the same
+    turn cold, recomputing at most one interval plus the new message; and, over the chunked prefill, the recurrent
+    decode mode still differs."""
+    rng = np.random.default_rng(5)
+    V = model.config.vocab_size
+    toks = rng.integers(0, V, 140).astype(np.int32)
+    step = jaxgdn.model.jit(jaxgdn.decode_step)
+    out = {}
+    for mdl, name in ((model, "replay"), (model.with_decode_mode("recurrent"), "recurrent")):
+        st, _ = mdl.prefill_chunk(mdl.init_state(1, 192), jnp.asarray(toks[None, :50]))
+        for pos in range(50, 140):
+            st, _ = step(mdl, st, jnp.asarray(toks[pos:pos + 1]))
+            if pos + 1 == 128:
+                at128 = st
+        ref128, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :128]))
+        ref140, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :140]))
+        if name == "replay":
+            out["state after decoding to 128 == prefill to 128"] = _trees_equal(at128, ref128)
+            out["state after decoding to 140 == prefill to 140"] = _trees_equal(st, ref140)
+        elif model.gdn_prefill == "chunked":  # (over the token-by-token prefill the two modes may agree)
+            out["recurrent decode mode: GDN state at 140 differs from prefill (expected)"] = not _trees_equal(
+                jaxgdn.model.gdn_states(st), jaxgdn.model.gdn_states(ref140))
+    cache = jaxgdn.PrefixCache(interval=64, deterministic=True)
+    turn1 = rng.integers(0, V, 90).tolist()
+    first = jaxgdn.generate(model, [turn1], max_new_tokens=120, cache=cache)
+    message = rng.integers(0, V, 20).tolist()
+    turn2 = turn1 + first[0].tokens + message
+    warm = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=first.cache)
+    cold = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=cache)
+    out[f"turn 2 warm == cold (cached {warm[0].cached_tokens} of {len(turn2)}, bound: recompute <= 64 + 20)"] = (
+        warm[0].tokens == cold[0].tokens and np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
+        and len(turn2) - warm[0].cached_tokens <= 64 + len(message))
+    return out
+
+
 def scan_model(model):
     """Deterministic, replay decode over the token-by-token GDN prefill."""
     return model.with_deterministic().with_decode_mode("replay").with_gdn_prefill("recurrent")
@@ -252,6 +295,7 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 140, ba
     [alone] = jaxgdn.generate(model, prompts[:1], max_new_tokens=new_tokens, temperature=0.8, seed=0)
     checks["row 0 alone == in batch"] = alone.tokens == out[0].tokens and bool(
         np.array_equal(np.array(alone.logprobs), np.array(out[0].logprobs)))
+    checks.update(replay_state_checks(model))
     RESULTS[tag] = checks
     for k, v in checks.items():
         log(f"  [{'PASS' if v else 'FAIL'}] {tag} {k}")
