@@ -79,7 +79,8 @@ def _preset(name: str, seed: int, dtype_name: str):
     return tiny_model(name, seed=seed, dtype=getattr(jnp, dtype_name))
 
 
-def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, decode_mode: bool = True) -> None:
+def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, decode_mode: bool = True,
+                    gdn_prefill: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", metavar="DIR|tiny|tiny-next",
                    help="Hugging Face checkpoint directory (config.json + safetensors), or an embedded random "
@@ -93,12 +94,19 @@ def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, deco
                        help="batch-invariant numerics (a row's result does not depend on the batch or prompt split)")
     if decode_mode:
         g.add_argument("--decode-mode", choices=("recurrent", "replay"), default="recurrent",
-                       help="recurrent: one-token recurrent update (fast); replay: decode replays the open 64-token "
-                            "chunk with the prefill arithmetic (bitwise what a prefill computes)")
+                       help="recurrent: one-token recurrent update (fast); replay: decode runs the prefill path, "
+                            "bitwise what a prefill computes (slow over the chunked GDN prefill: it replays the open "
+                            "64-token chunk each step; about as fast as recurrent with --gdn-prefill recurrent)")
+    if gdn_prefill:
+        g.add_argument("--gdn-prefill", choices=("chunked", "recurrent"), default="chunked",
+                       help="GDN prefill arithmetic: chunked (fast prefill) or recurrent (token by token with the "
+                            "decode kernel's arithmetic: slower prefill, one-step replay decode, any prompt split "
+                            "exact)")
 
 
 def _load_model(args, deterministic: bool | None = None):
-    """(model, source description) from --model / --model-seed / --dtype / --deterministic / --decode-mode."""
+    """(model, source description) from --model / --model-seed / --dtype / --deterministic / --decode-mode /
+    --gdn-prefill."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -107,13 +115,14 @@ def _load_model(args, deterministic: bool | None = None):
 
     det = getattr(args, "deterministic", False) if deterministic is None else deterministic
     mode = getattr(args, "decode_mode", "recurrent")
+    form = getattr(args, "gdn_prefill", "chunked")
     if args.model in PRESETS and not os.path.isdir(args.model):
         model = _preset(args.model, args.model_seed, args.dtype)
         source = f"preset {args.model!r} (seed {args.model_seed})"
     else:
         model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype))
         source = f"checkpoint {args.model}"
-    return dataclasses.replace(model, deterministic=det, decode_mode=mode), source
+    return dataclasses.replace(model, deterministic=det, decode_mode=mode, gdn_prefill=form), source
 
 
 def _max_length(args) -> int:
@@ -291,7 +300,8 @@ def _generate(args, out: _Outputs) -> int:
                       finish_reason=res.finish_reason, text=text,
                       sampling=dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=list(stops),
-                                    deterministic=model.deterministic, decode_mode=model.decode_mode))
+                                    deterministic=model.deterministic, decode_mode=model.decode_mode,
+                                    gdn_prefill=model.gdn_prefill))
         out.write_text(args.output, json.dumps(record, indent=1) + "\n")
     return 0
 
@@ -667,7 +677,8 @@ def _check_determinism(args, out: _Outputs) -> int:
     t0 = time.perf_counter()
     rows = determinism_checks(model, args.prompt_len, args.new_tokens, args.interval, args.seed, args.unsafe_cache,
                               checks)
-    print(f"check-determinism: {source}, deterministic=True, decode {model.decode_mode}"
+    print(f"check-determinism: {source}, deterministic=True, decode {model.decode_mode}, "
+          f"GDN prefill {model.gdn_prefill}"
           + (", UNSAFE cache (decode states admitted)" if args.unsafe_cache else "")
           + f" ({time.perf_counter() - t0:.1f} s)")
     width = max(len(r[0]) for r in rows)
@@ -678,7 +689,7 @@ def _check_determinism(args, out: _Outputs) -> int:
     print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     if args.output:
         out.write_text(args.output, json.dumps(dict(model=args.model, decode_mode=model.decode_mode,
-                                                    unsafe_cache=args.unsafe_cache,
+                                                    gdn_prefill=model.gdn_prefill, unsafe_cache=args.unsafe_cache,
                                                     checks=[dict(check=n, passed=ok, detail=d) for n, ok, d in rows]),
                                                indent=1) + "\n")
     return 1 if failed else 0
@@ -728,11 +739,13 @@ def _bench(args, out: _Outputs) -> int:
     decode_s = timed(lambda: decode_loop(model, state, first))
     dev = jax.devices()[0]
     res = dict(model=args.model, device=f"{dev.platform}:{dev.device_kind}", dtype=args.dtype,
-               deterministic=model.deterministic, decode_mode=model.decode_mode, batch_size=B, prompt_len=T,
+               deterministic=model.deterministic, decode_mode=model.decode_mode, gdn_prefill=model.gdn_prefill,
+               batch_size=B, prompt_len=T,
                decode_steps=N, repeats=args.repeats, prefill_s=prefill_s, prefill_tokens_per_s=B * T / prefill_s,
                decode_step_ms=1e3 * decode_s / N, decode_tokens_per_s=B * N / decode_s,
                prefill_compile_s=prefill_compile, decode_compile_s=decode_compile)
-    print(f"bench: {source} on {res['device']} ({args.dtype}, decode {model.decode_mode}), batch {B}")
+    print(f"bench: {source} on {res['device']} ({args.dtype}, decode {model.decode_mode}, GDN prefill "
+          f"{model.gdn_prefill}), batch {B}")
     print(f"  prefill {T} tokens/row: {1e3 * prefill_s:9.2f} ms  {res['prefill_tokens_per_s']:>12,.0f} tokens/s")
     print(f"  decode {N} steps:       {res['decode_step_ms']:9.3f} ms/step "
           f"{res['decode_tokens_per_s']:>9,.0f} tokens/s")

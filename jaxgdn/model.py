@@ -10,8 +10,10 @@ the state donated. The methods check their inputs on concrete values (JAX silent
 gathers) and call a jitted copy.
 
 A token's path: `Model.prefill_chunk` -> `prefill_chunk` -> per layer `layers.gdn.gdn_prefill` (conv, gates,
-`pallas_kernels.chunk_gated_delta_rule` -> backend dispatch -> reference or Pallas kernel) or
-`layers.attention.attention`, then `layers.mlp.feed_forward`.
+`pallas_kernels.chunk_gated_delta_rule` — or `fused_recurrent_gated_delta_rule` with gdn_prefill="recurrent" ->
+backend dispatch -> reference or Pallas kernel) or `layers.attention.attention`, then `layers.mlp.feed_forward`.
+Decode: `decode_step` -> `layers.gdn.gdn_decode` (`pallas_kernels.recurrent_gated_delta_rule`), or in replay mode
+the prefill path for one token.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class Model:
     dtype: jnp.dtype = jnp.float32  # activations and matmul inputs; GDN states stay fp32
     backend: str | None = None  # kernel backend (see pallas_kernels.backend); None: the device default
     # Batch-invariant numerics: a row's logits depend neither on the other rows of the call nor on how its
-    # prompt was split on the 64-token grid (every prefill call must then start on the grid).
+    # prompt was split on the 64-token grid (with the chunked GDN prefill and recurrent decode every prefill call
+    # must then start on the grid; replay decode and gdn_prefill="recurrent" continue exactly from anywhere).
     deterministic: bool = False
     # "recurrent": decode with the one-token recurrent update (fast; the state differs from prefill's, and is
     # tainted DECODE). "replay": decode recomputes the open 64-token chunk with the prefill arithmetic from the

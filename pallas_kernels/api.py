@@ -29,27 +29,19 @@ def _per_shard(fn, mesh, args, in_specs, out_specs):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, lengths=None,
-                           checkpoint_stride=None, backend: str | None = None, exact: bool = False):
+                           checkpoint_stride=None, backend: str | None = None):
     """Chunked gated delta rule (prefill). q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV].
 
     Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus checkpoints [B,T//stride,HV,K,V] when
     `checkpoint_stride` is given.
-
-    `exact` (Pallas backends only): the row-exact arithmetic (`chunk.EXACT_CONFIG`) that the replay decode kernel
-    reproduces one token at a time; two more outputs then follow: the WY inverse X [B,HV,Tp,64] and v_new
-    [B,HV,Tp,V] of every chunk (Tp = T rounded up to the 64 grid), which a replay decode continues from.
     """
     kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
               checkpoint_stride=checkpoint_stride)
     backend = resolve_backend(backend)
     if backend == "reference":
-        if exact:
-            raise ValueError("exact=True needs a Pallas backend ('pallas' or 'interpret')")
         return _ref.chunk_gated_delta_rule_reference(q, k, v, g, beta, **kw)
-    from .gated_delta.chunk import EXACT_CONFIG, chunk_gated_delta_rule_pallas
+    from .gated_delta.chunk import chunk_gated_delta_rule_pallas
 
-    if exact:
-        kw.update(config=EXACT_CONFIG, return_open=True)
     mesh = _tp_mesh(q.shape[2])
     if mesh is None:
         return chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret", **kw)
@@ -64,7 +56,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
     h = P(None, None, TP_AXIS)  # [B, T, H, ...]
     out = (h, P(None, TP_AXIS)) + ((h,) if checkpoint_stride is not None else ())
-    out += (P(None, TP_AXIS), P(None, TP_AXIS)) if exact else ()
     return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
 
 
@@ -98,34 +89,6 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
     h = P(None, None, TP_AXIS)  # [B, T, H, ...]
     out = (h, P(None, TP_AXIS)) + ((h,) if checkpoint_stride is not None else ())
     return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
-
-
-def replay_gated_delta_step(open_qkv, open_gates, state, open_x, open_vnew, index, *, groups: int = 1, scale=None,
-                            use_qk_l2norm=True, backend: str | None = None):
-    """One replay decode step per row (`gated_delta.replay`): bitwise the exact-configuration prefill's output
-    for the token at row index[b] of the open chunk. open_qkv [B,64,C_mix] (G = `groups` groups of
-    [q_g | k_g | v_g]); open_gates [B,64,2,HV]; state fp32 [B,HV,K,V] at the last grid boundary; open_x
-    [B,HV,64,64] and open_vnew [B,HV,64,V] of the rows before; index int32 [B] (-1: row untouched).
-    Returns (o [B,HV,V], state, open_x, open_vnew). Pallas backends only; under a tensor-parallel mesh it runs per
-    shard (each shard holds whole column groups of open_qkv: `groups` a multiple of the mesh size)."""
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        raise ValueError("the replay decode kernel needs a Pallas backend ('pallas' or 'interpret')")
-    from .gated_delta.replay import replay_gated_delta_step_pallas
-
-    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
-    HV, V = state.shape[1], state.shape[3]
-    mesh = _tp_mesh((open_qkv.shape[2] - HV * V) // (2 * state.shape[2]))
-    if mesh is None:
-        return replay_gated_delta_step_pallas(open_qkv, open_gates, state, open_x, open_vnew, index, groups=groups,
-                                              **kw)
-    tp = mesh.shape[TP_AXIS]
-    if groups % tp:
-        raise ValueError(f"open_qkv's {groups} column groups cannot be split over {tp} devices")
-    h = P(None, TP_AXIS)
-    return _per_shard(lambda *a: replay_gated_delta_step_pallas(*a, groups=groups // tp, **kw), mesh,
-                      (open_qkv, open_gates, state, open_x, open_vnew, index),
-                      (P(None, None, TP_AXIS), P(None, None, None, TP_AXIS), h, h, h, P()), (h, h, h, h))
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True, A_log=None,

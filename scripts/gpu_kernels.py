@@ -4,10 +4,9 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,invariant,
-              replay,replay_exact,scan] [--only SECTIONS] [--configs NAMES]
-(replay: the model's recompute-per-step replay at the kernel level; replay_exact: the incremental replay kernel
- against the exact prefill, bitwise, and its timing; scan: the token-by-token prefill kernel, bitwise against the
- decode kernel, and its prefill and one-token times.)
+              replay,scan] [--only SECTIONS] [--configs NAMES]
+(replay: the model's recompute-per-step replay at the kernel level; scan: the token-by-token prefill kernel,
+ bitwise against the decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
  `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`.)
 Prints tables and writes results.json into --out.
@@ -36,7 +35,6 @@ import jax.numpy as jnp
 from pallas_kernels.gated_delta import chunk as chunk_mod
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrent import recurrent_gated_delta_rule_pallas
-from pallas_kernels.gated_delta.replay import replay_gated_delta_step_pallas
 from pallas_kernels.gated_delta.reference import (chunk_gated_delta_rule_reference, gated_delta_step_reference,
                                                   gdn_gates)
 from tests.gdn_oracle import gated_delta_rule_oracle, random_gdn_inputs, rel_err
@@ -673,109 +671,6 @@ def replay_timing():
         RESULTS.setdefault("replay_kernel", []).append(row)
 
 
-def _mixed(q, k, v):
-    """q, k [B, T, HK, K], v [B, T, HV, V] -> the model's open-buffer layout [B, T, HK*K + HK*K + HV*V]."""
-    B, T = q.shape[:2]
-    return jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
-
-
-@section
-def replay_exact(configs, small=False):
-    """The replay decode kernel (`gated_delta.replay`) without interpret mode:
-    1. bitwise: a prefill of 50 tokens (the open tail with X and v_new), then 150 replay steps, against one
-       exact-configuration prefill of all 200 tokens: every decoded output row and both boundary states equal;
-       the exact prefill's accuracy against the float64 oracle (bar 2e-3) and its time beside the default's;
-    2. timing: kernel-only, 20 steps in one compiled loop (rows at different chunk phases, so boundary writes happen
-       at their real rate), B = 64 and 256, HK=16 HV=32 K=V=128, per launch config, against the recurrent kernel
-       in the same loop form. Bar (issue 7): replay <= 1.5x recurrent."""
-    B, T, p, HK, HV, K, V = (2, 140, 50, 2, 4, 32, 32) if small else (4, 200, 50, 16, 32, 128, 128)
-    d = random_gdn_inputs(np.random.default_rng(9), B, T, HK, HV, K, V, np.float32, beta_kind="mixed")
-    x = dev_inputs(d)
-    exact = chunk_mod.EXACT_CONFIG
-    o_full, s_full, ck = call_chunk(x, stride=64, config=exact)
-    ro, rs = oracle_of(x)
-    eo, es = rel_err(o_full.astype(np.float32), ro), rel_err(s_full, rs)
-    check("exact prefill accuracy vs float64 oracle (<= 2e-3)", eo <= 2e-3 and es <= 2e-3,
-          f"out {eo:.2e} state {es:.2e}")
-    mix = _mixed(x["q"], x["k"], x["v"])  # bf16
-    gates = jnp.stack([x["g"], x["beta"]], axis=2).astype(jnp.float32)
-    # p = 50 < 64: the tail starts at 0 from the initial state
-    s = x["s0"]
-    _, _, ox, ovn = chunk_gated_delta_rule_pallas(x["q"][:, :p], x["k"][:, :p], x["v"][:, :p], x["g"][:, :p],
-                                                  x["beta"][:, :p], initial_state=s, config=exact, return_open=True)
-    open_qkv = jnp.zeros((B, 64, mix.shape[-1]), mix.dtype).at[:, :p].set(mix[:, :p])
-    open_g = jnp.zeros((B, 64, 2, HV), jnp.float32).at[:, :p].set(gates[:, :p])
-    step = jax.jit(replay_gated_delta_step_pallas, donate_argnums=(2, 3, 4))
-    outs, bstates = [], {}
-    for t in range(p, T):
-        i = t % 64
-        open_qkv = open_qkv.at[:, i].set(mix[:, t])
-        open_g = open_g.at[:, i].set(gates[:, t])
-        o, s, ox, ovn = step(open_qkv, open_g, s, ox, ovn, jnp.full((B,), i, jnp.int32))
-        outs.append(np.asarray(o))
-        if i == 63:
-            bstates[t + 1] = np.asarray(s)
-    o_rep = np.stack(outs, axis=1)
-    ok_o = np.array_equal(o_rep, o_full[:, p:])
-    ok_s = all(np.array_equal(sv, ck[:, pos // 64 - 1]) for pos, sv in bstates.items())
-    nbad = int(np.sum(np.any(o_rep != o_full[:, p:], axis=(2, 3))))
-    check(f"replay decode == exact prefill, bitwise ({T - p} steps from a {p}-token prefill; B={B} HK={HK} HV={HV})",
-          ok_o and ok_s and len(bstates) == (T // 64), f"outputs equal={ok_o} ({nbad} token rows differ), "
-          f"boundary states equal={ok_s} ({sorted(bstates)})")
-    del x
-    if small:  # the CPU smoke test of this section stops here
-        return
-    # exact prefill time beside the default (the deterministic replay mode's prefill)
-    for shp in [(1, 8192, 16, 32), (8, 4096, 16, 32)]:
-        q, k, v, g, beta = make_prefill(*shp)
-        row = dict(shape=shp)
-        for name, cfg in (("default", None), ("exact", exact)):
-            f = jax.jit(functools.partial(chunk_gated_delta_rule_pallas, config=cfg))
-            row[f"{name}_ms"] = bench_jax(f, q, k, v, g, beta, n=5, reps=5) * 1e3
-        log(f"prefill {shp}: default {row['default_ms']:.3f} ms, exact {row['exact_ms']:.3f} ms "
-            f"({row['exact_ms'] / row['default_ms']:.2f}x)")
-        RESULTS.setdefault("exact_prefill", []).append(row)
-        del q, k, v, g, beta
-    nstep = 20
-    for B in (64, 256):
-        ks = jax.random.split(jax.random.PRNGKey(B), 8)
-        mixb = jax.random.normal(ks[0], (B, 64, 2 * HK * K + HV * V), jnp.bfloat16)
-        gts = jnp.stack([-jax.nn.softplus(jax.random.normal(ks[1], (B, 64, HV))),
-                         jax.nn.sigmoid(jax.random.normal(ks[2], (B, 64, HV)))], axis=2)
-        s0 = jax.random.normal(ks[3], (B, HV, K, V), jnp.float32) * 0.1
-        x0 = jnp.tril(jax.random.normal(ks[4], (B, HV, 64, 64), jnp.float32) * 0.1)
-        vn0 = jax.random.normal(ks[5], (B, HV, 64, V), jnp.float32)
-        phase = jax.random.randint(ks[6], (B,), 0, 64)
-        q1 = jax.random.normal(ks[7], (B, HK, K), jnp.bfloat16)
-        v1 = jax.random.normal(ks[7], (B, HV, V), jnp.bfloat16)
-        g1, b1 = gts[:, 0, 0], gts[:, 0, 1]
-        state_bytes = 2 * B * HV * K * V * 4
-
-        @functools.partial(jax.jit, donate_argnums=4)
-        def rec_loop(q, k, v, g, s):
-            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
-                q, k, v, g, b1, initial_state=s)[1], s)
-
-        t_rec, _ = bench_state_loop(rec_loop, (q1, q1, v1, g1), s0 + 0, nstep, inner=2)
-        row = dict(B=B, recurrent_us=t_rec * 1e6, recurrent_TBps=state_bytes / t_rec / 1e12)
-        log(f"B={B}: recurrent {t_rec * 1e6:.1f} us/step ({state_bytes / t_rec / 1e12:.2f} TB/s)")
-        for name, cfg in configs.items():
-            @functools.partial(jax.jit, donate_argnums=2)
-            def rep_loop(qkv, gates, carry, cfg=cfg):
-                def body(t, c):
-                    _, s, xx, vn = replay_gated_delta_step_pallas(qkv, gates, *c, (phase + t) % 64, config=cfg)
-                    return s, xx, vn
-                return jax.lax.fori_loop(0, nstep, body, carry)
-            try:
-                t, _ = bench_state_loop(rep_loop, (mixb, gts), (s0 + 0, x0 + 0, vn0 + 0), nstep, inner=2)
-            except Exception as e:
-                log(f"  replay {name} failed: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            row[f"replay_{name}_us"] = t * 1e6
-            log(f"  replay {name:>10s}: {t * 1e6:.1f} us/step = {t / t_rec:.2f}x recurrent")
-        RESULTS.setdefault("replay_exact", []).append(row)
-
-
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
                 "bv16_w2": dict(bv=16, num_warps=2), "bv32_w1": dict(bv=32, num_warps=1),
                 "bv32_w2": dict(bv=32, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4)}
@@ -923,7 +818,7 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     if args.only:
         every = {"accuracy", "bitwise", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
-                 "conv1d", "invariant", "replay", "reference", "replay_exact", "scan"}
+                 "conv1d", "invariant", "replay", "reference", "scan"}
         skip = every - set(args.only.split(","))
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -1002,10 +897,6 @@ def main():
         replay_timing()
     if "scan" not in skip:
         scan()
-    if "replay_exact" not in skip:
-        replay_exact({"bv64_w4": None, "bv32_w4": dict(bv=32), "bv128_w4": dict(bv=128),
-                      "bv64_w8": dict(num_warps=8), "bv128_w8": dict(bv=128, num_warps=8),
-                      "bv32_w2": dict(bv=32, num_warps=2)})
     RESULTS["fails"] = FAILS
     RESULTS["wall_s"] = time.time() - t_start
     os.makedirs(args.out, exist_ok=True)

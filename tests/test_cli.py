@@ -278,6 +278,17 @@ def test_check_determinism_passes(capsys, tmp_path):
     assert "0 failed" in out
 
 
+def test_check_determinism_replay_over_the_recurrent_gdn_prefill(capsys, tmp_path):
+    """--decode-mode replay --gdn-prefill recurrent: every check passes, generated logprobs == scoring included."""
+    rc, out, _ = run(capsys, "check-determinism", "--decode-mode", "replay", "--gdn-prefill", "recurrent",
+                     "--output", tmp_path / "d.json")
+    assert rc == 0, out
+    rec = json.loads((tmp_path / "d.json").read_text())
+    assert rec["gdn_prefill"] == "recurrent" and rec["decode_mode"] == "replay"
+    assert any("score" in c["check"] and c["passed"] is True for c in rec["checks"])
+    assert "0 failed" in out and "GDN prefill recurrent" in out
+
+
 def test_check_determinism_catches_an_unsafe_cache(capsys):
     """Admitting decode-produced states into the cache is the bug the checks exist for: they must fail."""
     rc, out, _ = run(capsys, "check-determinism", "--unsafe-cache", "--checks", "warm-cold,cache")

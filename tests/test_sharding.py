@@ -195,9 +195,16 @@ def _worker() -> dict:
             s2, lg2 = decode(sm, s, nxt)
         valid = np.arange(64)[None, :] < lens[:, None]
         n_gdn = len(model.config.gdn_layers)
+        # the token-by-token GDN prefill (gdn_prefill="recurrent") per shard too
+        sr = S.shard_model(model.with_backend("interpret").with_gdn_prefill("recurrent"), mesh)
+        with jax.set_mesh(mesh):
+            jr = str(jax.make_jaxpr(prefill_chunk)(sr, st, toks, lens))
+            _, lgr = prefill(sr, init(sr, 2, 128), toks, lens)
         return {"shard_maps_prefill": jp.count("shard_map["), "shard_maps_decode": jd.count("shard_map["),
                 "n_gdn": n_gdn, "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
                 "decode_logits": diff(lg2, ref[3]),
+                "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
+                "scan_prefill_logits": diff(np.asarray(lgr)[valid], np.asarray(ref[1])[valid]),
                 "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh))}
 
     if hooks["kernels"]:
@@ -449,6 +456,7 @@ def test_pallas_kernels_run_per_shard_in_shard_map(results):
     assert r["shard_maps_prefill"] == r["n_gdn"] and r["shard_maps_decode"] == r["n_gdn"], r
     assert r["prefill_logits"] <= TOL and r["decode_logits"] <= TOL, r
     assert r["state_misplaced"] == [], r
+    assert r["scan_shard_maps"] == r["n_gdn"] and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
 
 
 # ---- in-process checks (no devices needed) -------------------------------------------------------------------------

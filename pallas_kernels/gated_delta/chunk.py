@@ -20,9 +20,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
 2. `_state_kernel`: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new; stores o, the
    final state and (optionally) the state after every `checkpoint_stride` tokens.
 
-The exact configuration (EXACT_CONFIG: split design, one prep kernel `_prep_exact_kernel`, every dot an fp32 FMA
-chain, the inverse one row at a time) computes every row of a chunk independently of the tile's row count, which
-the incremental replay decode kernel (`replay.py`) relies on; it is far slower (BENCHMARKS.md).
+A row-exact configuration (FMA-chain dots) for an incremental replay kernel was measured 54-88x slower and
+removed (BENCHMARKS.md).
 
 Determinism properties (tested on CPU in interpret mode and on the GPU):
 - every chunk's arithmetic depends only on that chunk's (masked) inputs and the incoming fp32 state, with fixed
@@ -54,10 +53,7 @@ _EPS = 1e-6
 # Precision names -> what each dot does on the GPU. In interpret mode (CPU) every dot is exact fp32 (HIGHEST).
 #   "ieee":   fp32 FMA (no tensor cores)          "tf32": TF32 tensor cores (10-bit mantissa inputs)
 #   "tf32x3": three TF32 products (~fp32)         "bf16": operands rounded to bf16, fp32 accumulation
-#   "fma":    fp32 FMA chain in k order (the "ieee" dot on the GPU; in interpret mode an explicit sequential
-#             accumulation): a row's result depends only on that row and the other operand, never on how many
-#             rows the tile has — the exact configuration's dots, which the replay decode kernel repeats on 16 rows
-_PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "fma")
+_PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 
 # Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
 #   bv: V block of the state kernel; inv: "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16]
@@ -68,8 +64,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "fma")
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
-#   prep and recurrence kernels (fused); exact: the row-exact arithmetic (only as EXACT_CONFIG, below; inv="rows"
-#   and the "fma" dots belong to it).
+#   prep and recurrence kernels (fused).
 # Measured on the H200 (BENCHMARKS.md, run 3): split with 4 prep warps was the fastest over (1, 8192, 16, 32) +
 # (8, 4096, 16, 32); all configurations kept outputs within 1.8e-3 and states within 8e-4 of the float64 oracle.
 # Run 4: prep_kernels=2 (the inverse in its own kernel) took 2.23 + 6.08 ms against 2.42 + 7.19 ms, as accurate.
@@ -79,20 +74,7 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=2, warps_apply=4,
     bv=64, inv="block16", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
-    exact=False,
 )
-
-# The row-exact configuration (for an incremental replay decode; the model does not use it yet): every dot an
-# FMA chain ("fma"), the
-# L2 norms and the cumulative gates as FMA dots too, and the WY inverse by forward substitution one row at a time
-# (inv="rows"). Every per-row quantity (gc_i, A[i, :], X[i, :], w_i, u_i, v_new_i, o_i) is then computed by
-# operations whose result for row i depends only on rows <= i and not on the tile's row count, so the replay
-# decode kernel (`gated_delta.replay`) can compute one new row on a 16-row tile and get the prefill's bits.
-# Measured on the H200 with unsliced FMA dots: 130 ms at B=1 T=8192 and 328 ms at B=8 T=4096 (HK=16 HV=32), 54-58x
-# the default — Triton's FMA dots kept whole K extents in registers and spilled at K = 128; the dots now take K in
-# slices of 16 (`_fma_dot`), not yet measured. Accuracy as the default's (1.7e-3 on bf16 outputs vs float64).
-EXACT_CONFIG = dict(DEFAULT_CONFIG, exact=True, inv="rows", prep_kernels=1,
-                    **{k: "fma" for k in DEFAULT_CONFIG if k.startswith("p_")})
 
 
 def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
@@ -100,8 +82,6 @@ def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     ca = 0 if trans_a else 1
     cb = 1 if trans_b else 0
     dn = (((ca,), (cb,)), ((), ()))
-    if prec == "fma":
-        return _fma_dot(a.T if trans_a else a, b.T if trans_b else b, interpret)
     if interpret:
         return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if prec == "bf16":
@@ -120,65 +100,8 @@ def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     return lax.dot_general(a, b, dn, precision=p, preferred_element_type=jnp.float32)
 
 
-_FMA_K = 16  # K slice of the "fma" dots
-
-
-def _fma_dot(a, b, interpret):
-    """The "fma" dot [M, K] @ [K, N]: K in slices of _FMA_K, each an fp32 FMA chain in k order (Triton's "ieee"
-    dot on the GPU; `_fma_chain` in interpret mode), the slices' products added in slice order. A row's result
-    depends only on that row and b, never on M. (Unsliced, Triton's FMA dot holds each thread's whole K extent of
-    both operands in registers and spilled at K = 128: 54-88x slower, BENCHMARKS.md.)"""
-    a = a.astype(jnp.float32)
-    b = b.astype(jnp.float32)
-    n = max(a.shape[1] // _FMA_K, 1)
-    a_parts = jnp.split(a, n, axis=1) if n > 1 else [a]
-    b_parts = jnp.split(b, n, axis=0) if n > 1 else [b]
-    dn = (((1,), (0,)), ((), ()))
-    acc = None
-    for ap, bp in zip(a_parts, b_parts):
-        d = (_fma_chain(ap, bp) if interpret else
-             lax.dot_general(ap, bp, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32))
-        acc = d if acc is None else acc + d
-    return acc
-
-
-def _fma_chain(a, b):
-    """[M, K] @ [K, N] accumulated in k order, one k at a time (interpret mode's "fma" dot): a row's result does
-    not depend on the number of rows, as on the GPU."""
-    a = a.astype(jnp.float32)
-    b = b.astype(jnp.float32)
-
-    def body(kk, acc):
-        return acc + lax.dynamic_slice_in_dim(a, kk, 1, 1) * lax.dynamic_slice_in_dim(b, kk, 1, 0)
-
-    return lax.fori_loop(0, a.shape[1], body, jnp.zeros((a.shape[0], b.shape[1]), jnp.float32))
-
-
-def _row_sums(x, interpret):
-    """Exact-mode row sums of [M, n]: an FMA dot with ones (all 16 result columns are equal; max picks one)."""
-    ones = jnp.ones((x.shape[1], 16), jnp.float32)
-    return jnp.max(_dot(x, ones, "fma", interpret), axis=1)
-
-
-def _l2norm(x, exact=False, interpret=False):
-    if exact:
-        return x * lax.rsqrt(_row_sums(x * x, interpret) + _EPS)[:, None]
+def _l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + _EPS)
-
-
-def _cumsum_rows(g, rows, interpret):
-    """Exact-mode cumulative gates of the given chunk rows [R]: sum_{j <= row} g_j as an FMA dot over the chunk's
-    [C] gates (in j order: the same bits for a row whatever R is)."""
-    lower = rows[:, None] >= lax.broadcasted_iota(jnp.int32, (rows.shape[0], CHUNK), 1)
-    gmat = jnp.broadcast_to(g[:, None], (CHUNK, 16))
-    return jnp.max(_dot(jnp.where(lower, 1.0, 0.0), gmat, "fma", interpret), axis=1)
-
-
-def _chunk_gc(g, exact, interpret):
-    """In-chunk cumulative log-decay gc [C] of masked gates g [C]."""
-    if exact:
-        return _cumsum_rows(g, lax.broadcasted_iota(jnp.int32, (CHUNK,), 0), interpret)
-    return jnp.cumsum(g)
 
 
 def _unit_lower_inverse(a, prec, interpret):
@@ -315,11 +238,11 @@ def _valid_rows(length):
     return (pl.program_id(0) * CHUNK + iota) < length
 
 
-def _load_key(ref, valid, use_l2, exact=False, interpret=False):
+def _load_key(ref, valid, use_l2):
     """q or k rows [R, K] in fp32: L2-normalised (optional), padded rows exact zeros (`where`: NaN cannot leak)."""
     x = ref[...].astype(jnp.float32)
     if use_l2:
-        x = _l2norm(x, exact, interpret)
+        x = _l2norm(x)
     return jnp.where(valid[:, None], x, 0.0)
 
 
@@ -377,90 +300,11 @@ def _apply_wy(x, k, v, beta, gc, cfg, interpret):
     return w, u, kd
 
 
-# ---- row-exact pieces (EXACT_CONFIG), shared by the prefill's prep kernel and the replay decode kernel ----------
-
-def _block_slice(blk):
-    """The ref slice of 16-row block `blk` (static or traced)."""
-    start = blk * _SUB
-    return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, _SUB), _SUB)
-
-
-def _exact_block_rows(blk):
-    """Chunk rows [16] of 16-row block `blk` (a traced or static int)."""
-    return blk * _SUB + lax.broadcasted_iota(jnp.int32, (_SUB,), 0)
-
-
-def _exact_a_block(k_ref, beta_ref, kn, g, gc, blk, limit, use_l2, interpret):
-    """Rows of block `blk` of A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i), [16, C], with their gc [16].
-
-    k_ref, beta_ref: the chunk's refs ([C, K], [C]); kn [C, K]: the chunk's masked normalised keys; g, gc [C]:
-    its masked gates and their cumulative sums; rows >= `limit` (chunk-local) are padding."""
-    rows = _exact_block_rows(blk)
-    vb = rows < limit
-    sl = _block_slice(blk)
-    kb = _load_key(k_ref.at[sl], vb, use_l2, True, interpret)
-    betab = jnp.where(vb, beta_ref[sl].astype(jnp.float32), 0.0)
-    gcb = _cumsum_rows(g, rows, interpret)
-    lower = rows[:, None] > lax.broadcasted_iota(jnp.int32, (_SUB, CHUNK), 1)
-    decay = jnp.exp(jnp.where(lower, gcb[:, None] - gc[None, :], 0.0))
-    kk = _dot(kb * betab[:, None], kn, "fma", interpret, trans_b=True)
-    return jnp.where(lower, kk * decay, 0.0), gcb
-
-
-def _pick_row(x16, r):
-    """Row r of a [16, n] tile (exact: one non-zero term per column)."""
-    rid = lax.broadcasted_iota(jnp.int32, x16.shape, 0)
-    return jnp.sum(jnp.where(rid == r, x16, 0.0), axis=0)
-
-
-def _exact_x_row(a_blk, x, i, r, interpret):
-    """Row i (= 16 blk + r) of X = (I + A)^-1 by forward substitution: e_i - sum_{j < i} A[i, j] X[j, :], from the
-    block's A rows and X's rows < i (rows >= i of `x` must be finite; A[i, j >= i] = 0 cancels them)."""
-    contrib = _pick_row(_dot(a_blk, x, "fma", interpret), r)
-    return jnp.where(lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) == i, 1.0, 0.0) - contrib
-
-
-def _exact_inverse(k_ref, beta_ref, kn, g, gc, limit, use_l2, interpret):
-    """X = (I + A)^-1 [C, C], one row at a time (64 sequential rows; `_exact_x_row`)."""
-    row = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    x = jnp.zeros((CHUNK, CHUNK), jnp.float32)
-    for blk in range(CHUNK // _SUB):
-        a_blk, _ = _exact_a_block(k_ref, beta_ref, kn, g, gc, blk, limit, use_l2, interpret)
-
-        def body(r, x, a_blk=a_blk, blk=blk):
-            i = blk * _SUB + r
-            return jnp.where(row == i, _exact_x_row(a_blk, x, i, r, interpret)[None, :], x)
-
-        x = lax.fori_loop(0, _SUB, body, x)
-    return x
-
-
-def _prep_exact_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, x_ref, *, use_l2, cfg,
-                       interpret):
-    """Split design, exact configuration, parallel part 1: w, u, kd, gc and X of one chunk (fp32)."""
-    valid = _valid_rows(len_ref[0])
-    limit = len_ref[0] - pl.program_id(0) * CHUNK
-    k = _load_key(k_ref, valid, use_l2, True, interpret)
-    g = _masked(g_ref, valid)
-    gc = _chunk_gc(g, True, interpret)
-    gc_ref[...] = gc
-    x = _exact_inverse(k_ref, beta_ref, k, g, gc, limit, use_l2, interpret)
-    x_ref[...] = x
-    w_ref[...], u_ref[...], kd_ref[...] = _apply_wy(x, k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg,
-                                                    interpret)
-
-
-def _intra(q, k, gc, cfg, interpret, rows=None, gc_rows=None):
-    """Masked intra-chunk attention Aqk[i, j] = q_i . k_j exp(gc_i - gc_j) (j <= i) [C, C] and qg = q exp(gc).
-    With `rows` [R] (and their gc_rows): only those rows of the chunk, q [R, K] (the replay decode kernel)."""
-    if rows is None:
-        lower, decay = _causal_decay(gc, strict=False)
-        gc_rows = gc
-    else:
-        lower = rows[:, None] >= lax.broadcasted_iota(jnp.int32, (rows.shape[0], CHUNK), 1)
-        decay = jnp.exp(jnp.where(lower, gc_rows[:, None] - gc[None, :], 0.0))
+def _intra(q, k, gc, cfg, interpret):
+    """Masked intra-chunk attention Aqk[i, j] = q_i . k_j exp(gc_i - gc_j) (j <= i) [C, C] and qg = q exp(gc)."""
+    lower, decay = _causal_decay(gc, strict=False)
     qk = _dot(q, k, cfg["p_qk"], interpret, trans_b=True)
-    return jnp.where(lower, qk * decay, 0.0), q * jnp.exp(gc_rows)[:, None]
+    return jnp.where(lower, qk * decay, 0.0), q * jnp.exp(gc)[:, None]
 
 
 def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
@@ -554,8 +398,8 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
     """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
     valid = _valid_rows(len_ref[0])
-    q = _load_key(q_ref, valid, use_l2, cfg["exact"], interpret) * scale
-    k = _load_key(k_ref, valid, use_l2, cfg["exact"], interpret)
+    q = _load_key(q_ref, valid, use_l2) * scale
+    k = _load_key(k_ref, valid, use_l2)
     aqk, qg = _intra(q, k, gc_ref[...], cfg, interpret)
     o = _dot(qg, h_ref[...], cfg["p_qs"], interpret) + _dot(aqk, vn_ref[...], cfg["p_av"], interpret)
     o_ref[...] = o.astype(o_ref.dtype)
@@ -567,14 +411,7 @@ def _checked_config(config, V: int) -> dict:
                         extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
-    if cfg["exact"]:
-        wrong = {k: v for k, v in cfg.items() if (k.startswith("p_") and v != "fma") or
-                 (k in ("design", "inv", "prep_kernels") and v != EXACT_CONFIG[k])}
-        if wrong:
-            raise ValueError(f"exact=True fixes the arithmetic (EXACT_CONFIG); conflicting keys: {wrong}")
-    elif cfg["inv"] == "rows" or "fma" in cfg.values():
-        raise ValueError('inv="rows" and "fma" dots belong to the exact configuration (exact=True, EXACT_CONFIG)')
-    if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64", "rows"):
+    if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64"):
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
@@ -589,10 +426,9 @@ def _check_pow2(name, x, lo=16):
         raise ValueError(f"{name}={x}: the Pallas-Triton kernels need a power of two >= {lo}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config",
-                                             "return_open"))
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
 def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret,
-                config, return_open=False):
+                config):
     cfg = _checked_config(config, v.shape[3])
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -604,7 +440,7 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
         g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
     if cfg["design"] == "split":
         return _split_calls(q, k, v, g, beta, initial_state, lengths, T=T, scale=scale, use_l2=use_qk_l2norm,
-                            checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg, return_open=return_open)
+                            checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
     bv = min(cfg["bv"], V)
     nv = V // bv
     f32 = jnp.float32
@@ -685,37 +521,31 @@ class _ChunkGrid:
         return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), jnp.float32)
 
 
-def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg,
-                 return_open=False):
+def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
     """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
-    prep_kernels=2) -> recurrence -> output. `return_open` (exact configuration): also X and v_new of every chunk."""
+    prep_kernels=2) -> recurrence -> output."""
     if cfg["prep_kernels"] == 2:
         w, u, kd, gc = _prep_two_calls(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
     else:
-        w, u, kd, gc, *x = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
+        w, u, kd, gc = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
     if cfg.get("only_prep") or cfg.get("stop_after") == "prep":
         return w, u, kd, gc
-    out = _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, T=T, scale=scale, use_l2=use_l2,
-                                 checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg,
-                                 return_vn=return_open)
-    return out if not return_open else out[:-1] + (x[0], out[-1])
+    return _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, T=T, scale=scale, use_l2=use_l2,
+                                  checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
 
 
 def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """The split design's prep kernel: (w, u, kd, gc), and X [B, HV, Tp, C] in the exact configuration."""
+    """The split design's prep kernel: (w, u, kd, gc)."""
     cg = _ChunkGrid(q, v)
-    exact = cfg["exact"]
-    extra = 1 if exact else 0
     return pl.pallas_call(
-        functools.partial(_prep_exact_kernel if exact else _prep_split_kernel, use_l2=use_l2, cfg=cfg,
-                          interpret=interpret),
+        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
-        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc] + [cg.rows(CHUNK)] * extra,
-        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out] + [cg.rows_out(CHUNK)] * extra,
+        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
+        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
-        name="gdn_chunk_prep_exact" if exact else "gdn_chunk_prep",
+        name="gdn_chunk_prep",
     )(lengths, k, v, g, beta)
 
 
@@ -746,8 +576,8 @@ def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
 
 
 def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride,
-                           interpret, cfg, return_vn=False):
-    """The split design's recurrence and output kernels, and the in-call checkpoints (and v_new, `return_vn`)."""
+                           interpret, cfg):
+    """The split design's recurrence and output kernels, and the in-call checkpoints."""
     B, tp, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
@@ -800,15 +630,14 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
         name="gdn_chunk_out",
     )(lengths, q, k, gc, h, vn)
     o = o[:, :T] if tp != T else o
-    extra = (vn,) if return_vn else ()
     if checkpoint_stride is None:
-        return (o, final) + extra
+        return o, final
     # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
     per = checkpoint_stride // CHUNK
     idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
     parts = [h[:, :, i] for i in idx if i < nt] + [final for i in idx if i >= nt]
     ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
-    return (o, final, ck) + extra
+    return o, final, ck
 
 
 def _triton_params(num_warps, num_stages):
@@ -818,17 +647,13 @@ def _triton_params(num_warps, num_stages):
 
 
 def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
-                                  lengths=None, checkpoint_stride=None, interpret=False, config=None,
-                                  return_open=False):
+                                  lengths=None, checkpoint_stride=None, interpret=False, config=None):
     """Chunked gated delta rule (prefill) with Pallas kernels. Shapes and semantics: `reference.py`.
 
     q, k: [B,T,HK,K] (bf16 or fp32); v: [B,T,HV,V]; g: fp32 log-decay [B,T,HV]; beta: [B,T,HV];
     initial_state fp32 [B,HV,K,V] or None; lengths int32 [B] or None; checkpoint_stride None or a multiple of 64.
     Returns (o [B,T,HV,V] in v.dtype, final_state fp32 [B,HV,K,V]) or (o, final_state, checkpoints
-    [B, T // stride, HV, K, V]). `config` (a dict, see DEFAULT_CONFIG; EXACT_CONFIG for the row-exact arithmetic)
-    overrides launch/precision choices. `return_open` (exact configuration only): two more outputs, the WY inverse
-    X [B, HV, Tp, C] and v_new [B, HV, Tp, V] of every chunk (Tp = T rounded up to the grid), which the replay
-    decode kernel continues from.
+    [B, T // stride, HV, K, V]). `config` (a dict, see DEFAULT_CONFIG) overrides launch/precision choices.
     """
     if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"expected q, k [B,T,HK,K] and v [B,T,HV,V]; got {q.shape}, {k.shape}, {v.shape}")
@@ -849,10 +674,7 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, initial_state
         raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
-    if return_open and not dict(config or {}).get("exact"):
-        raise ValueError("return_open needs the exact configuration (config=EXACT_CONFIG)")
     config = None if config is None else tuple(sorted(dict(config).items()))
     return _chunk_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
                        initial_state.astype(jnp.float32), lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                       checkpoint_stride=checkpoint_stride, interpret=bool(interpret), config=config,
-                       return_open=bool(return_open))
+                       checkpoint_stride=checkpoint_stride, interpret=bool(interpret), config=config)

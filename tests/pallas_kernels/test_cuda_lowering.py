@@ -19,9 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta.chunk import EXACT_CONFIG, chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrent import recurrent_gated_delta_rule_pallas
-from pallas_kernels.gated_delta.replay import replay_gated_delta_step_pallas
 from pallas_kernels.gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
 
 SDS = jax.ShapeDtypeStruct
@@ -108,31 +107,6 @@ def test_chunk_configs_lower(config):
                                                                    config=config)
     _, modules = lower_for_h200(f, *chunk_args(2, 256, 2, 4, 128, 128, jnp.bfloat16))
     assert not dot_problems(modules)[1]
-
-
-def test_exact_config_lowers_with_open_buffers():
-    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
-                                                                   config=EXACT_CONFIG, return_open=True)
-    _, modules = lower_for_h200(f, *chunk_args(2, 130, 16, 32, 128, 128, jnp.bfloat16))
-    assert len(modules) == 3
-    n, bad = dot_problems(modules)
-    assert n >= 10 and not bad, bad
-
-
-@pytest.mark.parametrize("B,HK,HV,K,V,groups,config", [(64, 16, 32, 128, 128, 1, None),
-                                                        (256, 16, 32, 128, 128, 1, {"bv": 128, "num_warps": 8}),
-                                                        (3, 2, 4, 32, 32, 2, {"bv": 16})])
-def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V, groups, config):
-    f = lambda qkv, gates, s, x, vn, idx: replay_gated_delta_step_pallas(qkv, gates, s, x, vn, idx, groups=groups,
-                                                                         config=config)
-    args = (SDS((B, 64, 2 * HK * K + HV * V), jnp.bfloat16), SDS((B, 64, 2, HV), jnp.float32),
-            SDS((B, HV, K, V), jnp.float32), SDS((B, HV, 64, 64), jnp.float32), SDS((B, HV, 64, V), jnp.float32),
-            SDS((B,), jnp.int32))
-    lowered, modules = lower_for_h200(f, *args)
-    assert len(modules) == 1
-    n, bad = dot_problems(modules)
-    assert n >= 8 and not bad, bad
-    assert "output_operand_aliases" in lowered.as_text()
 
 
 @pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
