@@ -42,20 +42,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         return _ref.chunk_gated_delta_rule_reference(q, k, v, g, beta, **kw)
     from .gated_delta.chunk import chunk_gated_delta_rule_pallas
 
+    return _prefill_kernel(chunk_gated_delta_rule_pallas, q, k, v, g, beta, kw, backend)
+
+
+def _prefill_kernel(kernel, q, k, v, g, beta, kw: dict, backend: str):
+    """A Pallas prefill kernel (chunked or token by token): called directly, or per shard in `shard_map` under a
+    tensor-parallel mesh (heads split; each shard runs the kernel on its heads)."""
+    interpret = backend == "interpret"
     mesh = _tp_mesh(q.shape[2])
     if mesh is None:
-        return chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret", **kw)
+        return kernel(q, k, v, g, beta, interpret=interpret, **kw)
     B, T, HV = v.shape[:3]
-    kw.update(initial_state=None, lengths=None)
-    s0 = jnp.zeros((B, HV, q.shape[3], v.shape[3]), jnp.float32) if initial_state is None else initial_state
-    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    s0 = kw["initial_state"]
+    s0 = jnp.zeros((B, HV, q.shape[3], v.shape[3]), jnp.float32) if s0 is None else s0
+    lengths = jnp.full((B,), T, jnp.int32) if kw["lengths"] is None else jnp.asarray(kw["lengths"], jnp.int32)
 
     def shard(q, k, v, g, beta, s0, lengths):
-        return chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret",
-                                             **dict(kw, initial_state=s0, lengths=lengths))
+        return kernel(q, k, v, g, beta, interpret=interpret, **dict(kw, initial_state=s0, lengths=lengths))
 
     h = P(None, None, TP_AXIS)  # [B, T, H, ...]
-    out = (h, P(None, TP_AXIS)) + ((h,) if checkpoint_stride is not None else ())
+    out = (h, P(None, TP_AXIS)) + ((h,) if kw["checkpoint_stride"] is not None else ())
     return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
 
 
@@ -75,20 +81,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
         return _ref.recurrent_gated_delta_rule_reference(q, k, v, g, beta, **kw)
     from .gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
 
-    mesh = _tp_mesh(q.shape[2])
-    if mesh is None:
-        return fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret", **kw)
-    B, T, HV = v.shape[:3]
-    s0 = jnp.zeros((B, HV, q.shape[3], v.shape[3]), jnp.float32) if initial_state is None else initial_state
-    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-
-    def shard(q, k, v, g, beta, s0, lengths):
-        return fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, interpret=backend == "interpret",
-                                                       **dict(kw, initial_state=s0, lengths=lengths))
-
-    h = P(None, None, TP_AXIS)  # [B, T, H, ...]
-    out = (h, P(None, TP_AXIS)) + ((h,) if checkpoint_stride is not None else ())
-    return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
+    return _prefill_kernel(fused_recurrent_gated_delta_rule_pallas, q, k, v, g, beta, kw, backend)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True, A_log=None,
