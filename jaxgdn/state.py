@@ -21,17 +21,20 @@ class Provenance(enum.IntEnum):
     """How a row's state was produced. Combined with max(): a taint survives later prefills."""
 
     FRESH = 0  # nothing absorbed yet (all zeros)
-    PREFILL = 1  # only prefill calls, each starting on the 64-token grid
+    # only prefill calls, each starting on the 64-token grid (or anywhere where that is exact: replay decode mode,
+    # gdn_prefill="recurrent")
+    PREFILL = 1
     PREFILL_OFF_GRID = 2  # a prefill call started off the grid: not equal to an unsplit prefill
     DECODE = 3  # a recurrent decode step touched it
 
 
 class GDNLayerState(NamedTuple):
     conv: jax.Array  # [B, KC-1, C] the last KC-1 pre-conv inputs, model dtype (exact)
-    # [B, HV, K, V] fp32: the state at `position` (recurrent decode mode), or at the last 64-token grid boundary
-    # at or before `position` (replay decode mode)
+    # [B, HV, K, V] fp32: the state at `position`, or, in replay decode mode over the chunked GDN prefill, at the
+    # last 64-token grid boundary at or before `position`
     recurrent: jax.Array
-    # Replay decode mode only (None otherwise): the open chunk since that boundary, position % 64 tokens valid,
+    # Replay decode over the chunked prefill only (None otherwise; `Model.keeps_open_chunk`): the open chunk since
+    # that boundary, position % 64 tokens valid,
     # zeros after them: post-conv q|k|v [B, 64, C] in model dtype, and the gates g, beta [B, 64, 2, HV] fp32
     open_qkv: jax.Array | None = None
     open_gates: jax.Array | None = None
@@ -74,7 +77,7 @@ class ModelState(NamedTuple):
 def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32,
                replay: bool = False) -> ModelState:
     """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens (`replay`: with the open
-    chunk buffers of replay decode mode). The KV capacity is rounded up to a multiple of the attention kernel's key
+    chunk buffers of replay decode over the chunked prefill). The KV capacity is rounded up to a multiple of the attention kernel's key
     block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a padded one at every call (measured on the H200:
     ~0.18 ms per attention layer and decode step at B=64 with 1104 slots)."""
     if batch_size < 1 or capacity < 1:

@@ -6,7 +6,8 @@ S [K, BV] once, applies
 with elementwise fp32 FMAs and fixed-order reductions over K (no tensor cores: no TF32 rounding), and writes S back
 once, in place (`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
 carry the raw `a` and `b` and the gates are computed inside in fp32: g = -exp(A_log) softplus(a + dt_bias),
-beta = sigmoid(b).
+beta = sigmoid(b). The per-token arithmetic (`token_update`) is shared with the token-by-token prefill kernel
+(`scan.py`), which under the same launch configuration gives the same bits (tested on CPU and on the H200).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..config import merged_config
 
 _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md), kernel-only, B=64/256: bv=64, 4 warps 3.37/3.64 TB/s; bv=32, 4 warps
-# 3.34/3.53; bv=128, 8 warps 2.65/2.81.
+# 3.34/3.53; bv=128, 8 warps 2.65/2.81. bv may also be 8 (no dots here; the scan kernel's configurations).
 DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1)
 
 

@@ -32,9 +32,10 @@ from .recurrent import _normalized, token_update
 
 # Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages. A prefill and a
 # one-token call agree bit for bit only under the same configuration (the reductions over K follow the layout), so
-# the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs N and O): bv=16 with one warp was the
-# fastest prefill (6.8 ms at B=1 T=8192, HK=16 HV=32, against 7.0-204 ms for the others; the chunked kernels
-# 2.2 ms) and a one-token call 1.30-1.33x the decode kernel (bar <= 1.5x).
+# the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, run 10; HK=16 HV=32): bv=16 with one warp
+# takes 6.4 / 8.2 / 24.7 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the chunked kernels: 2.2 / 6.0 / 8.4)
+# and a one-token call 1.30-1.31x the decode kernel (issue 7's bar: <= 1.5x). bv=8 is faster at B=1 (5.3 ms) but
+# slower at B=8 and 1.67x at one token; bv=32 with 2 warps is 1.11-1.14x at one token but 7.9 ms at B=1.
 DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1)
 
 
