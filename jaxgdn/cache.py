@@ -145,13 +145,21 @@ class _Entry:
     last_used: int
 
 
+def numerics_key(model) -> str:
+    """What decides a model's state bits beyond its weights: deterministic mode and the GDN prefill arithmetic.
+    A cache holds states of one kind only (`PrefixCache.bound_to`)."""
+    return f"deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}"
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefixCache:
-    """Immutable prefix cache. `interval`: checkpoint grid (a multiple of 64); `max_bytes`: LRU byte budget."""
+    """Immutable prefix cache. `interval`: checkpoint grid (a multiple of 64); `max_bytes`: LRU byte budget;
+    `numerics`: the `numerics_key` of the model whose states it holds (set by the first `generate` through it)."""
 
     interval: int = DEFAULT_INTERVAL
     deterministic: bool = True
     max_bytes: int | None = None
+    numerics: str | None = None
     _entries: Mapping[bytes, _Entry] = dataclasses.field(default_factory=dict, repr=False)
     _clock: int = 0
     _counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # hits, misses, hit_tokens, refused, evictions
@@ -178,6 +186,17 @@ class PrefixCache:
         h, m, ht, r, ev = self._counts
         return CacheStats(entries=len(self), bytes=self.nbytes, hits=h, misses=m, hit_tokens=ht, refused_writes=r,
                           evictions=ev)
+
+    def bound_to(self, numerics: str) -> "PrefixCache":
+        """This cache for a model of `numerics` (`numerics_key`): the same cache, marked with it if unmarked. A cache
+        already holding another kind of state raises `CheckpointRefused`: restoring a state made by other numerics
+        (a chunked prefill's into a token-by-token model, say) would silently change the results."""
+        if self.numerics is None:
+            return dataclasses.replace(self, numerics=numerics)
+        if self.numerics != numerics:
+            raise CheckpointRefused(f"this cache holds states of a model with {self.numerics}; the model using it has "
+                                    f"{numerics} (use one cache per kind of model)")
+        return self
 
     def accepts(self, checkpoint: Checkpoint) -> bool:
         """The admission rule: on the grid, and — when deterministic — produced by prefill alone (on the grid)."""
@@ -269,6 +288,9 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     gdn_spec = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), s)
                      for s in spec.layers if isinstance(s, GDNLayerState))
     attn_spec = [s for s in spec.layers if isinstance(s, AttentionLayerState)]
+    if cache.numerics is not None:
+        chex.assert_equal(cache.numerics, numerics_key(model),
+                          custom_message="the cache holds states of a model with other numerics")
     for ck in cache.checkpoints():
         where = f"entry at position {ck.position}"
         chex.assert_equal(ck.position % cache.interval, 0, custom_message=f"{where} is off the grid")

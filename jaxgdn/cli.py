@@ -100,8 +100,8 @@ def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, deco
     if gdn_prefill:
         g.add_argument("--gdn-prefill", choices=("chunked", "recurrent"), default="chunked",
                        help="GDN prefill arithmetic: chunked (fast prefill) or recurrent (token by token with the "
-                            "decode kernel's arithmetic: slower prefill, one-step replay decode, any prompt split "
-                            "exact)")
+                            "decode kernel's arithmetic: slower prefill, one-step replay decode; with "
+                            "--deterministic any prompt split is exact)")
 
 
 def _load_model(args, deterministic: bool | None = None):
@@ -626,13 +626,15 @@ def determinism_checks(model, prompt_len: int = 100, new_tokens: int = 32, inter
 
     if "split" in checks:
         one, logits_one = prefill(model.init_state(1, W), b_prompt)
-        two, logits_two = prefill(prefill(model.init_state(1, W), b_prompt[:64])[0], b_prompt[64:])
-        leaves_eq = all(np.array_equal(np.asarray(x), np.asarray(y))
-                        for x, y in zip(jax.tree.leaves(one.layers), jax.tree.leaves(two.layers)))
-        logit_eq = np.array_equal(np.asarray(logits_one)[0, n - 1], np.asarray(logits_two)[0, n - 65])
-        rows.append(("prefill split on the 64 grid", leaves_eq and logit_eq,
-                     f"{n} tokens in one call vs 64 + {n - 64}: states equal {leaves_eq}, last logits equal "
-                     f"{logit_eq}"))
+        # on the grid; and off it where the model continues exactly (replay decode, gdn_prefill="recurrent")
+        for at, name in [(64, "prefill split on the 64 grid")] + (
+                [(37, "prefill split off the grid")] if model.continues_exactly else []):
+            two, logits_two = prefill(prefill(model.init_state(1, W), b_prompt[:at])[0], b_prompt[at:])
+            leaves_eq = all(np.array_equal(np.asarray(x), np.asarray(y))
+                            for x, y in zip(jax.tree.leaves(one.layers), jax.tree.leaves(two.layers)))
+            logit_eq = np.array_equal(np.asarray(logits_one)[0, n - 1], np.asarray(logits_two)[0, n - at - 1])
+            rows.append((name, leaves_eq and logit_eq, f"{n} tokens in one call vs {at} + {n - at}: states equal "
+                         f"{leaves_eq}, last logits equal {logit_eq}"))
 
     if "score" in checks and model.decode_mode == "replay":
         sc = np.array(score(model, [b_prompt + cold[0].tokens], start=n)[0], np.float32)

@@ -24,7 +24,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
-from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, state_from_checkpoints
+from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
 from .errors import InputError
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState
@@ -197,7 +197,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
     hits: list[Checkpoint | None] = [None] * B
     if cache is not None:
-        hits, cache = cache.lookup(prompts)
+        hits, cache = cache.bound_to(numerics_key(model)).lookup(prompts)
     starts = np.array([h.position if h else 0 for h in hits], np.int32)
     lens = np.array([len(p) for p in prompts], np.int32) - starts
     T = _bucket(int(lens.max()))

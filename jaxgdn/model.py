@@ -52,9 +52,10 @@ class Model:
     # must then start on the grid; replay decode and gdn_prefill="recurrent" continue exactly from anywhere).
     deterministic: bool = False
     # "recurrent": decode with the one-token recurrent update (fast; the state differs from prefill's, and is
-    # tainted DECODE). "replay": decode recomputes the open 64-token chunk with the prefill arithmetic from the
-    # last grid boundary, so decoded states and logits are bitwise what a prefill computes (provenance stays
-    # PREFILL) — in deterministic mode this makes generated text cacheable.
+    # tainted DECODE). "replay": decode runs the prefill path for its token — over the chunked GDN prefill it
+    # recomputes the open 64-token chunk from the last grid boundary, over gdn_prefill="recurrent" it is one
+    # recurrent step — so decoded states and logits are bitwise what a prefill computes (provenance stays
+    # PREFILL); in deterministic mode this makes generated text cacheable.
     decode_mode: str = "recurrent"
     # The GDN layers' prefill arithmetic. "chunked": the chunked (WY, chunk 64) kernels — fast prefill; a replay
     # decode then recomputes the open chunk every step. "recurrent": the recurrence token by token with the decode
@@ -73,6 +74,12 @@ class Model:
     def keeps_open_chunk(self) -> bool:
         """Whether states carry the open 64-token chunk's inputs (replay decode over the chunked prefill)."""
         return self.decode_mode == "replay" and self.gdn_prefill == "chunked"
+
+    @property
+    def continues_exactly(self) -> bool:
+        """Whether a prefill may start anywhere and still give the unsplit call's bits: replay decode over the
+        chunked prefill (it replays the open chunk) and the token-by-token prefill. Otherwise only on the grid."""
+        return self.keeps_open_chunk or self.gdn_prefill == "recurrent"
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
         """A fresh state; for a model placed on a mesh (`jaxgdn.sharding`), created already split over it."""
@@ -101,14 +108,14 @@ class Model:
         padded positions are meaningless. Padded tokens leave the state bit-identical.
         """
         tokens, lengths = _check_prefill(self.config, state, tokens, lengths,
-                                         self.deterministic and self.decode_mode == "recurrent"
-                                         and self.gdn_prefill == "chunked")
+                                         self.deterministic and not self.continues_exactly, self.keeps_open_chunk)
         with mesh_context(self):
             return _prefill_jit(self, state, tokens, lengths)
 
     def decode_step(self, state: ModelState, token):
-        """Absorb one token per row with the recurrent update. token: int32 [B]. Returns (state, logits [B, Vocab])."""
-        token = _check_decode(self.config, state, token)
+        """Absorb one token per row (`decode_mode`: the recurrent update, or replay). token: int32 [B].
+        Returns (state, logits [B, Vocab])."""
+        token = _check_decode(self.config, state, token, self.keeps_open_chunk)
         with mesh_context(self):
             return _decode_jit(self, state, token)
 
@@ -156,11 +163,24 @@ def _check_capacity(state: ModelState, advance):
         raise CapacityError(f"row {row} would reach position {int(end[row])}, beyond the state's KV capacity {cap}")
 
 
-def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False):
+def _check_state_kind(state: ModelState, open_chunk: bool | None):
+    """The state's GDN layers carry the open-chunk buffers exactly when the model keeps them."""
+    gdn = [s for s in state.layers if isinstance(s, GDNLayerState)]
+    if open_chunk is None or not gdn or (gdn[0].open_qkv is not None) == open_chunk:
+        return
+    raise InputError("the state " + ("holds" if not open_chunk else "lacks") + " the open-chunk buffers of replay "
+                     "decode over the chunked prefill, and the model " + ("does not use" if not open_chunk else
+                     "uses") + " them: make states with this model's init_state (decode_mode and gdn_prefill "
+                     "decide their layout)")
+
+
+def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False,
+                   open_chunk: bool | None = None):
     tokens = _check_tokens(cfg, tokens, 2, "tokens")
     B, T = tokens.shape
     if B != state.batch_size:
         raise InputError(f"tokens have {B} rows but the state holds {state.batch_size}")
+    _check_state_kind(state, open_chunk)
     if T == 0:
         raise InputError("tokens has no columns (T == 0)")
     if lengths is None:
@@ -186,10 +206,11 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
     return tokens, lengths
 
 
-def _check_decode(cfg: ModelConfig, state: ModelState, token):
+def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None):
     token = _check_tokens(cfg, token, 1, "token")
     if token.shape[0] != state.batch_size:
         raise InputError(f"token has {token.shape[0]} rows but the state holds {state.batch_size}")
+    _check_state_kind(state, open_chunk)
     _check_capacity(state, 1)
     return token
 
@@ -246,8 +267,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
         x = x + h
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
-    # replay over the open chunk, and the token-by-token prefill, continue exactly from anywhere
-    on_grid = replay | (model.gdn_prefill == "recurrent") | ((state.position % CHUNK) == 0)
+    on_grid = model.continues_exactly | ((state.position % CHUNK) == 0)
     taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
     new_state = _advance(state, new_layers, lengths, taint)
     if last_only:

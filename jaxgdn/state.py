@@ -77,9 +77,10 @@ class ModelState(NamedTuple):
 def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32,
                replay: bool = False) -> ModelState:
     """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens (`replay`: with the open
-    chunk buffers of replay decode over the chunked prefill). The KV capacity is rounded up to a multiple of the attention kernel's key
-    block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a padded one at every call (measured on the H200:
-    ~0.18 ms per attention layer and decode step at B=64 with 1104 slots)."""
+    chunk buffers of replay decode over the chunked prefill). The KV capacity is rounded up to a multiple of the
+    attention kernel's key block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a
+    padded one at every call (measured on the H200: ~0.18 ms per attention layer and decode step at B=64 with 1104
+    slots)."""
     if batch_size < 1 or capacity < 1:
         raise ValueError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
     capacity = -(-capacity // ATTENTION_KEY_BLOCK) * ATTENTION_KEY_BLOCK

@@ -71,8 +71,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
     q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV]. Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus
     checkpoints [B,T//stride,HV,K,V] (the state after every `checkpoint_stride` tokens, any positive stride).
 
-    Any split of a call gives the same bits as the unsplit call, and on the Pallas backends a one-token call is
-    bitwise the decode kernel (`gated_delta.scan`). Padded tokens (lengths) leave the state bit-identical, o = 0.
+    Any split of a call gives the same bits as the unsplit call, and on the Pallas backends each token is bitwise
+    what the decode kernel computes under the same launch configuration (`gated_delta.scan`; the defaults differ).
+    Padded tokens (lengths) leave the state bit-identical, o = 0.
     """
     kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
               checkpoint_stride=checkpoint_stride)

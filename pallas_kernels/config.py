@@ -9,10 +9,11 @@ def _pow2(n: int) -> bool:
 
 
 def merged_config(kernel: str, defaults: dict, config, *, blocks: dict[str, int] | None = None,
-                  pow2: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> dict:
+                  pow2: tuple[str, ...] = (), extra: tuple[str, ...] = (), min_block: int = 16) -> dict:
     """`defaults` updated with `config` (a dict or a tuple of items), checked.
 
-    blocks: {key: axis length}: the block min(cfg[key], length) must be a power of two >= 16 dividing the axis.
+    blocks: {key: axis length}: the block min(cfg[key], length) must be a power of two >= `min_block` (16: the
+    smallest dot operand; 8 for kernels without dots) dividing the axis.
     pow2: keys that must be powers of two >= 16 (tiles of padded axes). extra: further keys allowed.
     """
     cfg = dict(defaults)
@@ -22,9 +23,9 @@ def merged_config(kernel: str, defaults: dict, config, *, blocks: dict[str, int]
         raise ValueError(f"{kernel}: unknown config keys {sorted(unknown)}; known: {sorted(defaults)}")
     for key, length in (blocks or {}).items():
         b = min(cfg[key], length)
-        if b < 16 or not _pow2(b) or length % b:
+        if b < min_block or not _pow2(b) or length % b:
             raise ValueError(f"{kernel}: {key}={cfg[key]} gives a block of {b} on an axis of {length}: it must be a "
-                             "power of two >= 16 dividing the axis")
+                             f"power of two >= {min_block} dividing the axis")
     for key in pow2:
         if cfg[key] < 16 or not _pow2(cfg[key]):
             raise ValueError(f"{kernel}: {key}={cfg[key]} must be a power of two >= 16")

@@ -674,7 +674,7 @@ def replay_timing():
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
                 "bv16_w2": dict(bv=16, num_warps=2), "bv32_w1": dict(bv=32, num_warps=1),
                 "bv32_w2": dict(bv=32, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4)}
-# (run N also timed bv64_w1, bv64_w2 and bv128_w4: 24-204 ms at B=1 T=8192, dropped)
+# (run 7 also timed bv64_w1, bv64_w2 and bv128_w4: 24-204 ms at B=1 T=8192, dropped)
 
 
 @section

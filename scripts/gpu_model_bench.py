@@ -249,18 +249,20 @@ def replay_state_checks(model) -> dict:
     toks = rng.integers(0, V, 140).astype(np.int32)
     step = jaxgdn.model.jit(jaxgdn.decode_step)
     out = {}
-    for mdl, name in ((model, "replay"), (model.with_decode_mode("recurrent"), "recurrent")):
+    ref128, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :128]))
+    ref140, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :140]))
+    modes = [(model, "replay")] + ([(model.with_decode_mode("recurrent"), "recurrent")]
+                                   if model.gdn_prefill == "chunked" else [])
+    for mdl, name in modes:
         st, _ = mdl.prefill_chunk(mdl.init_state(1, 192), jnp.asarray(toks[None, :50]))
         for pos in range(50, 140):
             st, _ = step(mdl, st, jnp.asarray(toks[pos:pos + 1]))
             if pos + 1 == 128:
                 at128 = st
-        ref128, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :128]))
-        ref140, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :140]))
         if name == "replay":
             out["state after decoding to 128 == prefill to 128"] = _trees_equal(at128, ref128)
             out["state after decoding to 140 == prefill to 140"] = _trees_equal(st, ref140)
-        elif model.gdn_prefill == "chunked":  # (over the token-by-token prefill the two modes may agree)
+        else:  # over the chunked prefill only (over the token-by-token prefill the two modes may agree)
             out["recurrent decode mode: GDN state at 140 differs from prefill (expected)"] = not _trees_equal(
                 jaxgdn.model.gdn_states(st), jaxgdn.model.gdn_states(ref140))
     cache = jaxgdn.PrefixCache(interval=64, deterministic=True)

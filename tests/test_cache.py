@@ -266,3 +266,18 @@ def test_cache_properties(pool, ops, budget_entries):
         assert stats.entries == len(cache.checkpoints())
         if cache.max_bytes is not None:
             assert stats.bytes <= cache.max_bytes
+
+
+def test_a_cache_holds_one_kind_of_state(tiny):
+    """A cache filled by the chunked GDN prefill refuses a model whose prefill is token by token (its states would
+    restore silently, with other bits); an empty cache takes either; check_cache names the mismatch."""
+    prompt = np.random.default_rng(9).integers(0, tiny.config.vocab_size, 70).tolist()
+    filled = jaxgdn.generate(tiny, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL)).cache
+    assert len(filled) and filled.numerics == jaxgdn.cache.numerics_key(tiny)
+    scan = tiny.with_gdn_prefill("recurrent")
+    with pytest.raises(jaxgdn.cache.CheckpointRefused, match="gdn_prefill=chunked"):
+        jaxgdn.generate(scan, [prompt], max_new_tokens=4, cache=filled)
+    with pytest.raises(AssertionError, match="other numerics"):
+        jaxgdn.check_cache(filled, scan)
+    fresh = jaxgdn.generate(scan, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL))
+    assert fresh.cache.numerics == jaxgdn.cache.numerics_key(scan) and len(fresh.cache)

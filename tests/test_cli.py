@@ -286,6 +286,7 @@ def test_check_determinism_replay_over_the_recurrent_gdn_prefill(capsys, tmp_pat
     rec = json.loads((tmp_path / "d.json").read_text())
     assert rec["gdn_prefill"] == "recurrent" and rec["decode_mode"] == "replay"
     assert any("score" in c["check"] and c["passed"] is True for c in rec["checks"])
+    assert any(c["check"] == "prefill split off the grid" and c["passed"] is True for c in rec["checks"])
     assert "0 failed" in out and "GDN prefill recurrent" in out
 
 

@@ -136,3 +136,29 @@ def test_recurrent_gdn_prefill_splits_anywhere_bitwise():
     st, _ = chunked.prefill_chunk(chunked.init_state(1, 192), toks[:, :37])
     with pytest.raises(jaxgdn.InputError, match="grid"):
         chunked.prefill_chunk(st, toks[:, 37:101])
+
+
+def test_recurrent_gdn_prefill_with_recurrent_decode():
+    """gdn_prefill="recurrent" with recurrent decode, deterministic: prefills may start off the grid (exact), and a
+    decode step through the decode kernels still marks the state DECODE (its other paths are not the prefill's)."""
+    model = jaxgdn.tiny_model("tiny", seed=11, deterministic=True).with_gdn_prefill("recurrent")
+    toks = jnp.asarray([np.random.default_rng(8).integers(0, 256, 100).tolist()], jnp.int32)
+    s, _ = model.prefill_chunk(model.init_state(1, 128), toks[:, :37])
+    s, _ = model.prefill_chunk(s, toks[:, 37:])  # off the grid: no error
+    assert int(s.provenance[0]) == Provenance.PREFILL
+    s, _ = model.decode_step(s, jnp.asarray([3], jnp.int32))
+    assert int(s.provenance[0]) == Provenance.DECODE
+
+
+def test_state_layout_must_match_the_model():
+    """A state made for replay over the chunked prefill (open-chunk buffers) is refused by a model without them, and
+    the other way round; unknown gdn_prefill values are refused."""
+    chunked, scan = _model("tiny", "chunked"), _model("tiny", "recurrent")
+    toks, tok = jnp.zeros((1, 5), jnp.int32), jnp.zeros((1,), jnp.int32)
+    for model, state in ((scan, chunked.init_state(1, 128)), (chunked, scan.init_state(1, 128))):
+        with pytest.raises(jaxgdn.InputError, match="open-chunk buffers"):
+            model.prefill_chunk(state, toks)
+        with pytest.raises(jaxgdn.InputError, match="open-chunk buffers"):
+            model.decode_step(state, tok)
+    with pytest.raises(ValueError, match="gdn_prefill"):
+        jaxgdn.tiny_model("tiny").with_gdn_prefill("token-by-token")

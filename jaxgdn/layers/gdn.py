@@ -70,6 +70,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     [B, M, HV, K, V] — every `checkpoint_stride` tokens from the call's start (recurrent mode) or from the last
     grid boundary (replay mode); see `model.prefill_chunk` for their positions.
     """
+    if form not in ("chunked", "recurrent"):
+        raise ValueError(f"form must be 'chunked' or 'recurrent'; got {form!r}")
     B, T, _ = x.shape
     replay = state.open_qkv is not None
     pre = linear(x, p.in_proj_qkv, det)
@@ -78,7 +80,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     if not replay:
         ends = None
         if checkpoint_stride is not None:
-            ends = jnp.broadcast_to(checkpoint_stride * jnp.arange(1, T // checkpoint_stride + 1), (B, T // checkpoint_stride))
+            m = T // checkpoint_stride
+            ends = jnp.broadcast_to(checkpoint_stride * jnp.arange(1, m + 1), (B, m))
         conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends)
         q, k, v = _split_qkv(cfg, conv[0])
         rule = (pallas_kernels.fused_recurrent_gated_delta_rule if form == "recurrent"

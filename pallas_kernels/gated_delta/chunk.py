@@ -20,8 +20,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
 2. `_state_kernel`: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new; stores o, the
    final state and (optionally) the state after every `checkpoint_stride` tokens.
 
-A row-exact configuration (FMA-chain dots) for an incremental replay kernel was measured 54-88x slower and
-removed (BENCHMARKS.md).
+A row-exact configuration (FMA-chain dots) for an incremental replay kernel was removed: its prefill measured
+54-58x the default and its replay step 88x the recurrent kernel (BENCHMARKS.md).
 
 Determinism properties (tested on CPU in interpret mode and on the GPU):
 - every chunk's arithmetic depends only on that chunk's (masked) inputs and the incoming fp32 state, with fixed

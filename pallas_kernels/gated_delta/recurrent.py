@@ -82,8 +82,8 @@ def _decode_kernel(*refs, scale, use_l2, fused, interpret):
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "fused", "interpret", "config"))
 def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2norm, fused, interpret, config):
-    cfg = merged_config("recurrent_gated_delta_rule", DEFAULT_CONFIG, config,
-                        blocks={} if dict(config or ()).get("bv") == 8 else {"bv": v.shape[2]})
+    cfg = merged_config("recurrent_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": v.shape[2]},
+                        min_block=8)
     B, HK, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G = HV // HK
@@ -126,8 +126,8 @@ def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2nor
 def recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True,
                                       A_log=None, dt_bias=None, interpret=False, config=None):
     """One recurrent step per row. q, k: [B,HK,K]; v: [B,HV,V]; g, beta: [B,HV] (or raw a, b with A_log/dt_bias
-    [HV]); initial_state fp32 [B,HV,K,V], updated in place
-    when the caller donates it (inside the caller's jit, or `jax.jit(..., donate_argnames=...)`). Returns (o [B,HV,V] in v.dtype, new_state).
+    [HV]); initial_state fp32 [B,HV,K,V], updated in place when the caller donates it (inside the caller's jit, or
+    `jax.jit(..., donate_argnames=...)`). Returns (o [B,HV,V] in v.dtype, new_state).
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"expected q, k [B,HK,K] and v [B,HV,V]; got {q.shape}, {k.shape}, {v.shape}")

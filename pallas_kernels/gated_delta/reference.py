@@ -108,21 +108,29 @@ def _token_step(s, xs):
     return s, o
 
 
+def _scan_segment(s, xs):
+    """`_token_step` over a segment of tokens (leading axis). A one-token segment runs as a two-token scan whose
+    second token is all zeros (its state is dropped): XLA inlines a one-trip loop and fuses it with the
+    neighbouring ops, and on CPU that changes the rounding with the batch size; a real loop keeps the arithmetic
+    every longer call runs."""
+    if xs[0].shape[0] != 1:
+        return jax.lax.scan(_token_step, s, xs)
+
+    def step(s, x):
+        s, o = _token_step(s, x)
+        return s, (o, s)
+
+    _, (o, states) = jax.lax.scan(step, s, tuple(jnp.concatenate([x, jnp.zeros_like(x)]) for x in xs))
+    return states[0], o[:1]
+
+
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
                                          lengths=None, checkpoint_stride=None):
     """Token-by-token recurrence (fp32). Shapes as the chunked form; returns (o [B,T,HV,V], final_state), plus the
     states after every `checkpoint_stride` tokens [B, T // stride, HV, K, V] when a stride is given (exact copies:
     the scan runs segment by segment)."""
-    if q.shape[1] == 1 and checkpoint_stride is None:
-        # One token: run a two-token scan whose second token is padding (it leaves the state bit-identical). XLA
-        # inlines a one-trip loop and fuses its body with the neighbouring ops, and on CPU that changes the
-        # rounding with the batch size; a real loop keeps the step's arithmetic the one every longer call runs.
-        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
-        n = jnp.ones((q.shape[0],), jnp.int32) if lengths is None else jnp.minimum(lengths, 1)
-        o, s = recurrent_gated_delta_rule_reference(pad(q), pad(k), pad(v), pad(g), pad(beta), scale=scale,
-                                                    initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                                                    lengths=n)
-        return o[:, :1], s
+    if checkpoint_stride is not None and (not isinstance(checkpoint_stride, int) or checkpoint_stride <= 0):
+        raise ValueError(f"checkpoint_stride must be a positive int; got {checkpoint_stride!r}")
     out_dtype = v.dtype
     q, k, v, g, beta, s = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, lengths)
     T = q.shape[1]
@@ -132,7 +140,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale=None, initia
     outs, cks = [], []
     for start in range(0, T, stride):
         xs = tuple(jnp.moveaxis(x[:, start:start + stride], 1, 0) for x in (q, k, v, g, beta))
-        s, o = jax.lax.scan(_token_step, s, xs)
+        s, o = _scan_segment(s, xs)
         outs.append(jnp.moveaxis(o, 0, 1))
         if start + stride <= T:
             cks.append(s)

@@ -63,7 +63,7 @@ def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so
         if nck:
             m = lax.div(t + 1, stride)
 
-            @pl.when((lax.rem(t + 1, stride) == 0) & (m <= nck))
+            @pl.when(lax.rem(t + 1, stride) == 0)  # (m <= nck: t < T)
             def _():
                 ck_refs[0][m - 1] = s
 
@@ -75,8 +75,8 @@ def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
 def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret, config):
-    cfg = merged_config("fused_recurrent_gated_delta_rule", DEFAULT_CONFIG, config,
-                        blocks={} if dict(config or ()).get("bv") == 8 else {"bv": v.shape[3]})
+    cfg = merged_config("fused_recurrent_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": v.shape[3]},
+                        min_block=8)
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
@@ -148,14 +148,14 @@ def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, ini
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
     config = None if config is None else tuple(sorted(dict(config).items()))
-    if interpret and T == 1 and checkpoint_stride is None:
+    if interpret and T == 1:
         # Interpret mode: XLA inlines a one-trip loop and fuses it with its neighbours, which on CPU changes the
         # rounding with the batch size; a second, padded token keeps a real loop (and the state bit-identical).
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
-        o, s = _scan_impl(pad(q), pad(k), pad(v), pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32)),
-                          initial_state.astype(jnp.float32), jnp.minimum(lengths, 1), scale=scale,
-                          use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=None, interpret=True, config=config)
-        return o[:, :1], s
+        out = _scan_impl(pad(q), pad(k), pad(v), pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32)),
+                         initial_state.astype(jnp.float32), lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                         checkpoint_stride=checkpoint_stride, interpret=True, config=config)
+        return (out[0][:, :1], out[1]) + ((out[2][:, :1 // checkpoint_stride],) if len(out) == 3 else ())
     return _scan_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), initial_state.astype(jnp.float32),
                       lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=checkpoint_stride,
                       interpret=bool(interpret), config=config)

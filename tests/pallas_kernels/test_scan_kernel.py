@@ -49,8 +49,10 @@ def test_matches_oracle(B, T, HK, HV, K, V, g_kind, beta_kind, dtype):
     assert not o[1:, lengths[-1]:].any()  # padded positions: o = 0
 
 
-@pytest.mark.parametrize("config", [None, {"bv": 16, "num_warps": 2}])
+@pytest.mark.parametrize("config", [{"bv": 16, "num_warps": 1}, {"bv": 16, "num_warps": 2}, {"bv": 8, "num_warps": 1}])
 def test_equals_decode_kernel_steps_bitwise(config):
+    """Same launch configuration in both kernels (what the equality needs on the GPU, where the reductions follow
+    the layout; `scripts/gpu_kernels.py --only scan` checks it there per configuration)."""
     d = random_gdn_inputs(np.random.default_rng(1), 2, 21, 2, 4, 32, 32, np.float32, beta_kind="mixed")
     a = args_of(d, dtype=jnp.bfloat16)
     o, s = scan(*a, initial_state=jnp.asarray(d["initial_state"]), interpret=True, config=config)
@@ -132,3 +134,27 @@ def test_input_checks():
         scan(qk, qk, jnp.zeros((1, 8, 3, 32)), jnp.zeros((1, 8, 3)), jnp.zeros((1, 8, 3)), interpret=True)
     with pytest.raises(ValueError, match="bv"):
         scan(*a, interpret=True, config={"bv": 24})
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_one_token_segments_bitwise(backend):
+    """checkpoint_stride=1 (every segment one token) and one-token calls give the unsplit call's bits, row alone ==
+    in batch included (on CPU a one-trip loop would otherwise be inlined and rounded differently); a stride must be
+    positive."""
+    d = random_gdn_inputs(np.random.default_rng(5), 2, 9, 1, 2, 32, 32, np.float32)
+    a = args_of(d)
+    s0 = jnp.asarray(d["initial_state"])
+    f = jax.jit(lambda *x, s0, stride=None: pallas_kernels.fused_recurrent_gated_delta_rule(
+        *x, initial_state=s0, checkpoint_stride=stride, backend=backend), static_argnames=("stride",))
+    o, s = f(*a, s0=s0)
+    o1, s1, ck = f(*a, s0=s0, stride=1)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s))
+    for m in (0, 4, 8):
+        np.testing.assert_array_equal(np.asarray(ck[:, m]), np.asarray(f(*(x[:, :m + 1] for x in a), s0=s0)[1]))
+    oa, sa, ca = f(*(x[:1, :1] for x in a), s0=s0[:1], stride=1)
+    ob, sb, cb = f(*(x[:, :1] for x in a), s0=s0, stride=1)
+    for x, y in ((oa, ob), (sa, sb), (ca, cb)):
+        np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[0])
+    with pytest.raises(ValueError, match="checkpoint_stride"):
+        pallas_kernels.fused_recurrent_gated_delta_rule(*a, checkpoint_stride=0, backend=backend)
