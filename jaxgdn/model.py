@@ -168,9 +168,9 @@ def _check_state_kind(state: ModelState, open_chunk: bool | None):
     gdn = [s for s in state.layers if isinstance(s, GDNLayerState)]
     if open_chunk is None or not gdn or (gdn[0].open_qkv is not None) == open_chunk:
         return
-    raise InputError("the state " + ("holds" if not open_chunk else "lacks") + " the open-chunk buffers of replay "
-                     "decode over the chunked prefill, and the model " + ("does not use" if not open_chunk else
-                     "uses") + " them: make states with this model's init_state (decode_mode and gdn_prefill "
+    has, uses = ("lacks", "uses") if open_chunk else ("holds", "does not use")
+    raise InputError(f"the state {has} the open-chunk buffers of replay decode over the chunked prefill, and the "
+                     f"model {uses} them: make states with this model's init_state (decode_mode and gdn_prefill "
                      "decide their layout)")
 
 

@@ -34,8 +34,8 @@ class GDNLayerState(NamedTuple):
     # last 64-token grid boundary at or before `position`
     recurrent: jax.Array
     # Replay decode over the chunked prefill only (None otherwise; `Model.keeps_open_chunk`): the open chunk since
-    # that boundary, position % 64 tokens valid,
-    # zeros after them: post-conv q|k|v [B, 64, C] in model dtype, and the gates g, beta [B, 64, 2, HV] fp32
+    # that boundary, position % 64 tokens valid, zeros after them: post-conv q|k|v [B, 64, C] in model dtype, and
+    # the gates g, beta [B, 64, 2, HV] fp32
     open_qkv: jax.Array | None = None
     open_gates: jax.Array | None = None
 

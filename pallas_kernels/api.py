@@ -3,6 +3,8 @@ reference or to the Pallas kernel (compiled, or interpreted on CPU). Shapes: see
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -37,17 +39,34 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     """
     kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
               checkpoint_stride=checkpoint_stride)
+    return _prefill(q, k, v, g, beta, kw, backend, _ref.chunk_gated_delta_rule_reference,
+                    ("chunk", "chunk_gated_delta_rule_pallas"))
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                                     lengths=None, checkpoint_stride=None, backend: str | None = None):
+    """The recurrence token by token over a whole call (a prefill with the decode arithmetic; fla's name).
+    q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV]. Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus
+    checkpoints [B,T//stride,HV,K,V] (the state after every `checkpoint_stride` tokens, any positive stride).
+
+    Any split of a call gives the same bits as the unsplit call, and on the Pallas backends each token is bitwise
+    what the decode kernel computes under the same launch configuration (`gated_delta.scan`; the defaults differ).
+    Padded tokens (lengths) leave the state bit-identical, o = 0.
+    """
+    kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
+              checkpoint_stride=checkpoint_stride)
+    return _prefill(q, k, v, g, beta, kw, backend, _ref.recurrent_gated_delta_rule_reference,
+                    ("scan", "fused_recurrent_gated_delta_rule_pallas"))
+
+
+def _prefill(q, k, v, g, beta, kw: dict, backend: str | None, reference, kernel_name: tuple[str, str]):
+    """A prefill rule on the chosen backend: the pure-JAX `reference`, or the Pallas kernel `kernel_name` (module in
+    `gated_delta`, function; imported on first use) called directly, or per shard in `shard_map` under a
+    tensor-parallel mesh (heads split; each shard runs the kernel on its heads)."""
     backend = resolve_backend(backend)
     if backend == "reference":
-        return _ref.chunk_gated_delta_rule_reference(q, k, v, g, beta, **kw)
-    from .gated_delta.chunk import chunk_gated_delta_rule_pallas
-
-    return _prefill_kernel(chunk_gated_delta_rule_pallas, q, k, v, g, beta, kw, backend)
-
-
-def _prefill_kernel(kernel, q, k, v, g, beta, kw: dict, backend: str):
-    """A Pallas prefill kernel (chunked or token by token): called directly, or per shard in `shard_map` under a
-    tensor-parallel mesh (heads split; each shard runs the kernel on its heads)."""
+        return reference(q, k, v, g, beta, **kw)
+    kernel = getattr(importlib.import_module(f".gated_delta.{kernel_name[0]}", __package__), kernel_name[1])
     interpret = backend == "interpret"
     mesh = _tp_mesh(q.shape[2])
     if mesh is None:
@@ -63,26 +82,6 @@ def _prefill_kernel(kernel, q, k, v, g, beta, kw: dict, backend: str):
     h = P(None, None, TP_AXIS)  # [B, T, H, ...]
     out = (h, P(None, TP_AXIS)) + ((h,) if kw["checkpoint_stride"] is not None else ())
     return _per_shard(shard, mesh, (q, k, v, g, beta, s0, lengths), (h, h, h, h, h, P(None, TP_AXIS), P()), out)
-
-
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
-                                     lengths=None, checkpoint_stride=None, backend: str | None = None):
-    """The recurrence token by token over a whole call (a prefill with the decode arithmetic; fla's name).
-    q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV]. Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus
-    checkpoints [B,T//stride,HV,K,V] (the state after every `checkpoint_stride` tokens, any positive stride).
-
-    Any split of a call gives the same bits as the unsplit call, and on the Pallas backends each token is bitwise
-    what the decode kernel computes under the same launch configuration (`gated_delta.scan`; the defaults differ).
-    Padded tokens (lengths) leave the state bit-identical, o = 0.
-    """
-    kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
-              checkpoint_stride=checkpoint_stride)
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        return _ref.recurrent_gated_delta_rule_reference(q, k, v, g, beta, **kw)
-    from .gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
-
-    return _prefill_kernel(fused_recurrent_gated_delta_rule_pallas, q, k, v, g, beta, kw, backend)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, use_qk_l2norm=True, A_log=None,

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import merged_config
+from ..invariant import tree_sum
 
 _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md), kernel-only, B=64/256: bv=64, 4 warps 3.37/3.64 TB/s; bv=32, 4 warps
@@ -36,11 +37,7 @@ def _ksum(x, interpret):
     """Sum over axis 0 (K). On the GPU Triton's reduction (its order follows the layout, fixed by the launch
     configuration); in interpret mode a fixed pairwise tree (`invariant.tree_sum`): XLA's CPU reductions pick
     their order by context, so a loop body and a single step could otherwise differ in the last bit."""
-    if not interpret:
-        return jnp.sum(x, axis=0)
-    from ..invariant import tree_sum
-
-    return tree_sum(jnp.moveaxis(x, 0, -1))
+    return tree_sum(jnp.moveaxis(x, 0, -1)) if interpret else jnp.sum(x, axis=0)
 
 
 def _normalized(q, k, use_l2, scale, interpret=False):
