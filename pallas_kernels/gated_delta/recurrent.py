@@ -2,7 +2,7 @@
 
 Grid (V // BV, HV, B): one program per (batch row, value head, V block). Each program reads its fp32 state block
 S [K, BV] once, applies
-    S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = scale S^T q      (q, k fp32-L2-normalised)
+    S = exp(g) S;  u = beta (v - S^T k);  o = scale (S^T q + (q.k) u);  S = S + k u^T   (q, k fp32-L2-normalised)
 with elementwise fp32 FMAs and fixed-order reductions over K (no tensor cores: no TF32 rounding), and writes S back
 once, in place (`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
 carry the raw `a` and `b` and the gates are computed inside in fp32: g = -exp(A_log) softplus(a + dt_bias),
@@ -41,22 +41,28 @@ def _ksum(x, interpret):
 
 
 def _normalized(q, k, use_l2, scale, interpret=False):
-    """fp32 q, k [K] L2-normalised (optional); q scaled."""
+    """fp32 q, k [K] L2-normalised (optional); q scaled. Returns (q, k, qk [1] = q . k), qk for `token_update`."""
     if use_l2:
         q = q * lax.rsqrt(_ksum(q * q, interpret) + _EPS)
         k = k * lax.rsqrt(_ksum(k * k, interpret) + _EPS)
-    return q * scale, k
+    q = q * scale
+    return q, k, _ksum(q * k, interpret)[None]
 
 
-def token_update(s, q, k, v, g, beta, interpret=False):
-    """One token of the recurrence on a state block: s fp32 [K, BV]; q (normalised, scaled), k [K]; v [BV];
-    g, beta [1], all fp32. Returns (o [BV] fp32, s). The decode kernel and the token-by-token prefill kernel
-    (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same bits."""
+def token_update(s, q, k, qk, v, g, beta, interpret=False):
+    """One token of the recurrence on a state block: s fp32 [K, BV]; q (normalised, scaled), k [K]; qk [1] = q . k
+    (from `_normalized`); v [BV]; g, beta [1], all fp32. Returns (o [BV] fp32, s).
+
+    With S the decayed state exp(g) s: u = beta (v - S^T k), s' = S + k u^T, and o = s'^T q computed as
+    S^T q + (q . k) u. The two reductions over K read S only, so they are independent of each other and of the
+    update (a shorter dependency chain per token than reducing s' after the update), and q . k comes off the
+    chain. The decode kernel and the token-by-token prefill kernel (`gated_delta.scan`) both call this, so that
+    with the same launch configuration they compute the same bits."""
     s = s * jnp.exp(g)[:, None]  # [K, BV] * [1, 1]
     kv = _ksum(s * k[:, None], interpret)  # [BV]
+    sq = _ksum(s * q[:, None], interpret)  # [BV]
     u = beta * (v - kv)
-    s = s + k[:, None] * u[None, :]
-    return _ksum(s * q[:, None], interpret), s
+    return sq + qk * u, s + k[:, None] * u[None, :]
 
 
 def _decode_kernel(*refs, scale, use_l2, fused, interpret):
@@ -64,15 +70,15 @@ def _decode_kernel(*refs, scale, use_l2, fused, interpret):
         q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, s_ref, o_ref, so_ref = refs
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref = refs
-    q, k = _normalized(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32), use_l2, scale,
-                       interpret)  # [K]
+    q, k, qk = _normalized(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32), use_l2, scale,
+                           interpret)  # [K], [K], [1]
     v = v_ref[...].astype(jnp.float32)  # [BV]
     g = g_ref[...].astype(jnp.float32)  # [1]
     beta = beta_ref[...].astype(jnp.float32)
     if fused:
         g = -jnp.exp(alog_ref[...].astype(jnp.float32)) * _softplus(g + dtb_ref[...].astype(jnp.float32))
         beta = 1.0 / (1.0 + jnp.exp(-beta))
-    o, s = token_update(s_ref[...], q, k, v, g, beta, interpret)
+    o, s = token_update(s_ref[...], q, k, qk, v, g, beta, interpret)
     so_ref[...] = s
     o_ref[...] = o.astype(o_ref.dtype)
 

@@ -96,16 +96,17 @@ def gated_delta_step_reference(q, k, v, g, beta, state, *, scale=None, use_qk_l2
 
 def _token_step(s, xs):
     """One token for every (row, value head): s fp32 [B,HV,K,V]; xs = q, k [B,HV,K], v [B,HV,V], g, beta [B,HV]
-    (fp32, q scaled). The reductions over K are fixed-order trees (`tree_sum`), so a row's result does not
-    depend on the batch's shape."""
+    (fp32, q scaled). The kernels' arithmetic (`recurrent.token_update`): with S = exp(g) s, u = beta (v - S^T k),
+    o = S^T q + (q . k) u, s' = S + k u^T. The reductions over K are fixed-order trees (`tree_sum`), so a row's
+    result does not depend on the batch's shape."""
     qt, kt, vt, gt, bt = xs
     s = s * jnp.exp(gt)[..., None, None]
     st = jnp.swapaxes(s, -1, -2)  # [B,HV,V,K]
     kv = tree_sum(st * kt[..., None, :])  # [B,HV,V]
+    sq = tree_sum(st * qt[..., None, :])  # [B,HV,V]
     u = bt[..., None] * (vt - kv)
-    s = s + kt[..., :, None] * u[..., None, :]
-    o = tree_sum(jnp.swapaxes(s, -1, -2) * qt[..., None, :])
-    return s, o
+    o = sq + tree_sum(qt * kt)[..., None] * u
+    return s + kt[..., :, None] * u[..., None, :], o
 
 
 def _scan_segment(s, xs):

@@ -3,9 +3,10 @@ kernel for the H200 (interpretable on CPU).
 
 Dimension legend in `reference.py`. Grid (V // BV, HV, B): one program per (batch row, value head, V block) keeps
 its fp32 state block S [K, BV] on chip for the whole call and runs, for t = 0 .. T - 1, exactly the decode
-kernel's per-token arithmetic (`recurrent.token_update`: S = exp(g) S; u = beta (v - S^T k); S = S + k u^T;
-o = S^T q, q and k fp32-L2-normalised). Inputs are loaded two tokens ahead and normalised one token ahead (a
-software pipeline: none of it depends on S, so its latency hides behind the chain of state updates).
+kernel's per-token arithmetic (`recurrent.token_update`: S = exp(g) S; u = beta (v - S^T k);
+o = S^T q + (q.k) u; S = S + k u^T, q and k fp32-L2-normalised). Inputs are loaded two tokens ahead and
+normalised one token ahead (a software pipeline: none of it depends on S, so its latency hides behind the chain
+of state updates).
 
 Why it exists (deterministic mode, `jaxgdn`'s `gdn_prefill="recurrent"`): a chunked prefill and a recurrent decode
 compute the same recurrence with different arithmetic, so a decoded state is not bitwise the state a prefill of
@@ -14,7 +15,8 @@ the decode step, and any split of a prompt — on the 64 grid or not — gives t
 The price is a sequential chain of T steps per program (no tensor cores): BENCHMARKS.md measures it against the
 chunked kernels.
 
-Padded tokens (t >= lengths[b]) leave the state bit-identical and give o = 0. In-call checkpoints: exact copies
+Padded tokens (t >= lengths[b]) leave the state bit-identical and give o = 0: the loop over tokens stops at
+lengths[b] (no per-token select over the state block), and a second loop writes their zero outputs. In-call checkpoints: exact copies
 of the state after every `checkpoint_stride` tokens (any positive stride).
 """
 
@@ -41,7 +43,7 @@ DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1)
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
                  scale, use_l2, interpret):
-    n = len_ref[0]
+    n = len_ref[0]  # valid tokens of this row (<= T): the recurrence runs over t < n only
 
     def load(t):  # token t's raw inputs (t clamped: a prefetch past the end rereads the last token)
         t = jnp.minimum(t, T - 1)
@@ -49,27 +51,31 @@ def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so
         return (q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), v_ref[t].astype(jnp.float32),
                 g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32))
 
-    def ready(raw):  # q, k normalised (q scaled)
-        q, k = _normalized(raw[0], raw[1], use_l2, scale, interpret)
-        return (q, k) + tuple(raw[2:])
+    def ready(raw):  # q, k normalised (q scaled) and q . k
+        return _normalized(raw[0], raw[1], use_l2, scale, interpret) + tuple(raw[2:])
+
+    def checkpoint(t, s):  # the state after token t, when t + 1 is a multiple of the stride
+        if nck:
+            @pl.when(lax.rem(t + 1, stride) == 0)  # (m <= nck: t < T)
+            def _():
+                ck_refs[0][lax.div(t + 1, stride) - 1] = s
 
     def body(t, carry):
         s, cur, nxt = carry  # cur: token t, ready; nxt: token t + 1, raw (loaded one iteration ago)
         after = load(t + 2)  # two tokens ahead: the loads, and normalising t + 1, stay off the chain through s
-        o, s_new = token_update(s, *cur, interpret)
-        live = t < n
-        s = jnp.where(live, s_new, s)  # padded tokens: the state bit-identical
-        o_ref[t] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-        if nck:
-            m = lax.div(t + 1, stride)
-
-            @pl.when(lax.rem(t + 1, stride) == 0)  # (m <= nck: t < T)
-            def _():
-                ck_refs[0][m - 1] = s
-
+        o, s = token_update(s, *cur, interpret)
+        o_ref[t] = o.astype(o_ref.dtype)
+        checkpoint(t, s)
         return s, ready(nxt), after
 
-    s, _, _ = lax.fori_loop(0, T, body, (s_ref[...].astype(jnp.float32), ready(load(0)), load(1)))
+    s, _, _ = lax.fori_loop(0, n, body, (s_ref[...].astype(jnp.float32), ready(load(0)), load(1)))
+
+    def pad(t, carry):  # padded tokens: o = 0, the state untouched
+        o_ref[t] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+        checkpoint(t, s)
+        return carry
+
+    lax.fori_loop(n, T, pad, 0)
     so_ref[...] = s
 
 
