@@ -26,6 +26,9 @@ import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# fla-core 0.6.0 hands chunk_gated_delta_rule to FlashQLA whenever flash_qla is importable (its backend registry);
+# the "fla" column is fla's own Triton kernels, so that dispatch is off unless asked for (FLA_FLASH_QLA=1).
+os.environ.setdefault("FLA_FLASH_QLA", "0")
 
 import numpy as np
 
@@ -335,7 +338,8 @@ def ceilings():
 
 
 def fla_prefill_fn(q, k, v, g, beta, module="fla"):
-    """fla-core's chunk_gated_delta_rule, or (module="flash_qla") FlashQLA's, which takes the same arguments."""
+    """fla-core's chunk_gated_delta_rule (its Triton kernels: FLA_FLASH_QLA=0, set above), or (module="flash_qla")
+    FlashQLA's, which takes the same arguments (intra-card context parallelism on: its default)."""
     if module == "flash_qla":
         from flash_qla import chunk_gated_delta_rule as fla_chunk
     else:
@@ -405,14 +409,18 @@ def prefill_timing(cfg_name, cfg, with_reference=True):
             diff_s = rel_err(np.asarray(s), fs.float().cpu().numpy())
         except Exception as e:
             log(f"fla failed: {type(e).__name__}: {str(e)[:300]}")
-            t_fla, diff_o, diff_s = float("nan"), float("nan"), float("nan")
-        t_qla = float("nan")
-        try:  # FlashQLA 0.1.3 when installed (README of BENCHMARKS.md: how to carry its wheels)
+            fla_run, t_fla, diff_o, diff_s = None, float("nan"), float("nan"), float("nan")
+        t_qla, t_fla2 = float("nan"), float("nan")
+        try:  # FlashQLA 0.1.3 when installed (BENCHMARKS.md: how to carry its wheels); then fla again, to show drift
             qla_run = fla_prefill_fn(q, k, v, g, beta, module="flash_qla")
+            qla_run()  # compile (TileLang) before timing
             t_qla = do_bench_ms(qla_run) * 1e-3
-            qo, _ = qla_run()
-            log(f"  flash_qla {str(shp)}: {t_qla * 1e3:.3f} ms; ours / flash_qla {t_ours / t_qla:.2f}; rel(o) vs ours "
-                f"{rel_err(np.asarray(f(q, k, v, g, beta)[0].astype(jnp.float32)), qo.float().cpu().numpy()):.1e}")
+            t_fla2 = do_bench_ms(fla_run) * 1e-3 if fla_run else float("nan")
+            qo, qs = qla_run()
+            o, s = f(q, k, v, g, beta)
+            log(f"  flash_qla {str(shp)}: {t_qla * 1e3:.3f} ms; ours / flash_qla {t_ours / t_qla:.2f}; fla again "
+                f"{t_fla2 * 1e3:.3f} ms; rel vs ours: o {rel_err(np.asarray(o.astype(jnp.float32)), qo.float().cpu().numpy()):.1e}"
+                f" S {rel_err(np.asarray(s), qs.float().cpu().numpy()):.1e}")
         except Exception as e:
             log(f"  flash_qla unavailable: {type(e).__name__}: {str(e)[:200]}")
         t_ref = float("nan")
@@ -424,7 +432,7 @@ def prefill_timing(cfg_name, cfg, with_reference=True):
                 log(f"reference failed: {type(e).__name__}: {str(e)[:200]}")
         flops, useful, nbytes = prefill_model(*shp, 128, 128, dict(chunk_mod.DEFAULT_CONFIG, **(cfg or {}))["bv"])
         row = dict(shape=shp, config=cfg_name, ours_ms=t_ours * 1e3, fla_ms=t_fla * 1e3, ratio=t_ours / t_fla,
-                   flash_qla_ms=t_qla * 1e3,
+                   flash_qla_ms=t_qla * 1e3, fla_again_ms=t_fla2 * 1e3,
                    ref_ms=t_ref * 1e3, rel_o_vs_fla=diff_o, rel_state_vs_fla=diff_s, flops=flops,
                    useful_flops=useful, bytes=nbytes,
                    achieved_TFLOPs=flops / t_ours / 1e12, achieved_TBps=nbytes / t_ours / 1e12)
@@ -673,12 +681,18 @@ def replay_timing():
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
                 "bv16_w2": dict(bv=16, num_warps=2), "bv32_w1": dict(bv=32, num_warps=1),
-                "bv32_w2": dict(bv=32, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4)}
+                "bv32_w2": dict(bv=32, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4),
+                # when the loads are waited on (same arithmetic): ahead = tokens loaded ahead, raw = carried unconverted
+                "bv16_w1_a1": dict(bv=16, num_warps=1, ahead=1), "bv16_w1_raw": dict(bv=16, num_warps=1, raw=True),
+                "bv16_w1_raw_a4": dict(bv=16, num_warps=1, raw=True, ahead=4),
+                "bv8_w1_raw": dict(bv=8, num_warps=1, raw=True), "bv8_w1_raw_a4": dict(bv=8, num_warps=1, raw=True, ahead=4),
+                "bv32_w2_raw_a4": dict(bv=32, num_warps=2, raw=True, ahead=4)}
+DECODE_KEYS = ("bv", "num_warps", "num_stages")  # the decode kernel's launch configuration
 # (run 7 also timed bv64_w1, bv64_w2 and bv128_w4: 24-204 ms at B=1 T=8192, dropped)
 
 
 @section
-def scan(small=False):
+def scan(small=False, names=None):
     """The token-by-token prefill kernel (`gated_delta.scan`, the recurrence with the decode arithmetic):
     1. bitwise, per launch config: a T-token call == T one-token decode-kernel calls with the same config (outputs
        and state); a split off the 64 grid == the unsplit call; in-call checkpoints (stride 50) == the split
@@ -692,13 +706,16 @@ def scan(small=False):
     x = dev_inputs(d)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     lengths = jnp.asarray([T, 41, 9][:B], jnp.int32)
-    configs = {"bv16_w1": SCAN_CONFIGS["bv16_w1"]} if small else SCAN_CONFIGS
+    configs = {n: SCAN_CONFIGS[n] for n in (names or SCAN_CONFIGS)}
+    if small:
+        configs = {"bv16_w1": SCAN_CONFIGS["bv16_w1"]}
     ro, rs = oracle_of(x)
     for name, cfg in configs.items():
         f = jax.jit(functools.partial(scan_fn, config=cfg), static_argnames=("checkpoint_stride",))
         o, s = f(*args, initial_state=x["s0"])
         st, outs = x["s0"], []
-        step = jax.jit(functools.partial(recurrent_gated_delta_rule_pallas, config=cfg))
+        step = jax.jit(functools.partial(recurrent_gated_delta_rule_pallas,
+                                         config={k_: v_ for k_, v_ in cfg.items() if k_ in DECODE_KEYS}))
         for t in range(T):
             ot, st = step(*(a[:, t] for a in args), initial_state=st)
             outs.append(np.asarray(ot))
@@ -733,11 +750,11 @@ def scan(small=False):
         q, k, v, g, beta = make_prefill(*shp)
         row = dict(shape=shp)
         row["chunked_ms"] = bench_jax(jax.jit(chunk_gated_delta_rule_pallas), q, k, v, g, beta, n=5, reps=5) * 1e3
-        for name, cfg in SCAN_CONFIGS.items():
+        for name, cfg in configs.items():
             row[f"{name}_ms"] = bench_jax(jax.jit(functools.partial(scan_fn, config=cfg)), q, k, v, g, beta,
                                           n=3, reps=3) * 1e3
         log(f"prefill {shp}: chunked {row['chunked_ms']:.2f} ms | " +
-            " | ".join(f"{n} {row[n + '_ms']:.2f}" for n in SCAN_CONFIGS))
+            " | ".join(f"{n} {row[n + '_ms']:.2f}" for n in configs))
         RESULTS.setdefault("scan_prefill", []).append(row)
         del q, k, v, g, beta
     nstep = 20
@@ -758,7 +775,7 @@ def scan(small=False):
         t_rec, _ = bench_state_loop(rec_loop, (q1, q1, v1, g1), s0 + 0, nstep, inner=2)
         row = dict(B=B, recurrent_us=t_rec * 1e6, recurrent_TBps=state_bytes / t_rec / 1e12)
         log(f"B={B}: decode kernel {t_rec * 1e6:.1f} us/step ({state_bytes / t_rec / 1e12:.2f} TB/s)")
-        for name, cfg in SCAN_CONFIGS.items():
+        for name, cfg in configs.items():
             @functools.partial(jax.jit, donate_argnums=4)
             def sc_loop(q, k, v, g, carry, cfg=cfg):
                 def body(i, c):  # o kept live through a small sum (not a pass over the state)
@@ -813,6 +830,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
     ap.add_argument("--only", default="", help="comma list of sections to run (overrides --skip)")
+    ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -829,6 +847,9 @@ def main():
         RESULTS["meta"].update(torch=torch.__version__, triton=triton.__version__)
         import fla
         RESULTS["meta"]["fla"] = getattr(fla, "__version__", "?")
+        RESULTS["meta"]["FLA_FLASH_QLA"] = os.environ.get("FLA_FLASH_QLA")
+        import flash_qla
+        RESULTS["meta"]["flash_qla"] = getattr(flash_qla, "__version__", "?")
     except Exception as e:
         log(f"torch/triton/fla import: {e}")
     log(json.dumps(RESULTS["meta"]))
@@ -896,7 +917,7 @@ def main():
     if "replay" not in skip:
         replay_timing()
     if "scan" not in skip:
-        scan()
+        scan(names=[n for n in args.scan_configs.split(",") if n] or None)
     RESULTS["fails"] = FAILS
     RESULTS["wall_s"] = time.time() - t_start
     os.makedirs(args.out, exist_ok=True)

@@ -38,21 +38,29 @@ from .recurrent import _normalized, token_update
 # takes 6.4 / 8.2 / 24.7 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the chunked kernels: 2.2 / 6.0 / 8.4)
 # and a one-token call 1.30-1.31x the decode kernel (issue 7's bar: <= 1.5x). bv=8 is faster at B=1 (5.3 ms) but
 # slower at B=8 and 1.67x at one token; bv=32 with 2 warps is 1.11-1.14x at one token but 7.9 ms at B=1.
-DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1)
+# ahead: how many tokens ahead inputs are loaded (>= 1); raw: carry them in their stored dtype until used. Neither
+# changes the arithmetic (bf16 -> fp32 is exact wherever it happens), only when the loads are waited on.
+DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, raw=False)
 
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
-                 scale, use_l2, interpret):
+                 scale, use_l2, ahead, raw, interpret):
     n = len_ref[0]  # valid tokens of this row (<= T): the recurrence runs over t < n only
 
-    def load(t):  # token t's raw inputs (t clamped: a prefetch past the end rereads the last token)
+    def to32(x):
+        return x.astype(jnp.float32)
+
+    def load(t):  # token t's inputs (t clamped: a prefetch past the end rereads the last token)
         t = jnp.minimum(t, T - 1)
         one = pl.ds(t, 1)
-        return (q_ref[t].astype(jnp.float32), k_ref[t].astype(jnp.float32), v_ref[t].astype(jnp.float32),
-                g_ref[one].astype(jnp.float32), beta_ref[one].astype(jnp.float32))
+        x = (q_ref[t], k_ref[t], v_ref[t], g_ref[one], beta_ref[one])
+        # raw: kept in their stored dtype until `ready`, so that nothing reads the loaded registers (and waits on
+        # the load) in the iteration that issues it
+        return x if raw else tuple(to32(a) for a in x)
 
-    def ready(raw):  # q, k normalised (q scaled) and q . k
-        return _normalized(raw[0], raw[1], use_l2, scale, interpret) + tuple(raw[2:])
+    def ready(x):  # q, k normalised (q scaled), q . k, v, g, beta: fp32
+        x = tuple(to32(a) for a in x)
+        return _normalized(x[0], x[1], use_l2, scale, interpret) + x[2:]
 
     def checkpoint(t, s):  # the state after token t, when t + 1 is a multiple of the stride
         if nck:
@@ -61,14 +69,17 @@ def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so
                 ck_refs[0][lax.div(t + 1, stride) - 1] = s
 
     def body(t, carry):
-        s, cur, nxt = carry  # cur: token t, ready; nxt: token t + 1, raw (loaded one iteration ago)
-        after = load(t + 2)  # two tokens ahead: the loads, and normalising t + 1, stay off the chain through s
+        # cur: token t, ready; queue: tokens t + 1 .. t + ahead - 1, as loaded. Token t + ahead is loaded here and
+        # token t + 1 normalised: neither depends on s, so their latency hides behind the chain of state updates.
+        s, cur, queue = carry
+        queue = queue + (load(t + ahead),)
         o, s = token_update(s, *cur, interpret)
         o_ref[t] = o.astype(o_ref.dtype)
         checkpoint(t, s)
-        return s, ready(nxt), after
+        return s, ready(queue[0]), queue[1:]
 
-    s, _, _ = lax.fori_loop(0, n, body, (s_ref[...].astype(jnp.float32), ready(load(0)), load(1)))
+    init = (s_ref[...].astype(jnp.float32), ready(load(0)), tuple(load(i) for i in range(1, ahead)))
+    s, _, _ = lax.fori_loop(0, n, body, init)
 
     def pad(t, carry):  # padded tokens: o = 0, the state untouched
         o_ref[t] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
@@ -87,6 +98,8 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
     bv = min(cfg["bv"], V)
+    if not isinstance(cfg["ahead"], int) or cfg["ahead"] < 1:
+        raise ValueError(f"fused_recurrent_gated_delta_rule: ahead={cfg['ahead']!r} must be a positive integer")
     nck = 0 if checkpoint_stride is None else T // checkpoint_stride
     out_specs = [pl.BlockSpec((None, T, None, bv), lambda j, h, b: (b, 0, h, j)),
                  pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j))]
@@ -98,7 +111,7 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
 
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, T=T, stride=checkpoint_stride or 0, nck=nck, scale=scale,
-                          use_l2=use_qk_l2norm, interpret=interpret),
+                          use_l2=use_qk_l2norm, ahead=cfg["ahead"], raw=bool(cfg["raw"]), interpret=interpret),
         grid=(V // bv, HV, B),
         in_specs=[
             pl.BlockSpec((1,), lambda j, h, b: (b,)),

@@ -65,6 +65,24 @@ def test_equals_decode_kernel_steps_bitwise(config):
     np.testing.assert_array_equal(np.asarray(st), np.asarray(s))
 
 
+@pytest.mark.parametrize("config", [{"ahead": 1}, {"ahead": 4, "raw": True}, {"ahead": 3, "raw": True, "bv": 8}])
+def test_load_pipeline_leaves_the_bits(config):
+    """`ahead` and `raw` move the loads, not the arithmetic: any choice == the default, bitwise (rows of different
+    lengths; and T = 3, shorter than the pipeline with ahead = 4)."""
+    d = random_gdn_inputs(np.random.default_rng(5), 2, 37, 1, 2, 32, 32, np.float32, beta_kind="mixed")
+    a = args_of(d, dtype=jnp.bfloat16)
+    s0 = jnp.asarray(d["initial_state"])
+    n = jnp.asarray([37, 20], jnp.int32)
+    base = dict(bv=config.get("bv", 16))
+    for sl in (slice(None), slice(0, 3)):
+        o, s = scan(*(x[:, sl] for x in a), initial_state=s0, lengths=n, interpret=True, config=base)
+        o2, s2 = scan(*(x[:, sl] for x in a), initial_state=s0, lengths=n, interpret=True, config={**base, **config})
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
+    with pytest.raises(ValueError, match="ahead"):
+        scan(*a, interpret=True, config={"ahead": 0})
+
+
 def test_splits_batches_and_checkpoints_bitwise():
     d = random_gdn_inputs(np.random.default_rng(2), 3, 90, 1, 2, 32, 32, np.float32)
     a = args_of(d, dtype=jnp.bfloat16)
