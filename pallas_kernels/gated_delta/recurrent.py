@@ -23,8 +23,9 @@ from ..config import merged_config
 from ..invariant import tree_sum
 
 _EPS = 1e-6
-# Measured on the H200 (BENCHMARKS.md), kernel-only, B=64/256: bv=64, 4 warps 3.37/3.64 TB/s; bv=32, 4 warps
-# 3.34/3.53; bv=128, 8 warps 2.65/2.81. bv may also be 8 (no dots here; the scan kernel's configurations).
+# Measured on the H200 (BENCHMARKS.md, run 12), kernel-only, B=64/256: bv=64, 4 warps 3.49/3.71 TB/s; 8 warps
+# 3.46/3.68; bv=32, 4 warps 3.34/3.54; bv=128, 8 warps 2.60/2.78. bv may also be 8 (no dots here; the scan kernel's
+# configurations).
 DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1)
 
 

@@ -32,14 +32,15 @@ from jax.experimental import pallas as pl
 from ..config import merged_config
 from .recurrent import _normalized, token_update
 
-# Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages. A prefill and a
-# one-token call agree bit for bit only under the same configuration (the reductions over K follow the layout), so
-# the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, run 10; HK=16 HV=32): bv=16 with one warp
-# takes 6.4 / 8.2 / 24.7 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the chunked kernels: 2.2 / 6.0 / 8.4)
-# and a one-token call 1.30-1.31x the decode kernel (issue 7's bar: <= 1.5x). bv=8 is faster at B=1 (5.3 ms) but
-# slower at B=8 and 1.67x at one token; bv=32 with 2 warps is 1.11-1.14x at one token but 7.9 ms at B=1.
-# ahead: how many tokens ahead inputs are loaded (>= 1); raw: carry them in their stored dtype until used. Neither
-# changes the arithmetic (bf16 -> fp32 is exact wherever it happens), only when the loads are waited on.
+# Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline.
+# A prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow
+# the layout), so the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs 10, 12 and 14; HK=16
+# HV=32): bv=16 with one warp takes 6.3-6.4 / 8.2 / 24.7-24.9 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the
+# chunked kernels: 2.2 / 6.0 / 8.4) and a one-token call 1.31-1.35x the decode kernel (issue 7's bar: <= 1.5x).
+# bv=8 is faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token; bv=32 with 2 warps is 1.12-1.18x at one
+# token but 8.2 ms at B=1. The kernel is bound by instruction issue (~690 per token and warp, Nsight Compute).
+# ahead: how many tokens ahead inputs are loaded (>= 1; 1 costs 55%, 4 gains nothing); raw: carry them in their
+# stored dtype until used (no gain). Neither changes the arithmetic (bf16 -> fp32 is exact wherever it happens).
 DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, raw=False)
 
 
