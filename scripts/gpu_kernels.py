@@ -8,7 +8,8 @@ Run on the GPU machine from the repo root (fla-core installed into /tmp/site fro
 (replay: the model's recompute-per-step replay at the kernel level; scan: the token-by-token prefill kernel,
  bitwise against the decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
- `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`.)
+ `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`; FlashQLA and its needs: unpack
+ the carried `.whl/flashqla_site.tar.xz` into /tmp/site, BENCHMARKS.md says how it is made.)
 Prints tables and writes results.json into --out.
 """
 
