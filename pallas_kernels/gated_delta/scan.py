@@ -16,8 +16,9 @@ The price is a sequential chain of T steps per program (no tensor cores): BENCHM
 chunked kernels.
 
 Padded tokens (t >= lengths[b]) leave the state bit-identical and give o = 0: the loop over tokens stops at
-lengths[b] (no per-token select over the state block), and a second loop writes their zero outputs. In-call checkpoints: exact copies
-of the state after every `checkpoint_stride` tokens (any positive stride).
+lengths[b] (clipped to [0, T]; no per-token select over the state block), and a second loop writes their zero
+outputs. In-call checkpoints: exact copies of the state after every `checkpoint_stride` tokens (any positive
+stride).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, ini
         raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
     scale = float(K**-0.5 if scale is None else scale)
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
-               else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
+               else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T))  # the kernel's loops index o with them
     config = None if config is None else tuple(sorted(dict(config).items()))
     if interpret and T == 1:
         # Interpret mode: XLA inlines a one-trip loop and fuses it with its neighbours, which on CPU changes the
