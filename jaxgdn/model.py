@@ -228,8 +228,8 @@ def _logits(model: Model, x: jax.Array) -> jax.Array:
     p, cfg = model.params, model.config
     x = rms_norm(x, p.final_norm, cfg.rms_norm_eps)
     if p.lm_head is None:  # tied: the embedding [Vocab, D] read in place (no transposed copy per call)
-        return linear(x, p.embed, _det(model), w_transposed=True).astype(jnp.float32)
-    return linear(x, p.lm_head, _det(model)).astype(jnp.float32)
+        return linear(x, p.embed, _det(model), col_groups=cfg.vocab_size, w_transposed=True).astype(jnp.float32)
+    return linear(x, p.lm_head, _det(model), col_groups=cfg.vocab_size).astype(jnp.float32)
 
 
 def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) -> ModelState:

@@ -43,12 +43,14 @@ Determinism: for a fixed mesh every per-row reduction is local or a sum over the
 independent of the batch; on CPU (tests/test_sharding.py) deterministic mode stays bitwise across runs, batch
 compositions, grid splits and warm/cold cache on a mesh. A sharded model is not bitwise equal to the unsharded
 one (the out/o/down projections sum their inputs in tp pieces), only within rounding. On GPUs an all-reduce is
-NCCL's: with 2 devices each element is a + b whatever the algorithm (the same in either order), so XLA's
-all-reduce is kept; with more, NCCL's summation order of an element can depend on the message size, i.e. on the
-batch, so deterministic mode on meshes of more than 2 devices computes the row-split output projections (GDN
-out_proj, attention o_proj, MLP down_proj) per shard in `shard_map`, all-gathers the fp32 partial products and
-adds them in device order (`pallas_kernels.matmul_invariant(rows_split=True)`), and so do the mixture of
-experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_order=True)`). On two H200s the
+NCCL's: with 2 devices each element is a + b whatever the algorithm (the same in either order), so an all-reduce
+is kept; with more, NCCL's summation order of an element can depend on the message size, i.e. on the batch, so
+deterministic mode on meshes of more than 2 devices all-gathers the row-split output projections' (GDN out_proj,
+attention o_proj, MLP down_proj) fp32 partial products and adds them in device order, and so do the mixture of
+experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_order=True)`). Deterministic mode's
+fixed-tile matmuls and the attention kernel run per shard in `shard_map` (`pallas_kernels.matmul_invariant`'s
+`rows_split` / `col_groups`, `attention_invariant`), as the GDN kernels do; so does the default mode's attention
+kernel. On two H200s the
 deterministic checks pass (BENCHMARKS.md); meshes of more than 2 GPUs have not been run (none lent so far).
 Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
 last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —

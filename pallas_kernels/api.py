@@ -141,32 +141,46 @@ def _local_matmul_invariant(x, w, backend: str, out_dtype=None, w_transposed: bo
                                    w_transposed=w_transposed)
 
 
-def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = False, w_transposed: bool = False):
+def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = False, col_groups: int | None = None,
+                     w_transposed: bool = False):
     """Batch-invariant x [..., K] @ w [K, N] for deterministic mode: no row's result depends on the other rows.
 
     "reference": XLA's GEMM on fixed 64-row tiles through `lax.map` (one compiled shape); "pallas"/"interpret": the
-    fixed-tile Pallas kernel (`pallas_kernels.matmul`). Under a tensor-parallel mesh the reference path runs (XLA
-    partitions it; a Pallas call would gather the weight onto every device), except for `rows_split` products
-    (tensor parallelism splits w's rows: attention o_proj, GDN out_proj, MLP down_proj) on meshes of more than 2
-    devices: there each device multiplies its K slice into an fp32 partial, the partials are all-gathered and added
-    in device order — a fixed order, where an all-reduce's order can depend on the message size (NCCL), i.e. on the
-    batch. (With 2 devices every order gives p0 + p1 = p1 + p0, so XLA's all-reduce is kept.) A K the mesh size
-    does not divide keeps XLA's all-reduce too (no such projection in the Qwen3.5 / Qwen3-Next shapes).
-    `w_transposed`: w is [N, K] (a tied embedding as the output head; never row-split).
+    fixed-tile Pallas kernel (`pallas_kernels.matmul`). Under a tensor-parallel mesh (XLA cannot split a Pallas
+    call: it would gather the weight onto every device) the product runs per shard inside `shard_map` where the
+    caller says how tensor parallelism splits w:
+    - `col_groups=n`: w's columns are split by n groups (heads, the MLP's intermediate index, the vocabulary) when
+      the mesh size divides n: each device multiplies x by its own columns, and the output stays split over them.
+    - `rows_split`: w's rows are split (attention o_proj, GDN out_proj, MLP down_proj): each device multiplies its
+      K slice into an fp32 partial; on 2 devices the partials are all-reduced (p0 + p1 = p1 + p0 in any order), on
+      more they are all-gathered and added in device order — a fixed order, where an all-reduce's order can depend
+      on the message size (NCCL), i.e. on the batch.
+    Any other product under a mesh (a split the mesh does not divide) takes the reference path, which XLA
+    partitions. Per shard the tile choice follows the shard's weight shape, so a sharded model is batch-invariant on
+    its mesh but not bitwise equal to the unsharded one. `w_transposed`: w is [N, K] (a tied embedding as the
+    output head; its rows, the vocabulary, are then the `col_groups`).
     """
     backend = resolve_backend(backend)
     if not _sharded():
         return _local_matmul_invariant(x, w, backend, w_transposed=w_transposed)
     mesh = jax.sharding.get_abstract_mesh()
     tp = mesh.shape[TP_AXIS]
-    if not rows_split or tp <= 2 or x.shape[-1] % tp or w_transposed:
-        return _local_matmul_invariant(x, w, "reference", w_transposed=w_transposed)
+    rest = [None] * (x.ndim - 1)
+    if rows_split and not w_transposed and x.shape[-1] % tp == 0:
+        def shard(xs, ws):  # xs [..., K / tp], ws [K / tp, N]
+            part = _local_matmul_invariant(xs, ws, backend, jnp.float32)
+            total = jax.lax.psum(part, TP_AXIS) if tp == 2 else _sum_in_device_order(part, tp)
+            return total.astype(x.dtype)
 
-    def shard(xs, ws):  # xs [..., K / tp], ws [K / tp, N]
-        return _sum_in_device_order(_local_matmul_invariant(xs, ws, backend, jnp.float32), tp).astype(x.dtype)
+        return _per_shard(shard, mesh, (x, w), (P(*rest, TP_AXIS), P(TP_AXIS, None)), P())
+    n = w.shape[0] if w_transposed else w.shape[1]
+    if col_groups and col_groups % tp == 0 and n % tp == 0:
+        def shard(xs, ws):  # xs [..., K] (whole), ws [K, N / tp] (or [N / tp, K])
+            return _local_matmul_invariant(xs, ws, backend, w_transposed=w_transposed)
 
-    xspec = P(*([None] * (x.ndim - 1) + [TP_AXIS]))
-    return _per_shard(shard, mesh, (x, w), (xspec, P(TP_AXIS, None)), P())
+        wspec = P(TP_AXIS, None) if w_transposed else P(None, TP_AXIS)
+        return _per_shard(shard, mesh, (x, w), (P(*rest, None), wspec), P(*rest, TP_AXIS))
+    return _local_matmul_invariant(x, w, "reference", w_transposed=w_transposed)
 
 
 def expert_down(h, w, *, fixed_order: bool = False):
@@ -189,19 +203,40 @@ def expert_down(h, w, *, fixed_order: bool = False):
     return _per_shard(shard, mesh, (h, w), (hspec, P(None, TP_AXIS, None)), P())
 
 
+def _by_heads(local, fallback, q, keys, values, pos):
+    """local(q, keys, values, pos) off a tensor-parallel mesh; on one, per shard inside `shard_map` when the mesh
+    splits both the query and the KV heads (each shard keeps whole query groups), else `fallback`, which XLA
+    partitions (a Pallas call it cannot split: it would gather the inputs onto every device)."""
+    if not _sharded():
+        return local(q, keys, values, pos)
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = mesh.shape[TP_AXIS]
+    if q.shape[2] % tp or keys.shape[2] % tp:
+        return fallback(q, keys, values, pos)
+    heads = P(None, None, TP_AXIS, None)
+    return _per_shard(local, mesh, (q, keys, values, pos), (heads, heads, heads, P()), heads)
+
+
 def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None = None):
     """Causal attention over a KV cache (default mode). q [B,T,H,Dh]; keys/values [B,N,HKV,Dh]; pos [B,T].
 
     "reference": `attention_reference` (XLA; the [T, N] scores materialised per head); "pallas"/"interpret": the
     Pallas kernel of `attention_invariant` (3.1x faster than XLA's at decode, B=64, on the H200 — BENCHMARKS.md;
-    prefill: faster inside the deterministic model, not timed alone), with the same fallbacks.
+    prefill: faster inside the deterministic model, not timed alone), with the same fallbacks, per shard under a
+    tensor-parallel mesh that splits the heads.
     """
     from . import attention as _att  # the submodule (the package exports no name `attention`)
 
     backend = resolve_backend(backend)
-    if backend == "reference" or _sharded() or not _att.supports(q.shape[2], keys.shape[2], q.shape[3], 16):
+    if backend == "reference":
         return _att.attention_reference(q, keys, values, pos)
-    return attention_invariant(q, keys, values, pos, decode=decode, backend=backend)
+
+    def local(q, keys, values, pos):
+        if not _att.supports(q.shape[2], keys.shape[2], q.shape[3], 16):
+            return _att.attention_reference(q, keys, values, pos)
+        return _attention_pallas(q, keys, values, pos, decode, backend)
+
+    return _by_heads(local, _att.attention_reference, q, keys, values, pos)
 
 
 def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | None = None):
@@ -210,12 +245,25 @@ def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | No
 
     "reference": `attention_tiled_reference` (queries in fixed tiles of 64 positions, or of 1 for `decode`, through
     `lax.map`); "pallas"/"interpret": the Pallas kernel (`pallas_kernels.attention`: 64 query rows per program, 16
-    for `decode`). Head layouts the kernel does not support, and tensor-parallel meshes, take the reference path.
+    for `decode`). Head layouts the kernel does not support take the reference path; under a tensor-parallel mesh
+    the kernel runs per shard when the mesh splits both the query and the KV heads, else the reference path runs.
     """
     from . import attention as _att  # the submodule (the package exports no name `attention`)
 
     backend = resolve_backend(backend)
+    tiled = lambda q, keys, values, pos: _att.attention_tiled_reference(  # noqa: E731
+        q, keys, values, pos, tile=1 if decode else 64)
+    if backend == "reference":
+        return tiled(q, keys, values, pos)
+    return _by_heads(lambda *a: _attention_pallas(*a, decode, backend), tiled, q, keys, values, pos)
+
+
+def _attention_pallas(q, keys, values, pos, decode: bool, backend: str):
+    """The Pallas attention kernel on one device (64 query rows per program, 16 for `decode`), or the tiled
+    reference for head layouts it does not support."""
+    from . import attention as _att
+
     rows = 16 if decode else 64
-    if backend == "reference" or _sharded() or not _att.supports(q.shape[2], keys.shape[2], q.shape[3], rows):
+    if not _att.supports(q.shape[2], keys.shape[2], q.shape[3], rows):
         return _att.attention_tiled_reference(q, keys, values, pos, tile=1 if decode else 64)
     return _att.attention_invariant_pallas(q, keys, values, pos, rows=rows, interpret=backend == "interpret")

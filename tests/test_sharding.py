@@ -200,8 +200,20 @@ def _worker() -> dict:
         with jax.set_mesh(mesh):
             jr = str(jax.make_jaxpr(prefill_chunk)(sr, st, toks, lens))
             _, lgr = prefill(sr, init(sr, 2, 128), toks, lens)
+        # deterministic mode: the fixed-tile matmuls (column- and row-split projections, lm_head) and attention
+        # per shard as well
+        sd = S.shard_model(model.with_backend("interpret").with_deterministic(), mesh)
+        with jax.set_mesh(mesh):
+            jdet = str(jax.make_jaxpr(prefill_chunk)(sd, st, toks, lens))
+            _, lgd = prefill(sd, init(sd, 2, 128), toks, lens)
+        cfg = model.config
+        # projections: GDN qkv / z / a / b / out, attention q / k / v / o, MLP gate / up / down, the output head
+        n_proj = n_gdn * 5 + (cfg.num_layers - n_gdn) * 4 + cfg.num_layers * 3 + 1
         return {"shard_maps_prefill": jp.count("shard_map["), "shard_maps_decode": jd.count("shard_map["),
-                "n_gdn": n_gdn, "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
+                "n_gdn": n_gdn, "n_attn": cfg.num_layers - n_gdn, "n_proj": n_proj,
+                "det_shard_maps": jdet.count("shard_map["), "det_matmul_kernels": jdet.count("invariant_matmul"),
+                "det_prefill_logits": diff(np.asarray(lgd)[valid], np.asarray(ref[1])[valid]),
+                "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
                 "decode_logits": diff(lg2, ref[3]),
                 "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
                 "scan_prefill_logits": diff(np.asarray(lgr)[valid], np.asarray(ref[1])[valid]),
@@ -453,10 +465,15 @@ def test_grouped_layout_equals_hf_layout_on_one_device(results):
 def test_pallas_kernels_run_per_shard_in_shard_map(results):
     _need(results, "kernels", "pallas_kernels/api.py: shard_map around the kernels")
     r = _get(results, "kernels")
-    assert r["shard_maps_prefill"] == r["n_gdn"] and r["shard_maps_decode"] == r["n_gdn"], r
+    n = r["n_gdn"] + r["n_attn"]  # every GDN and every attention layer's kernel, per shard
+    assert r["shard_maps_prefill"] == n and r["shard_maps_decode"] == n, r
     assert r["prefill_logits"] <= TOL and r["decode_logits"] <= TOL, r
     assert r["state_misplaced"] == [], r
-    assert r["scan_shard_maps"] == r["n_gdn"] and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
+    assert r["scan_shard_maps"] == n and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
+    # deterministic mode: every projection's fixed-tile kernel per shard too (tp=2 splits every axis of "tiny")
+    # (the Pallas kernel inside most of them; products too small for its tiles take the reference inside)
+    assert r["det_shard_maps"] == n + r["n_proj"] and 0 < r["det_matmul_kernels"] <= r["n_proj"], r
+    assert r["det_prefill_logits"] <= TOL, r
 
 
 # ---- in-process checks (no devices needed) -------------------------------------------------------------------------

@@ -32,10 +32,10 @@ def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: Attenti
     B, T, _ = x.shape
     H, HKV, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     N = state.keys.shape[1]
-    qg = linear(x, p.q_proj, det).reshape(B, T, H, 2 * Dh)
+    qg = linear(x, p.q_proj, det, col_groups=H).reshape(B, T, H, 2 * Dh)
     q, gate = qg[..., :Dh], qg[..., Dh:]
-    k = linear(x, p.k_proj, det).reshape(B, T, HKV, Dh)
-    v = linear(x, p.v_proj, det).reshape(B, T, HKV, Dh)
+    k = linear(x, p.k_proj, det, col_groups=HKV).reshape(B, T, HKV, Dh)
+    v = linear(x, p.v_proj, det, col_groups=HKV).reshape(B, T, HKV, Dh)
     q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
     k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
     pos = positions[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]

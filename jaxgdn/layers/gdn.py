@@ -30,6 +30,12 @@ def _split_qkv(cfg: ModelConfig, mixed: jax.Array):
     return q, k, v
 
 
+def _input_projection(cfg: ModelConfig, x: jax.Array, det: str | bool):
+    """x @ w for the GDN input projections (q/k/v, z, a, b), whose columns tensor parallelism splits with the key
+    heads (`linear`'s col_groups)."""
+    return lambda w: linear(x, w, det, col_groups=cfg.linear_num_key_heads)
+
+
 def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array, det: str | bool) -> jax.Array:
     """o: [..., HV, V] core output; z: [..., HV*V] gate. Returns [..., D]."""
     z = z.reshape(o.shape)
@@ -74,9 +80,10 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         raise ValueError(f"form must be 'chunked' or 'recurrent'; got {form!r}")
     B, T, _ = x.shape
     replay = state.open_qkv is not None
-    pre = linear(x, p.in_proj_qkv, det)
-    g, beta = pallas_kernels.gdn_gates(p.A_log, linear(x, p.in_proj_a, det), p.dt_bias, linear(x, p.in_proj_b, det))
-    z = linear(x, p.in_proj_z, det)
+    proj = _input_projection(cfg, x, det)
+    pre = proj(p.in_proj_qkv)
+    g, beta = pallas_kernels.gdn_gates(p.A_log, proj(p.in_proj_a), p.dt_bias, proj(p.in_proj_b))
+    z = proj(p.in_proj_z)
     if not replay:
         ends = None
         if checkpoint_stride is not None:
@@ -143,9 +150,10 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
 def gdn_decode(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, backend: str | None,
                det: str | bool = False):
     """One token per row through the recurrent kernel (gates fused). x: [B, D]. Returns (y [B, D], new_state)."""
-    mixed, conv_state = causal_conv1d_step(linear(x, p.in_proj_qkv, det), state.conv, p.conv_weight)
+    proj = _input_projection(cfg, x, det)
+    mixed, conv_state = causal_conv1d_step(proj(p.in_proj_qkv), state.conv, p.conv_weight)
     q, k, v = _split_qkv(cfg, mixed)
     o, recurrent = pallas_kernels.recurrent_gated_delta_rule(
-        q, k, v, linear(x, p.in_proj_a, det), linear(x, p.in_proj_b, det), initial_state=state.recurrent,
+        q, k, v, proj(p.in_proj_a), proj(p.in_proj_b), initial_state=state.recurrent,
         A_log=p.A_log, dt_bias=p.dt_bias, backend=backend)
-    return _output(cfg, p, o, linear(x, p.in_proj_z, det), det), GDNLayerState(conv=conv_state, recurrent=recurrent)
+    return _output(cfg, p, o, proj(p.in_proj_z), det), GDNLayerState(conv=conv_state, recurrent=recurrent)
