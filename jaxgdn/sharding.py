@@ -11,8 +11,9 @@ The state functions are unchanged: under `jax.jit` the inputs' `NamedSharding`s 
 partitioner splits the computation and inserts the collectives (two all-reduces per layer — after the mixer's
 output projection and after the MLP's down projection — plus one for the embedding gather). XLA cannot split a
 Pallas call: with the mesh set as JAX's context mesh (`jax.set_mesh`; the Model methods and `generate` set it
-for a model on a mesh), `pallas_kernels.api` runs the GDN kernels per shard inside `shard_map`; without it XLA
-gathers their inputs onto every device (correct, slow). The pure-JAX reference needs nothing of the kind.
+for a model on a mesh), `pallas_kernels.api` runs the GDN and attention kernels (and deterministic mode's
+fixed-tile matmuls) per shard inside `shard_map`; without it XLA gathers their inputs onto every device (correct,
+slow). The pure-JAX reference needs nothing of the kind.
 
 Placement (Megatron-style, split over heads; matrices are [in, out]):
   GDN        in_proj_qkv / conv_weight columns and the conv state's channels: by key-head group (see layout);
@@ -49,9 +50,10 @@ deterministic mode on meshes of more than 2 devices all-gathers the row-split ou
 attention o_proj, MLP down_proj) fp32 partial products and adds them in device order, and so do the mixture of
 experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_order=True)`). Deterministic mode's
 fixed-tile matmuls and the attention kernel run per shard in `shard_map` (`pallas_kernels.matmul_invariant`'s
-`rows_split` / `col_groups`, `attention_invariant`), as the GDN kernels do; so does the default mode's attention
-kernel. On two H200s the
-deterministic checks pass (BENCHMARKS.md); meshes of more than 2 GPUs have not been run (none lent so far).
+`row_groups` / `col_groups`, `attention_invariant`), as the GDN kernels do; so does the default mode's attention
+kernel. On two H200s the deterministic checks passed with the earlier dispatch (reference products under XLA's
+partitioner; BENCHMARKS.md); the per-shard kernels are tested on CPU meshes only; meshes of more than 2 GPUs have
+not been run (none lent so far).
 Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
 last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —
 XLA compiles the interpreted kernel body inside the partitioned program differently per batch size. The compiled

@@ -141,8 +141,8 @@ def _local_matmul_invariant(x, w, backend: str, out_dtype=None, w_transposed: bo
                                    w_transposed=w_transposed)
 
 
-def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = False, col_groups: int | None = None,
-                     w_transposed: bool = False):
+def matmul_invariant(x, w, *, backend: str | None = None, row_groups: int | None = None,
+                     col_groups: int | None = None, w_transposed: bool = False):
     """Batch-invariant x [..., K] @ w [K, N] for deterministic mode: no row's result depends on the other rows.
 
     "reference": XLA's GEMM on fixed 64-row tiles through `lax.map` (one compiled shape); "pallas"/"interpret": the
@@ -151,10 +151,10 @@ def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = Fal
     caller says how tensor parallelism splits w:
     - `col_groups=n`: w's columns are split by n groups (heads, the MLP's intermediate index, the vocabulary) when
       the mesh size divides n: each device multiplies x by its own columns, and the output stays split over them.
-    - `rows_split`: w's rows are split (attention o_proj, GDN out_proj, MLP down_proj): each device multiplies its
-      K slice into an fp32 partial; on 2 devices the partials are all-reduced (p0 + p1 = p1 + p0 in any order), on
-      more they are all-gathered and added in device order — a fixed order, where an all-reduce's order can depend
-      on the message size (NCCL), i.e. on the batch.
+    - `row_groups=n`: w's rows are split by n groups (attention o_proj, GDN out_proj, MLP down_proj) when the mesh
+      size divides n: each device multiplies its K slice into an fp32 partial; on 2 devices the partials are
+      all-reduced (p0 + p1 = p1 + p0 in any order), on more they are all-gathered and added in device order — a
+      fixed order, where an all-reduce's order can depend on the message size (NCCL), i.e. on the batch.
     Any other product under a mesh (a split the mesh does not divide) takes the reference path, which XLA
     partitions. Per shard the tile choice follows the shard's weight shape, so a sharded model is batch-invariant on
     its mesh but not bitwise equal to the unsharded one. `w_transposed`: w is [N, K] (a tied embedding as the
@@ -166,7 +166,7 @@ def matmul_invariant(x, w, *, backend: str | None = None, rows_split: bool = Fal
     mesh = jax.sharding.get_abstract_mesh()
     tp = mesh.shape[TP_AXIS]
     rest = [None] * (x.ndim - 1)
-    if rows_split and not w_transposed and x.shape[-1] % tp == 0:
+    if row_groups and row_groups % tp == 0 and not w_transposed and x.shape[-1] % tp == 0:
         def shard(xs, ws):  # xs [..., K / tp], ws [K / tp, N]
             part = _local_matmul_invariant(xs, ws, backend, jnp.float32)
             total = jax.lax.psum(part, TP_AXIS) if tp == 2 else _sum_in_device_order(part, tp)

@@ -707,6 +707,9 @@ def scan(small=False, names=None):
     x = dev_inputs(d)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     lengths = jnp.asarray([T, 41, 9][:B], jnp.int32)
+    unknown = sorted(set(names or ()) - set(SCAN_CONFIGS))
+    if unknown:
+        raise ValueError(f"unknown scan configs {unknown}; known: {sorted(SCAN_CONFIGS)}")
     configs = {n: SCAN_CONFIGS[n] for n in (names or SCAN_CONFIGS)}
     if small:
         configs = {"bv16_w1": SCAN_CONFIGS["bv16_w1"]}
@@ -849,10 +852,13 @@ def main():
         import fla
         RESULTS["meta"]["fla"] = getattr(fla, "__version__", "?")
         RESULTS["meta"]["FLA_FLASH_QLA"] = os.environ.get("FLA_FLASH_QLA")
+    except Exception as e:
+        log(f"torch/triton/fla import: {e}")
+    try:
         import flash_qla
         RESULTS["meta"]["flash_qla"] = getattr(flash_qla, "__version__", "?")
     except Exception as e:
-        log(f"torch/triton/fla import: {e}")
+        log(f"flash_qla not importable (its column is skipped): {type(e).__name__}: {e}")
     log(json.dumps(RESULTS["meta"]))
 
     one = lambda **kw: dict(prep_kernels=1, **kw)  # noqa: E731 - variants measured against the one-kernel prep

@@ -303,7 +303,9 @@ def test_check_determinism_catches_an_unsafe_cache(capsys):
         assert cache and "FAIL" in cache[0] and "not prefill-produced" in cache[0]
         warm = [line for line in out.splitlines() if line.startswith("warm vs cold prefix cache")]
         assert warm and "restored 128" in warm[0]
+        assert "batch size" not in out  # --checks ran only the two named checks
         if "FAIL" in warm[0]:
+            assert "2 failed: " in out
             warm_failed = True
             break
     assert warm_failed

@@ -202,17 +202,31 @@ def _worker() -> dict:
             _, lgr = prefill(sr, init(sr, 2, 128), toks, lens)
         # deterministic mode: the fixed-tile matmuls (column- and row-split projections, lm_head) and attention
         # per shard as well
-        sd = S.shard_model(model.with_backend("interpret").with_deterministic(), mesh)
+        det_model = model.with_backend("interpret").with_deterministic()
+        sd = S.shard_model(det_model, mesh)
         with jax.set_mesh(mesh):
             jdet = str(jax.make_jaxpr(prefill_chunk)(sd, st, toks, lens))
+            jdet_dec = str(jax.make_jaxpr(decode_step)(sd, st, nxt))
             _, lgd = prefill(sd, init(sd, 2, 128), toks, lens)
+        # tp=4 replicates the GDN layers (4 does not divide HK=2) and the KV heads: those products and the attention
+        # take the reference path, the rest (q_proj, o_proj, the MLP, the head) run per shard
+        mesh4 = S.make_mesh(4)
+        sd4 = S.shard_model(det_model, mesh4)
+        with jax.set_mesh(mesh4):
+            jdet4 = str(jax.make_jaxpr(prefill_chunk)(sd4, init(sd4, 2, 128), toks, lens))
+            _, lgd4 = prefill(sd4, init(sd4, 2, 128), toks, lens)
         cfg = model.config
         # projections: GDN qkv / z / a / b / out, attention q / k / v / o, MLP gate / up / down, the output head
         n_proj = n_gdn * 5 + (cfg.num_layers - n_gdn) * 4 + cfg.num_layers * 3 + 1
         return {"shard_maps_prefill": jp.count("shard_map["), "shard_maps_decode": jd.count("shard_map["),
                 "n_gdn": n_gdn, "n_attn": cfg.num_layers - n_gdn, "n_proj": n_proj,
                 "det_shard_maps": jdet.count("shard_map["), "det_matmul_kernels": jdet.count("invariant_matmul"),
+                "det_matmul_kernels_one_device": str(jax.make_jaxpr(prefill_chunk)(
+                    det_model, init(det_model, 2, 128), toks, lens)).count("invariant_matmul"),
+                "det_decode_shard_maps": jdet_dec.count("shard_map["),
                 "det_prefill_logits": diff(np.asarray(lgd)[valid], np.asarray(ref[1])[valid]),
+                "det_tp4_shard_maps": jdet4.count("shard_map["), "det_tp4_all_gathers": jdet4.count("all_gather["),
+                "det_tp4_prefill_logits": diff(np.asarray(lgd4)[valid], np.asarray(ref[1])[valid]),
                 "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
                 "decode_logits": diff(lg2, ref[3]),
                 "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
@@ -471,9 +485,17 @@ def test_pallas_kernels_run_per_shard_in_shard_map(results):
     assert r["state_misplaced"] == [], r
     assert r["scan_shard_maps"] == n and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
     # deterministic mode: every projection's fixed-tile kernel per shard too (tp=2 splits every axis of "tiny")
-    # (the Pallas kernel inside most of them; products too small for its tiles take the reference inside)
-    assert r["det_shard_maps"] == n + r["n_proj"] and 0 < r["det_matmul_kernels"] <= r["n_proj"], r
+    # (the Pallas kernel inside at least as many as on one device; products too small for its tiles take the
+    # reference, and a shard's product is smaller)
+    assert r["det_shard_maps"] == n + r["n_proj"] and r["det_decode_shard_maps"] == n + r["n_proj"], r
+    assert 0 < r["det_matmul_kernels_one_device"] <= r["det_matmul_kernels"] <= r["n_proj"], r
     assert r["det_prefill_logits"] <= TOL, r
+    # tp=4: q_proj, o_proj and the MLP's three per attention layer, the MLP's per GDN layer, the head; o_proj and
+    # down_proj sum their partials in device order
+    n_attn, n_gdn = r["n_attn"], r["n_gdn"]
+    assert r["det_tp4_shard_maps"] == n_attn * 5 + n_gdn * 3 + 1, r
+    assert r["det_tp4_all_gathers"] == n_attn * 2 + n_gdn, r
+    assert r["det_tp4_prefill_logits"] <= TOL, r
 
 
 # ---- in-process checks (no devices needed) -------------------------------------------------------------------------

@@ -55,5 +55,5 @@ def attention(cfg: ModelConfig, p: AttentionParams, x: jax.Array, state: Attenti
     else:
         out = pallas_kernels.cache_attention(q, keys, values, pos, decode=decode, backend=backend)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-    return (linear(out.reshape(B, T, H * Dh), p.o_proj, det, rows_split=True),
+    return (linear(out.reshape(B, T, H * Dh), p.o_proj, det, row_groups=H),
             AttentionLayerState(keys=keys, values=values))

@@ -40,7 +40,8 @@ def _output(cfg: ModelConfig, p: GDNParams, o: jax.Array, z: jax.Array, det: str
     """o: [..., HV, V] core output; z: [..., HV*V] gate. Returns [..., D]."""
     z = z.reshape(o.shape)
     y = gated_rms_norm(o.astype(z.dtype), z, p.norm_weight, cfg.rms_norm_eps)
-    return linear(y.reshape(*y.shape[:-2], cfg.gdn_value_dim), p.out_proj, det, rows_split=True)
+    return linear(y.reshape(*y.shape[:-2], cfg.gdn_value_dim), p.out_proj, det,
+                  row_groups=cfg.linear_num_key_heads)  # split with the key heads, as the input projections
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:

@@ -66,4 +66,4 @@ def feed_forward(cfg: ModelConfig, p: MLPParams | MoEParams, x: jax.Array, det: 
         return mlp(p, x)
     i = cfg.intermediate_size  # tensor parallelism splits gate / up columns and down rows by it
     h = jax.nn.silu(linear(x, p.gate_proj, det, col_groups=i)) * linear(x, p.up_proj, det, col_groups=i)
-    return linear(h, p.down_proj, det, rows_split=True)
+    return linear(h, p.down_proj, det, row_groups=i)

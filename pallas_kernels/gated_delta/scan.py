@@ -4,9 +4,9 @@ kernel for the H200 (interpretable on CPU).
 Dimension legend in `reference.py`. Grid (V // BV, HV, B): one program per (batch row, value head, V block) keeps
 its fp32 state block S [K, BV] on chip for the whole call and runs, for t = 0 .. T - 1, exactly the decode
 kernel's per-token arithmetic (`recurrent.token_update`: S = exp(g) S; u = beta (v - S^T k);
-o = S^T q + (q.k) u; S = S + k u^T, q and k fp32-L2-normalised). Inputs are loaded two tokens ahead and
-normalised one token ahead (a software pipeline: none of it depends on S, so its latency hides behind the chain
-of state updates).
+o = scale (S^T q + (q.k) u); S = S + k u^T, q and k fp32-L2-normalised). Inputs are loaded `ahead` tokens
+ahead (default 2) and normalised one token ahead (a software pipeline: none of it depends on S, so its latency
+hides behind the chain of state updates).
 
 Why it exists (deterministic mode, `jaxgdn`'s `gdn_prefill="recurrent"`): a chunked prefill and a recurrent decode
 compute the same recurrence with different arithmetic, so a decoded state is not bitwise the state a prefill of
@@ -37,11 +37,12 @@ from .recurrent import _normalized, token_update
 # A prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow
 # the layout), so the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs 10, 12 and 14; HK=16
 # HV=32): bv=16 with one warp takes 6.3-6.4 / 8.2 / 24.7-24.9 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the
-# chunked kernels: 2.2 / 6.0 / 8.4) and a one-token call 1.31-1.35x the decode kernel (issue 7's bar: <= 1.5x).
+# chunked kernels: 2.2 / 6.0 / 8.4) and a one-token call 1.31-1.36x the decode kernel (issue 7's bar: <= 1.5x).
 # bv=8 is faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token; bv=32 with 2 warps is 1.12-1.18x at one
 # token but 8.2 ms at B=1. The kernel is bound by instruction issue (~690 per token and warp, Nsight Compute).
-# ahead: how many tokens ahead inputs are loaded (>= 1; 1 costs 55%, 4 gains nothing); raw: carry them in their
-# stored dtype until used (no gain). Neither changes the arithmetic (bf16 -> fp32 is exact wherever it happens).
+# ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with raw, 21-25% at bv=16); raw: carry
+# them in their stored dtype until used (alone: within 3%). Neither changes the arithmetic (bf16 -> fp32 is exact
+# wherever it happens).
 DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, raw=False)
 
 
@@ -100,8 +101,8 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
     bv = min(cfg["bv"], V)
-    if not isinstance(cfg["ahead"], int) or cfg["ahead"] < 1:
-        raise ValueError(f"fused_recurrent_gated_delta_rule: ahead={cfg['ahead']!r} must be a positive integer")
+    if type(cfg["ahead"]) is not int or not 1 <= cfg["ahead"] <= 8:
+        raise ValueError(f"fused_recurrent_gated_delta_rule: ahead={cfg['ahead']!r} must be an integer in 1..8")
     nck = 0 if checkpoint_stride is None else T // checkpoint_stride
     out_specs = [pl.BlockSpec((None, T, None, bv), lambda j, h, b: (b, 0, h, j)),
                  pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j))]

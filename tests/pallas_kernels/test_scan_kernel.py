@@ -74,11 +74,13 @@ def test_load_pipeline_leaves_the_bits(config):
     s0 = jnp.asarray(d["initial_state"])
     n = jnp.asarray([37, 20], jnp.int32)
     base = dict(bv=config.get("bv", 16))
-    for sl in (slice(None), slice(0, 3)):
-        o, s = scan(*(x[:, sl] for x in a), initial_state=s0, lengths=n, interpret=True, config=base)
-        o2, s2 = scan(*(x[:, sl] for x in a), initial_state=s0, lengths=n, interpret=True, config={**base, **config})
-        np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
-        np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
+    for sl, stride in ((slice(None), 5), (slice(0, 3), None)):
+        kw = dict(initial_state=s0, lengths=n, checkpoint_stride=stride, interpret=True)
+        got = scan(*(x[:, sl] for x in a), **kw, config=base)
+        want = scan(*(x[:, sl] for x in a), **kw, config={**base, **config})
+        assert len(got) == len(want) == (2 if stride is None else 3)
+        for x, y in zip(got, want):  # outputs, final states (and in-call checkpoints)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="ahead"):
         scan(*a, interpret=True, config={"ahead": 0})
 
@@ -110,6 +112,16 @@ def test_splits_batches_and_checkpoints_bitwise():
     np.testing.assert_array_equal(np.asarray(sb)[1], np.asarray(sa)[0])
     np.testing.assert_array_equal(np.asarray(sb)[2], np.asarray(s0)[2])  # an empty row: the state bit-identical
     assert not np.asarray(ob)[1, 41:].any() and not np.asarray(ob)[2].any()
+    # checkpoints past a row's length: that row's state at its length (padded tokens leave it bit-identical)
+    oc, sc, ckb = f(*a, s0=s0, n=lengths, stride=25)
+    np.testing.assert_array_equal(np.asarray(oc), np.asarray(ob))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(sb))
+    _, s25 = f(*(x[1:2, :25] for x in a), s0=s0[1:2])
+    np.testing.assert_array_equal(np.asarray(ckb)[1, 0], np.asarray(s25)[0])
+    for m in (1, 2):
+        np.testing.assert_array_equal(np.asarray(ckb)[1, m], np.asarray(sb)[1])
+    for m in range(3):
+        np.testing.assert_array_equal(np.asarray(ckb)[2, m], np.asarray(s0)[2])
 
 
 def test_dispatcher_backends():
