@@ -248,14 +248,18 @@ def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | No
     for `decode`). Head layouts the kernel does not support take the reference path; under a tensor-parallel mesh
     the kernel runs per shard when the mesh splits both the query and the KV heads, else the reference path runs.
     """
-    from . import attention as _att  # the submodule (the package exports no name `attention`)
-
     backend = resolve_backend(backend)
-    tiled = lambda q, keys, values, pos: _att.attention_tiled_reference(  # noqa: E731
-        q, keys, values, pos, tile=1 if decode else 64)
     if backend == "reference":
-        return tiled(q, keys, values, pos)
-    return _by_heads(lambda *a: _attention_pallas(*a, decode, backend), tiled, q, keys, values, pos)
+        return _attention_tiled(q, keys, values, pos, decode)
+    return _by_heads(lambda *a: _attention_pallas(*a, decode, backend), lambda *a: _attention_tiled(*a, decode),
+                     q, keys, values, pos)
+
+
+def _attention_tiled(q, keys, values, pos, decode: bool):
+    """The batch-invariant reference: queries in fixed tiles of 64 positions (1 for `decode`) through `lax.map`."""
+    from . import attention as _att
+
+    return _att.attention_tiled_reference(q, keys, values, pos, tile=1 if decode else 64)
 
 
 def _attention_pallas(q, keys, values, pos, decode: bool, backend: str):
@@ -265,5 +269,5 @@ def _attention_pallas(q, keys, values, pos, decode: bool, backend: str):
 
     rows = 16 if decode else 64
     if not _att.supports(q.shape[2], keys.shape[2], q.shape[3], rows):
-        return _att.attention_tiled_reference(q, keys, values, pos, tile=1 if decode else 64)
+        return _attention_tiled(q, keys, values, pos, decode)
     return _att.attention_invariant_pallas(q, keys, values, pos, rows=rows, interpret=backend == "interpret")

@@ -17,7 +17,8 @@ chunked kernels.
 
 Padded tokens (t >= lengths[b]) leave the state bit-identical and give o = 0: the loop over tokens stops at
 lengths[b] (clipped to [0, T]; no per-token select over the state block), and a second loop writes their zero
-outputs. In-call checkpoints: exact copies of the state after every `checkpoint_stride` tokens (any positive
+outputs. (Its trip count being a runtime value also keeps interpret mode exact for one-token calls: XLA on CPU
+inlines a loop of one static trip and fuses it with its neighbours, which changes the rounding with the batch.) In-call checkpoints: exact copies of the state after every `checkpoint_stride` tokens (any positive
 stride).
 """
 
@@ -40,29 +41,22 @@ from .recurrent import _normalized, token_update
 # chunked kernels: 2.2 / 6.0 / 8.4) and a one-token call 1.31-1.36x the decode kernel (issue 7's bar: <= 1.5x).
 # bv=8 is faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token; bv=32 with 2 warps is 1.12-1.18x at one
 # token but 8.2 ms at B=1. The kernel is bound by instruction issue (~690 per token and warp, Nsight Compute).
-# ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with raw, 21-25% at bv=16); raw: carry
-# them in their stored dtype until used (alone: within 3%). Neither changes the arithmetic (bf16 -> fp32 is exact
-# wherever it happens).
-DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, raw=False)
+# ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with the loads carried unconverted, 21-25%
+# at bv=16; carrying them unconverted alone changed nothing beyond 3% and was dropped, run 14). It moves the loads,
+# not the arithmetic.
+DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2)
 
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
-                 scale, use_l2, ahead, raw, interpret):
+                 scale, use_l2, ahead, interpret):
     n = len_ref[0]  # valid tokens of this row (<= T): the recurrence runs over t < n only
 
-    def to32(x):
-        return x.astype(jnp.float32)
-
-    def load(t):  # token t's inputs (t clamped: a prefetch past the end rereads the last token)
+    def load(t):  # token t's inputs in fp32 (t clamped: a prefetch past the end rereads the last token)
         t = jnp.minimum(t, T - 1)
         one = pl.ds(t, 1)
-        x = (q_ref[t], k_ref[t], v_ref[t], g_ref[one], beta_ref[one])
-        # raw: kept in their stored dtype until `ready`, so that nothing reads the loaded registers (and waits on
-        # the load) in the iteration that issues it
-        return x if raw else tuple(to32(a) for a in x)
+        return tuple(x.astype(jnp.float32) for x in (q_ref[t], k_ref[t], v_ref[t], g_ref[one], beta_ref[one]))
 
-    def ready(x):  # q, k normalised (q scaled), q . k, v, g, beta: fp32
-        x = tuple(to32(a) for a in x)
+    def ready(x):  # q, k normalised (q scaled), q . k, v, g, beta
         return _normalized(x[0], x[1], use_l2, scale, interpret) + x[2:]
 
     def checkpoint(t, s):  # the state after token t, when t + 1 is a multiple of the stride
@@ -114,7 +108,7 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
 
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, T=T, stride=checkpoint_stride or 0, nck=nck, scale=scale,
-                          use_l2=use_qk_l2norm, ahead=cfg["ahead"], raw=bool(cfg["raw"]), interpret=interpret),
+                          use_l2=use_qk_l2norm, ahead=cfg["ahead"], interpret=interpret),
         grid=(V // bv, HV, B),
         in_specs=[
             pl.BlockSpec((1,), lambda j, h, b: (b,)),
@@ -170,14 +164,6 @@ def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, ini
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T))  # the kernel's loops index o with them
     config = None if config is None else tuple(sorted(dict(config).items()))
-    if interpret and T == 1:
-        # Interpret mode: XLA inlines a one-trip loop and fuses it with its neighbours, which on CPU changes the
-        # rounding with the batch size; a second, padded token keeps a real loop (and the state bit-identical).
-        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
-        out = _scan_impl(pad(q), pad(k), pad(v), pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32)),
-                         initial_state.astype(jnp.float32), lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                         checkpoint_stride=checkpoint_stride, interpret=True, config=config)
-        return (out[0][:, :1], out[1]) + ((out[2][:, :1 // checkpoint_stride],) if len(out) == 3 else ())
     return _scan_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), initial_state.astype(jnp.float32),
                       lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=checkpoint_stride,
                       interpret=bool(interpret), config=config)

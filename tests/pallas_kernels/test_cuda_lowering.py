@@ -111,7 +111,7 @@ def test_chunk_configs_lower(config):
 
 @pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
                                                (2, 130, 64, {"bv": 64, "num_warps": 4}), (3, 7, None, {"bv": 16}),
-                                               (1, 300, 64, {"bv": 8, "ahead": 4, "raw": True})])
+                                               (1, 300, 64, {"bv": 8, "ahead": 4})])
 def test_scan_lowers_for_h200_in_place(B, T, stride, config):
     f = lambda q, k, v, g, b, s0, n: fused_recurrent_gated_delta_rule_pallas(
         q, k, v, g, b, initial_state=s0, lengths=n, checkpoint_stride=stride, config=config)
