@@ -12,6 +12,14 @@ skinny weights (e.g. the GDN gate projections, N = 32) — the K axis is split i
 of K and N only): each program writes an fp32 partial product and the S partials are added in a fixed pairwise
 order. Inputs are zero-padded to the tiles (exact: padded K columns add exact zeros, padded rows and columns are
 cut off).
+
+At M >= `wide_m` (prefill) the same bits are computed with a tiling made for many rows (`_plan`): the S slices of a
+split weight are reduced inside one program, in S accumulators added in the same fixed order (no fp32 partials
+through memory), and an unsplit weight gets the wide column tiles (BN up to `bn_wide`) that narrow tiles gave up
+for decode. Both keep every output element's reduction — the same BK steps in the same order, each slice from
+zero, the slices added pairwise, then one rounding to the output dtype — so which tiling a call takes does not
+change a row's bits (an MMA element does not depend on the tile's width; checked on the H200 by
+`scripts/gpu_kernels.py --only invariant`, rows alone vs inside M = 2048 for each projection shape).
 """
 
 from __future__ import annotations
@@ -34,12 +42,16 @@ from .config import merged_config
 # default (64, bn_min 128, max_split_target 2): 2.11 / 41.3 (run K; 0.83 / 0.84 of normal mode, 0.81 / 0.83 at 32
 # layers); target 128 with BN >= 64: 2.07 / 56.3; 64 with BN >= 64 and no split: 2.42 / 46.9. Per kernel (run 6)
 # the default reaches 73-87% of XLA's bf16 GEMM at M >= 1024.
+# wide_m: the M from which `_plan` takes the many-row tiling (0: never); bn_wide: its widest column tile;
+# inner_acc: the most accumulator columns (S x BN) one program may hold for an in-kernel split.
 DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16,
-                      target_programs=64, bn_min=128, max_split_target=2)
+                      target_programs=64, bn_min=128, max_split_target=2, wide_m=1024, bn_wide=256, inner_acc=256)
 BN_CHOICES = (256, 128, 64, 32, 16)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk, w_rows_out):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk, inner, w_rows_out):
+    """o = x @ w over this program's K range: `inner` slices of nk // inner BK steps, each accumulated from zero in
+    fp32 and added in `_sum_fixed_order`'s order (inner = 1: one accumulator)."""
     bm, bn = o_ref.shape
     dims = (((1,), (1,)), ((), ())) if w_rows_out else (((1,), (0,)), ((), ()))
 
@@ -48,8 +60,12 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk, w_rows_out):
         wb = w_ref[:, ks] if w_rows_out else w_ref[ks, :]
         return acc + lax.dot_general(x_ref[:, ks], wb, dims, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    per = nk // inner
+    accs = [lax.fori_loop(s * per, (s + 1) * per, body, jnp.zeros((bm, bn), jnp.float32)) for s in range(inner)]
+    while len(accs) > 1:  # parts[:h] + parts[h:], as `_sum_fixed_order`
+        h = len(accs) // 2
+        accs = [accs[i] + accs[i + h] for i in range(h)]
+    o_ref[...] = accs[0].astype(o_ref.dtype)
 
 
 def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
@@ -83,6 +99,20 @@ def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
     return cfg["bm"], bn, bk, split
 
 
+def _plan(M: int, K: int, N: int, cfg: dict) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, grid slices, in-kernel slices) for an M-row product. Below `wide_m` rows: `_tiling`, its S
+    slices as grid programs. From `wide_m` rows on, the same S (a row's bits depend on it) but reduced inside
+    each program when S x BN <= inner_acc (else still on the grid), and, for S = 1, the widest BN <= bn_wide
+    dividing N into >= split_k_below tiles (the tiling without `target_programs`)."""
+    bm, bn, bk, split = _tiling(K, N, cfg)
+    if not cfg["wide_m"] or M < cfg["wide_m"]:
+        return bm, bn, bk, split, 1
+    if split > 1:
+        return (bm, bn, bk, 1, split) if split * bn <= cfg["inner_acc"] else (bm, bn, bk, split, 1)
+    wide = [b for b in BN_CHOICES if b <= cfg["bn_wide"] and N % b == 0 and N // b >= cfg["split_k_below"]]
+    return bm, max([bn] + wide[:1]), bk, 1, 1
+
+
 def _sum_fixed_order(parts):
     """[S, ...] -> [...]: pairwise halving (S a power of two), elementwise adds in one fixed order."""
     while parts.shape[0] > 1:
@@ -96,9 +126,9 @@ def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
     cfg = merged_config("matmul_invariant", DEFAULT_CONFIG, config, pow2=("bm", "bn", "bk"))
     M, K = x.shape
     N = w.shape[0] if w_rows_out else w.shape[1]
-    bm, bn, bk, split = _tiling(K, N, cfg)
+    bm, bn, bk, split, inner = _plan(M, K, N, cfg)
     mp, kp, np_ = -(-M // bm) * bm, -(-K // bk) * bk, -(-N // bn) * bn
-    ks = kp // split  # K columns per slice
+    ks = kp // split  # K columns per grid slice
     if (mp, kp) != (M, K):
         x = jnp.pad(x, ((0, mp - M), (0, kp - K)))
     if (kp, np_) != (K, N):
@@ -108,7 +138,7 @@ def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
     from jax.experimental.pallas import triton as pltriton
 
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, bk=bk, nk=ks // bk, w_rows_out=w_rows_out),
+        functools.partial(_matmul_kernel, bk=bk, nk=ks // bk, inner=inner, w_rows_out=w_rows_out),
         grid=(mp // bm, np_ // bn, split),
         in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), w_spec],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),

@@ -572,17 +572,27 @@ def invariant_kernels():
     ok = all(np.array_equal(np.asarray(matmul_invariant_pallas(x[-m:], w)), full[-m:])
              for m in (1, 7, 64, 100, 128, 512, 1024))
     check("invariant matmul: last m rows alone == inside M=2048 (m = 1, 7, 64, 100, 128, 512, 1024)", ok)
+    # every projection shape of the model: rows computed with the decode tiling (M < wide_m) == the same rows
+    # inside a prefill-sized call (the many-row tiling: in-kernel split, wide column tiles)
+    from pallas_kernels.matmul import DEFAULT_CONFIG as MM_DEFAULT, _plan
+    for (Kp, Np) in [(4096, 8192), (4096, 4096), (4096, 1024), (4096, 32), (4096, 12288), (12288, 4096)]:
+        wp = (jax.random.normal(ks[0], (Kp, Np), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        xp = jax.random.normal(ks[1], (2048, Kp), jnp.bfloat16)
+        fullp = np.asarray(matmul_invariant_pallas(xp, wp))
+        ok = all(np.array_equal(np.asarray(matmul_invariant_pallas(xp[-m:], wp)), fullp[-m:]) for m in (1, 64, 300))
+        check(f"invariant matmul K={Kp} N={Np}: rows alone (plan {_plan(1, Kp, Np, MM_DEFAULT)}) == inside M=2048 "
+              f"(plan {_plan(2048, Kp, Np, MM_DEFAULT)})", ok)
+        del wp, xp
     xla = np.asarray(jax.jit(lambda a, b: a @ b)(x, w))
     xla_m = np.asarray(jax.jit(lambda a, b: a @ b)(x[-128:], w))
     log(f"  control: XLA row block alone == inside (M=128 vs 2048): {np.array_equal(xla_m, xla[-128:])}")
     err = float(np.abs(full.astype(np.float32) - xla.astype(np.float32)).max())
     log(f"  invariant vs XLA max abs diff {err:.3e}")
-    mm_configs = {"default": None, "bn128": dict(bn=128), "w8": dict(num_warps=8), "s4": dict(num_stages=4),
-                  "bk32": dict(bk=32), "bn128_s4": dict(bn=128, num_stages=4), "w8_s4": dict(num_warps=8, num_stages=4),
-                  "bm128_w8": dict(bm=128, num_warps=8)}
+    mm_configs = {"default": None, "narrow": dict(wide_m=0), "inner_only": dict(bn_wide=128),
+                  "s4": dict(num_stages=4)}
     rows = {}
     for (M, K, N) in [(64, 4096, 12288), (1024, 4096, 12288), (8192, 4096, 12288), (8192, 12288, 4096),
-                      (1024, 12288, 4096), (8192, 4096, 8192)]:
+                      (1024, 12288, 4096), (8192, 4096, 8192), (8192, 4096, 4096), (8192, 4096, 1024)]:
         a = jax.random.normal(ks[2], (M, K), jnp.bfloat16)
         b = (jax.random.normal(ks[3], (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
         t_x = bench_jax(jax.jit(lambda a, b: a @ b), a, b, n=10, reps=5)
@@ -681,13 +691,18 @@ def replay_timing():
 
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
+                # the per-token arithmetic (default: the state in 4 row slices, FMAs): the previous one (one slice,
+                # separate multiply and add; runs 12-16), FMAs alone, and other slice counts
+                "bv16_w1_old": dict(bv=16, num_warps=1, kslices=1, fma=False),
+                "bv16_w1_k1": dict(bv=16, num_warps=1, kslices=1), "bv16_w1_k2": dict(bv=16, num_warps=1, kslices=2),
+                "bv16_w1_k8": dict(bv=16, num_warps=1, kslices=8), "bv8_w1_k8": dict(bv=8, num_warps=1, kslices=8),
                 "bv16_w2": dict(bv=16, num_warps=2), "bv32_w1": dict(bv=32, num_warps=1),
                 "bv32_w2": dict(bv=32, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4),
                 # when the loads are issued (same arithmetic): ahead = tokens loaded ahead (run 14 also timed the
                 # loads carried unconverted, an option since dropped)
                 "bv16_w1_a1": dict(bv=16, num_warps=1, ahead=1), "bv16_w1_a4": dict(bv=16, num_warps=1, ahead=4),
                 "bv8_w1_a4": dict(bv=8, num_warps=1, ahead=4)}
-DECODE_KEYS = ("bv", "num_warps", "num_stages")  # the decode kernel's launch configuration
+DECODE_KEYS = ("bv", "num_warps", "num_stages", "kslices", "fma")  # the decode kernel's configuration
 # (run 7 also timed bv64_w1, bv64_w2 and bv128_w4: 24-204 ms at B=1 T=8192, dropped)
 
 
@@ -835,6 +850,8 @@ def main():
     ap.add_argument("--only", default="", help="comma list of sections to run (overrides --skip)")
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
+    ap.add_argument("--decode-configs", default="", help="comma list of decode configs besides the default "
+                                                          "(default: all)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.only:
@@ -891,11 +908,18 @@ def main():
     if args.configs:
         chunk_configs = {n: chunk_configs[n] for n in ["default"] + args.configs.split(",") if n in chunk_configs}
     decode_configs = {
+        "old_arith": dict(kslices=1, fma=False), "k1_fma": dict(kslices=1), "k8": dict(kslices=8),
         "bv32_w4": dict(bv=32, num_warps=4), "bv16_w2": dict(bv=16, num_warps=2), "bv32_w2": dict(bv=32, num_warps=2),
         "bv64_w4": dict(bv=64, num_warps=4), "bv64_w8": dict(bv=64, num_warps=8), "bv128_w8": dict(bv=128, num_warps=8),
         "bv32_w8": dict(bv=32, num_warps=8), "bv64_w2": dict(bv=64, num_warps=2),
         "bv128_w4": dict(bv=128, num_warps=4), "bv64_w1": dict(bv=64, num_warps=1), "bv32_w1": dict(bv=32, num_warps=1),
     }
+    if args.decode_configs:
+        unknown = set(args.decode_configs.split(",")) - set(decode_configs)
+        if unknown:
+            raise SystemExit(f"unknown decode configs {sorted(unknown)}; known: {sorted(decode_configs)}")
+        decode_configs = {n: decode_configs[n] for n in args.decode_configs.split(",")}
+    decode_configs = {"default": None, **decode_configs}
     acc = None
     if "accuracy" not in skip:
         acc = chunk_accuracy(chunk_configs)

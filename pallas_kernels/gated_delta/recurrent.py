@@ -3,8 +3,8 @@
 Grid (V // BV, HV, B): one program per (batch row, value head, V block). Each program reads its fp32 state block
 S [K, BV] once, applies
     S = exp(g) S;  u = beta (v - S^T k);  o = scale (S^T q + (q.k) u);  S = S + k u^T   (q, k fp32-L2-normalised)
-with elementwise fp32 FMAs and fixed-order reductions over K (no tensor cores: no TF32 rounding), and writes S back
-once, in place (`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
+with elementwise fp32 arithmetic — the block held in row slices so that the reductions over K start with FMAs
+across slices, then fixed-order reductions (no tensor cores: no TF32 rounding) — and writes S back once, in place (`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
 carry the raw `a` and `b` and the gates are computed inside in fp32: g = -exp(A_log) softplus(a + dt_bias),
 beta = sigmoid(b). The per-token arithmetic (`token_update`) is shared with the token-by-token prefill kernel
 (`scan.py`), which under the same launch configuration gives the same bits (tested on CPU and on the H200).
@@ -25,8 +25,10 @@ from ..invariant import tree_sum
 _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md, run 12), kernel-only, B=64/256: bv=64, 4 warps 3.49/3.71 TB/s; 8 warps
 # 3.46/3.68; bv=32, 4 warps 3.34/3.54; bv=128, 8 warps 2.60/2.78. bv may also be 8 (no dots here; the scan kernel's
-# configurations).
-DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1)
+# configurations). kslices: the state block held in that many row slices (`k_slices`), so that the reductions over
+# K combine slices with FMAs before reducing; fma: FMAs (one rounding) where the arithmetic multiplies and adds.
+# Both change the bits, so the scan kernel shares them.
+DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1, kslices=4, fma=True)
 
 
 def _softplus(x):
@@ -41,46 +43,94 @@ def _ksum(x, interpret):
     return tree_sum(jnp.moveaxis(x, 0, -1)) if interpret else jnp.sum(x, axis=0)
 
 
-def _normalized(q, k, use_l2, scale, interpret=False):
-    """fp32 q, k [K] L2-normalised (optional); q scaled. Returns (q, k, qk [1] = q . k), qk for `token_update`."""
+def _fma(a, b, c, fused):
+    """a * b + c (broadcast). fused (the GPU default): one PTX `fma.rn.f32` — a single rounding and one
+    instruction (Triton as Pallas drives it emits a separate multiply and add otherwise: Nsight Compute, run 14);
+    not fused (interpret mode, or config fma=False): a multiply and an add, two roundings."""
+    if not fused:
+        return a * b + c
+    from jax.experimental.pallas import triton as pltriton
+
+    a, b, c = jnp.broadcast_arrays(a, b, c)
+    return pltriton.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f",
+                                          pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+
+
+def _slice_dot(xs, ys, fused):
+    """sum_i xs[i] * ys[i] over the K slices, elementwise: one multiply, then FMAs in slice order."""
+    acc = xs[0] * ys[0]
+    for x, y in zip(xs[1:], ys[1:]):
+        acc = _fma(x, y, acc, fused)
+    return acc
+
+
+def k_slices(K: int, kslices: int) -> int:
+    """How many row slices a state block [K, BV] is held in: `kslices` (config), fewer when a slice would have
+    under 16 rows. Fixed by K and the config, so every kernel with the same config slices alike."""
+    if type(kslices) is not int or kslices < 1 or kslices & (kslices - 1):
+        raise ValueError(f"kslices={kslices!r} must be a power of two >= 1")
+    return max(1, min(kslices, K // 16))
+
+
+def _normalized(q, k, use_l2, scale, interpret=False, fused=False):
+    """fp32 q, k as tuples of K slices [K / n], L2-normalised (optional); q scaled. Returns (q, k, qk [1] = q . k),
+    qk for `token_update`."""
     if use_l2:
-        q = q * lax.rsqrt(_ksum(q * q, interpret) + _EPS)
-        k = k * lax.rsqrt(_ksum(k * k, interpret) + _EPS)
-    q = q * scale
-    return q, k, _ksum(q * k, interpret)[None]
+        q = tuple(x * lax.rsqrt(_ksum(_slice_dot(q, q, fused), interpret) + _EPS) for x in q)
+        k = tuple(x * lax.rsqrt(_ksum(_slice_dot(k, k, fused), interpret) + _EPS) for x in k)
+    q = tuple(x * scale for x in q)
+    return q, k, _ksum(_slice_dot(q, k, fused), interpret)[None]
 
 
-def token_update(s, q, k, qk, v, g, beta, interpret=False):
-    """One token of the recurrence on a state block: s fp32 [K, BV]; q (normalised, scaled), k [K]; qk [1] = q . k
-    (from `_normalized`); v [BV]; g, beta [1], all fp32. Returns (o [BV] fp32, s).
+def token_update(s, q, k, qk, v, g, beta, interpret=False, fused=False):
+    """One token of the recurrence on a state block held in n row slices: s, a tuple of fp32 [K / n, BV]; q
+    (normalised, scaled), k: tuples of [K / n]; qk [1] = q . k (from `_normalized`); v [BV]; g, beta [1], all fp32.
+    Returns (o [BV] fp32, s as a tuple of slices).
 
     With S the decayed state exp(g) s: u = beta (v - S^T k), s' = S + k u^T, and o = s'^T q computed as
     S^T q + (q . k) u. The two reductions over K read S only, so they are independent of each other and of the
     update (a shorter dependency chain per token than reducing s' after the update), and q . k comes off the
-    chain. The decode kernel and the token-by-token prefill kernel (`gated_delta.scan`) both call this, so that
-    with the same launch configuration they compute the same bits."""
-    s = s * jnp.exp(g)[:, None]  # [K, BV] * [1, 1]
-    kv = _ksum(s * k[:, None], interpret)  # [BV]
-    sq = _ksum(s * q[:, None], interpret)  # [BV]
+    chain. Each reduction first combines the slices elementwise (`_slice_dot`: FMAs on the GPU), then reduces
+    the [K / n, BV] result; the update is one FMA per element. The decode kernel and the token-by-token prefill
+    kernel (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same
+    bits."""
+    a = jnp.exp(g)[:, None]  # [1, 1]
+    s = tuple(x * a for x in s)  # [K / n, BV] each
+    kv = _ksum(_slice_dot(s, tuple(x[:, None] for x in k), fused), interpret)  # [BV]
+    sq = _ksum(_slice_dot(s, tuple(x[:, None] for x in q), fused), interpret)  # [BV]
     u = beta * (v - kv)
-    return sq + qk * u, s + k[:, None] * u[None, :]
+    return sq + qk * u, tuple(_fma(x[:, None], u[None, :], y, fused) for x, y in zip(k, s))
 
 
-def _decode_kernel(*refs, scale, use_l2, fused, interpret):
+def load_slices(ref, n, index=()):
+    """ref[*index, rows of slice i] for i < n, in fp32: a [K] vector or a [K, BV] block as n row slices."""
+    K = ref.shape[len(index)]
+    kn = K // n
+    return tuple(ref[(*index, pl.ds(i * kn, kn))].astype(jnp.float32) for i in range(n))
+
+
+def store_slices(ref, xs, index=()):
+    """Write n row slices [K / n, BV] into ref[*index] ([K, BV])."""
+    kn = xs[0].shape[0]
+    for i, x in enumerate(xs):
+        ref[(*index, pl.ds(i * kn, kn))] = x
+
+
+def _decode_kernel(*refs, scale, use_l2, fused, n, fma, interpret):
     if fused:
         q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, s_ref, o_ref, so_ref = refs
     else:
         q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref = refs
-    q, k, qk = _normalized(q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32), use_l2, scale,
-                           interpret)  # [K], [K], [1]
+    q, k, qk = _normalized(load_slices(q_ref, n), load_slices(k_ref, n), use_l2, scale, interpret,
+                           fma)  # n x [K / n], n x [K / n], [1]
     v = v_ref[...].astype(jnp.float32)  # [BV]
     g = g_ref[...].astype(jnp.float32)  # [1]
     beta = beta_ref[...].astype(jnp.float32)
     if fused:
         g = -jnp.exp(alog_ref[...].astype(jnp.float32)) * _softplus(g + dtb_ref[...].astype(jnp.float32))
         beta = 1.0 / (1.0 + jnp.exp(-beta))
-    o, s = token_update(s_ref[...], q, k, qk, v, g, beta, interpret)
-    so_ref[...] = s
+    o, s = token_update(load_slices(s_ref, n), q, k, qk, v, g, beta, interpret, fma)
+    store_slices(so_ref, s)
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -111,7 +161,8 @@ def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2nor
     from jax.experimental.pallas import triton as pltriton
 
     o, new_state = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale, use_l2=use_qk_l2norm, fused=fused, interpret=interpret),
+        functools.partial(_decode_kernel, scale=scale, use_l2=use_qk_l2norm, fused=fused,
+                          n=k_slices(K, cfg["kslices"]), fma=bool(cfg["fma"]) and not interpret, interpret=interpret),
         grid=(nv, HV, B),
         in_specs=in_specs,
         out_specs=[

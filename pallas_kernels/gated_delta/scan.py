@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import merged_config
-from .recurrent import _normalized, token_update
+from .recurrent import _normalized, k_slices, load_slices, store_slices, token_update
 
 # Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline.
 # A prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow
@@ -44,38 +44,41 @@ from .recurrent import _normalized, token_update
 # ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with the loads carried unconverted, 21-25%
 # at bv=16; carrying them unconverted alone changed nothing beyond 3% and was dropped, run 14). It moves the loads,
 # not the arithmetic.
-DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2)
+# kslices, fma: the per-token arithmetic's (`recurrent.DEFAULT_CONFIG`: the decode kernel's, so that both kernels
+# compute the same bits).
+DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, kslices=4, fma=True)
 
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,
-                 scale, use_l2, ahead, interpret):
+                 scale, use_l2, ahead, nk, fma, interpret):
     n = len_ref[0]  # valid tokens of this row (<= T): the recurrence runs over t < n only
 
     def load(t):  # token t's inputs in fp32 (t clamped: a prefetch past the end rereads the last token)
         t = jnp.minimum(t, T - 1)
         one = pl.ds(t, 1)
-        return tuple(x.astype(jnp.float32) for x in (q_ref[t], k_ref[t], v_ref[t], g_ref[one], beta_ref[one]))
+        return ((load_slices(q_ref, nk, (t,)), load_slices(k_ref, nk, (t,)))
+                + tuple(x.astype(jnp.float32) for x in (v_ref[t], g_ref[one], beta_ref[one])))
 
-    def ready(x):  # q, k normalised (q scaled), q . k, v, g, beta
-        return _normalized(x[0], x[1], use_l2, scale, interpret) + x[2:]
+    def ready(x):  # q, k (nk slices each) normalised (q scaled), q . k, v, g, beta
+        return _normalized(x[0], x[1], use_l2, scale, interpret, fma) + x[2:]
 
     def checkpoint(t, s):  # the state after token t, when t + 1 is a multiple of the stride
         if nck:
             @pl.when(lax.rem(t + 1, stride) == 0)  # (m <= nck: t < T)
             def _():
-                ck_refs[0][lax.div(t + 1, stride) - 1] = s
+                store_slices(ck_refs[0], s, (lax.div(t + 1, stride) - 1,))
 
     def body(t, carry):
         # cur: token t, ready; queue: tokens t + 1 .. t + ahead - 1, as loaded. Token t + ahead is loaded here and
         # token t + 1 normalised: neither depends on s, so their latency hides behind the chain of state updates.
         s, cur, queue = carry
         queue = queue + (load(t + ahead),)
-        o, s = token_update(s, *cur, interpret)
+        o, s = token_update(s, *cur, interpret, fma)
         o_ref[t] = o.astype(o_ref.dtype)
         checkpoint(t, s)
         return s, ready(queue[0]), queue[1:]
 
-    init = (s_ref[...].astype(jnp.float32), ready(load(0)), tuple(load(i) for i in range(1, ahead)))
+    init = (load_slices(s_ref, nk), ready(load(0)), tuple(load(i) for i in range(1, ahead)))
     s, _, _ = lax.fori_loop(0, n, body, init)
 
     def pad(t, carry):  # padded tokens: o = 0, the state untouched
@@ -84,7 +87,7 @@ def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so
         return carry
 
     lax.fori_loop(n, T, pad, 0)
-    so_ref[...] = s
+    store_slices(so_ref, s)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
@@ -108,7 +111,8 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
 
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, T=T, stride=checkpoint_stride or 0, nck=nck, scale=scale,
-                          use_l2=use_qk_l2norm, ahead=cfg["ahead"], interpret=interpret),
+                          use_l2=use_qk_l2norm, ahead=cfg["ahead"], nk=k_slices(K, cfg["kslices"]),
+                          fma=bool(cfg["fma"]) and not interpret, interpret=interpret),
         grid=(V // bv, HV, B),
         in_specs=[
             pl.BlockSpec((1,), lambda j, h, b: (b,)),

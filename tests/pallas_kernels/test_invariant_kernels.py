@@ -161,3 +161,30 @@ def test_kernel_configs_are_checked():
         recurrent_gated_delta_rule_pallas(
             jnp.ones((1, 1, 32)), jnp.ones((1, 1, 32)), jnp.ones((1, 2, 128)), jnp.zeros((1, 2)), jnp.zeros((1, 2)),
             initial_state=jnp.zeros((1, 2, 32, 128)), interpret=True, config={"bv": 96})
+
+
+@pytest.mark.parametrize("K,N,conf", [
+    (256, 1024, dict(target_programs=16, split_k_below=4)),  # unsplit: BN 128 for few rows, 256 for many
+    (1024, 512, dict(target_programs=16)),                    # split in 2: on the grid for few rows, in-kernel for many
+    (1024, 64, {}),                                           # split in 4
+    (512, 80, dict(max_split=2)),                             # N padded to the tile
+])
+def test_matmul_many_row_tiling_gives_the_same_bits(K, N, conf):
+    """From `wide_m` rows on, the product takes another tiling (`_plan`: a split weight's slices reduced in-kernel
+    in the same order, wide column tiles); a row's bits must not change: rows alone (few-row tiling) == the same
+    rows inside a 200-row call (many-row tiling), and the plans differ (so the test compares two tilings)."""
+    from pallas_kernels.matmul import DEFAULT_CONFIG, _plan
+
+    conf = dict(conf, wide_m=128)
+    cfg = dict(DEFAULT_CONFIG, **conf)
+    assert _plan(200, K, N, cfg) != _plan(65, K, N, cfg)
+    assert _plan(200, K, N, dict(cfg, wide_m=0)) == _plan(65, K, N, cfg)
+    rng = np.random.default_rng(K + N)
+    w = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((200, K)), jnp.bfloat16)
+    y = np.asarray(matmul_invariant_pallas(x, w, interpret=True, config=conf))
+    ref = _np(x) @ _np(w)
+    assert np.abs(y.astype(np.float64) - ref).max() <= 8e-3 * np.abs(ref).max()  # bf16 output rounding
+    for rows in ([3], [0, 199], list(range(5, 70))):
+        part = matmul_invariant_pallas(x[np.array(rows)], w, interpret=True, config=conf)
+        assert np.array_equal(np.asarray(part), y[rows]), rows
