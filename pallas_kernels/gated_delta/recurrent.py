@@ -56,11 +56,18 @@ def _fma(a, b, c, fused):
                                           pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
 
 
+def fma_mode(fma, interpret):
+    """The config's `fma` (True, False or "reduce") as the kernels use it: never in interpret mode."""
+    if fma not in (True, False, "reduce"):
+        raise ValueError(f"fma={fma!r}: expected True, False or 'reduce'")
+    return False if interpret else fma
+
+
 def _slice_dot(xs, ys, fused):
     """sum_i xs[i] * ys[i] over the K slices, elementwise: one multiply, then FMAs in slice order."""
     acc = xs[0] * ys[0]
     for x, y in zip(xs[1:], ys[1:]):
-        acc = _fma(x, y, acc, fused)
+        acc = _fma(x, y, acc, bool(fused))
     return acc
 
 
@@ -93,13 +100,13 @@ def token_update(s, q, k, qk, v, g, beta, interpret=False, fused=False):
     chain. Each reduction first combines the slices elementwise (`_slice_dot`: FMAs on the GPU), then reduces
     the [K / n, BV] result; the update is one FMA per element. The decode kernel and the token-by-token prefill
     kernel (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same
-    bits."""
+    bits. fused: False, True (every multiply-add an FMA) or "reduce" (the reductions only)."""
     a = jnp.exp(g)[:, None]  # [1, 1]
     s = tuple(x * a for x in s)  # [K / n, BV] each
     kv = _ksum(_slice_dot(s, tuple(x[:, None] for x in k), fused), interpret)  # [BV]
     sq = _ksum(_slice_dot(s, tuple(x[:, None] for x in q), fused), interpret)  # [BV]
     u = beta * (v - kv)
-    return sq + qk * u, tuple(_fma(x[:, None], u[None, :], y, fused) for x, y in zip(k, s))
+    return sq + qk * u, tuple(_fma(x[:, None], u[None, :], y, fused is True) for x, y in zip(k, s))
 
 
 def load_slices(ref, n, index=()):
@@ -162,7 +169,7 @@ def _decode_impl(q, k, v, g, beta, state, A_log, dt_bias, *, scale, use_qk_l2nor
 
     o, new_state = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, use_l2=use_qk_l2norm, fused=fused,
-                          n=k_slices(K, cfg["kslices"]), fma=bool(cfg["fma"]) and not interpret, interpret=interpret),
+                          n=k_slices(K, cfg["kslices"]), fma=fma_mode(cfg["fma"], interpret), interpret=interpret),
         grid=(nv, HV, B),
         in_specs=in_specs,
         out_specs=[

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import merged_config
-from .recurrent import _normalized, k_slices, load_slices, store_slices, token_update
+from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slices, token_update
 
 # Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline.
 # A prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow
@@ -112,7 +112,7 @@ def _scan_impl(q, k, v, g, beta, state, lengths, *, scale, use_qk_l2norm, checkp
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, T=T, stride=checkpoint_stride or 0, nck=nck, scale=scale,
                           use_l2=use_qk_l2norm, ahead=cfg["ahead"], nk=k_slices(K, cfg["kslices"]),
-                          fma=bool(cfg["fma"]) and not interpret, interpret=interpret),
+                          fma=fma_mode(cfg["fma"], interpret), interpret=interpret),
         grid=(V // bv, HV, B),
         in_specs=[
             pl.BlockSpec((1,), lambda j, h, b: (b,)),
