@@ -15,8 +15,8 @@ cut off).
 
 At M >= `wide_m` (prefill) the same bits are computed with a tiling made for many rows (`_plan`): the S slices of a
 split weight are reduced inside one program, in S accumulators added in the same fixed order (no fp32 partials
-through memory), and an unsplit weight gets the wide column tiles (BN up to `bn_wide`) that narrow tiles gave up
-for decode. Both keep every output element's reduction — the same BK steps in the same order, each slice from
+through memory), an unsplit weight gets the wide column tiles (BN up to `bn_wide`) that narrow tiles gave up
+for decode, and the loads are pipelined deeper (`stages_wide`). Both keep every output element's reduction — the same BK steps in the same order, each slice from
 zero, the slices added pairwise, then one rounding to the output dtype — so which tiling a call takes does not
 change a row's bits (an MMA element does not depend on the tile's width; checked on the H200 by
 `scripts/gpu_kernels.py --only invariant`, rows alone vs inside M = 2048 for each projection shape).
@@ -43,9 +43,14 @@ from .config import merged_config
 # layers); target 128 with BN >= 64: 2.07 / 56.3; 64 with BN >= 64 and no split: 2.42 / 46.9. Per kernel (run 6)
 # the default reaches 73-87% of XLA's bf16 GEMM at M >= 1024.
 # wide_m: the M from which `_plan` takes the many-row tiling (0: never); bn_wide: its widest column tile;
-# inner_acc: the most accumulator columns (S x BN) one program may hold for an in-kernel split.
+# inner_acc: the most accumulator columns (S x BN) one program may hold for an in-kernel split; stages_wide: its
+# pipeline stages (the arithmetic does not depend on them). Measured on the H200 (BENCHMARKS.md, run 19), as XLA's
+# time / ours at M = 8192 (few-row tiling -> many-row tiling with 3 stages -> with 4): N = 12288: 0.78 -> 0.89 ->
+# 0.93; N = 8192: 0.83 -> 0.92 -> 0.94; the split weights N = 4096 (K = 12288 / 4096) and 1024: 0.72 / 0.66 / 0.67
+# -> 0.63 / 0.63 / 0.61 -> 0.76 / 0.74 / 0.70 (an in-kernel split pays only with the fourth stage).
 DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16,
-                      target_programs=64, bn_min=128, max_split_target=2, wide_m=1024, bn_wide=256, inner_acc=256)
+                      target_programs=64, bn_min=128, max_split_target=2, wide_m=1024, bn_wide=256, inner_acc=256,
+                      stages_wide=4)
 BN_CHOICES = (256, 128, 64, 32, 16)
 
 
@@ -99,18 +104,19 @@ def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
     return cfg["bm"], bn, bk, split
 
 
-def _plan(M: int, K: int, N: int, cfg: dict) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, grid slices, in-kernel slices) for an M-row product. Below `wide_m` rows: `_tiling`, its S
-    slices as grid programs. From `wide_m` rows on, the same S (a row's bits depend on it) but reduced inside
-    each program when S x BN <= inner_acc (else still on the grid), and, for S = 1, the widest BN <= bn_wide
-    dividing N into >= split_k_below tiles (the tiling without `target_programs`)."""
+def _plan(M: int, K: int, N: int, cfg: dict) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, BK, grid slices, in-kernel slices, pipeline stages) for an M-row product. Below `wide_m` rows:
+    `_tiling`, its S slices as grid programs. From `wide_m` rows on, the same S (a row's bits depend on it) but
+    reduced inside each program when S x BN <= inner_acc (else still on the grid), and, for S = 1, the widest
+    BN <= bn_wide dividing N into >= split_k_below tiles (the tiling without `target_programs`)."""
     bm, bn, bk, split = _tiling(K, N, cfg)
     if not cfg["wide_m"] or M < cfg["wide_m"]:
-        return bm, bn, bk, split, 1
+        return bm, bn, bk, split, 1, cfg["num_stages"]
+    stages = cfg["stages_wide"]
     if split > 1:
-        return (bm, bn, bk, 1, split) if split * bn <= cfg["inner_acc"] else (bm, bn, bk, split, 1)
+        return (bm, bn, bk, 1, split, stages) if split * bn <= cfg["inner_acc"] else (bm, bn, bk, split, 1, stages)
     wide = [b for b in BN_CHOICES if b <= cfg["bn_wide"] and N % b == 0 and N // b >= cfg["split_k_below"]]
-    return bm, max([bn] + wide[:1]), bk, 1, 1
+    return bm, max([bn] + wide[:1]), bk, 1, 1, stages
 
 
 def _sum_fixed_order(parts):
@@ -126,7 +132,7 @@ def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
     cfg = merged_config("matmul_invariant", DEFAULT_CONFIG, config, pow2=("bm", "bn", "bk"))
     M, K = x.shape
     N = w.shape[0] if w_rows_out else w.shape[1]
-    bm, bn, bk, split, inner = _plan(M, K, N, cfg)
+    bm, bn, bk, split, inner, stages = _plan(M, K, N, cfg)
     mp, kp, np_ = -(-M // bm) * bm, -(-K // bk) * bk, -(-N // bn) * bn
     ks = kp // split  # K columns per grid slice
     if (mp, kp) != (M, K):
@@ -143,7 +149,7 @@ def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
         in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), w_spec],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((split, mp, np_), out_dtype if split == 1 else jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=stages),
         interpret=interpret,
         name="invariant_matmul",
     )(x, w)

@@ -589,7 +589,7 @@ def invariant_kernels():
     err = float(np.abs(full.astype(np.float32) - xla.astype(np.float32)).max())
     log(f"  invariant vs XLA max abs diff {err:.3e}")
     mm_configs = {"default": None, "narrow": dict(wide_m=0), "inner_only": dict(bn_wide=128),
-                  "s4": dict(num_stages=4)}
+                  "wide_s3": dict(stages_wide=3), "s4": dict(num_stages=4)}
     rows = {}
     for (M, K, N) in [(64, 4096, 12288), (1024, 4096, 12288), (8192, 4096, 12288), (8192, 12288, 4096),
                       (1024, 12288, 4096), (8192, 4096, 8192), (8192, 4096, 4096), (8192, 4096, 1024)]:

@@ -177,7 +177,7 @@ def test_matmul_many_row_tiling_gives_the_same_bits(K, N, conf):
 
     conf = dict(conf, wide_m=128)
     cfg = dict(DEFAULT_CONFIG, **conf)
-    assert _plan(200, K, N, cfg) != _plan(65, K, N, cfg)
+    assert _plan(200, K, N, cfg)[:5] != _plan(65, K, N, cfg)[:5]  # the tiles or the split's place differ
     assert _plan(200, K, N, dict(cfg, wide_m=0)) == _plan(65, K, N, cfg)
     rng = np.random.default_rng(K + N)
     w = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), jnp.bfloat16)
