@@ -378,8 +378,13 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-4, help="checks stage: max |logit diff|, fp32 HIGHEST")
     ap.add_argument("--stages", default="env,checks,hlo,prefill,decode,det,bitwise")
     ap.add_argument("--cpu-smoke", action="store_true", help="small shapes, tiny preset (CPU test of the script)")
+    ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
+                    "for this run (deterministic mode's matmul tiling)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
+        from pallas_kernels import matmul as _mm
+        _mm.DEFAULT_CONFIG.update(json.loads(args.matmul_config))
     if args.cpu_smoke:
         args.preset, args.layers, args.prefill_tokens = "tiny", 0, 128
         args.decode_batch, args.decode_batch2, args.context, args.bitwise_lengths = 8, 4, 64, "128"
