@@ -1,0 +1,86 @@
+"""Which deterministic-mode component loses batch invariance on a tensor-parallel GPU mesh.
+
+  PYTHONPATH=. python3 scripts/gpu_mesh_invariance.py [--tp 2] [--cpu]
+
+Each component of deterministic mode that runs per shard (`pallas_kernels.api`: the fixed-tile matmul split by
+columns and by rows, the attention kernel split by heads) — and the row-split product's all-reduce alone — is
+called under the mesh on random bf16 inputs of the Qwen3.5-9B shapes: rows computed alone (M = 1 and 7) must
+equal the same rows inside a call of M = 512 rows, bitwise. Prints PASS / FAIL per component.
+On CPU (`--cpu`, with XLA_FLAGS=--xla_force_host_platform_device_count=2) with interpret-mode kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxgdn import sharding as S
+from pallas_kernels import api
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--cpu", action="store_true")
+    args = ap.parse_args()
+    backend = "interpret" if args.cpu else "pallas"
+    mesh = S.make_mesh(args.tp)
+    ks = jax.random.split(jax.random.PRNGKey(0), 8)
+    fails = []
+
+    def check(name, full, part_fn):
+        ok = all(np.array_equal(np.asarray(part_fn(m)), np.asarray(full)[-m:]) for m in (1, 7))
+        print(f"[{'PASS' if ok else 'FAIL'}] {name}", flush=True)
+        if not ok:
+            fails.append(name)
+
+    with jax.set_mesh(mesh):
+        for (K, N, how, groups) in [(4096, 12288, "col", 12288), (12288, 4096, "row", 12288),
+                                    (4096, 4096, "row", 32), (4096, 8192, "col", 16)]:
+            w = (jax.random.normal(ks[0], (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
+            w = jax.device_put(w, NamedSharding(mesh, P(None, "tp") if how == "col" else P("tp", None)))
+            x = jax.random.normal(ks[1], (512, K), jnp.bfloat16)
+            kw = dict(col_groups=groups) if how == "col" else dict(row_groups=groups)
+            f = jax.jit(lambda x, w, kw=kw: api.matmul_invariant(x, w, backend=backend, **kw))
+            full = f(x, w)
+            check(f"matmul {how}-split K={K} N={N}", full, lambda m: f(x[-m:], w))
+
+        # the all-reduce alone: fp32 partials [M, N] summed over the mesh
+        def red(p):
+            return jax.shard_map(lambda a: jax.lax.psum(a, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P(),
+                                 check_vma=False)(p)
+        p = jax.random.normal(ks[2], (args.tp, 512, 4096), jnp.float32)
+        fr = jax.jit(lambda p: red(p.reshape(-1, 4096)))
+        full = fr(p)
+        check("psum of fp32 partials [M, 4096]", full, lambda m: fr(p[:, -m:]))
+
+        H, HKV, Dh = 16, 4, 256
+        for decode, T, Ncap in [(False, 512, 512), (True, 1, 1088)]:
+            B = 1 if not decode else 64
+            q = jax.random.normal(ks[3], (B, T, H, Dh), jnp.bfloat16)
+            kc = jax.random.normal(ks[4], (B, Ncap, HKV, Dh), jnp.bfloat16)
+            vc = jax.random.normal(ks[5], (B, Ncap, HKV, Dh), jnp.bfloat16)
+            pos = (jnp.full((B, T), 1000, jnp.int32) if decode
+                   else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+            fa = jax.jit(lambda q, kc, vc, pos, d=decode: api.attention_invariant(q, kc, vc, pos, decode=d,
+                                                                                  backend=backend))
+            full = np.asarray(fa(q, kc, vc, pos))
+            if decode:  # rows of the batch alone
+                ok = all(np.array_equal(np.asarray(fa(q[b:b + 1], kc[b:b + 1], vc[b:b + 1], pos[b:b + 1]))[0],
+                                        full[b]) for b in (0, 5, 63))
+            else:  # the last queries alone (a continuation over the same cache)
+                ok = all(np.array_equal(np.asarray(fa(q[:, -m:], kc, vc, pos[:, -m:])), full[:, -m:])
+                         for m in (1, 65))
+            name = f"attention {'decode' if decode else 'prefill'} per shard"
+            print(f"[{'PASS' if ok else 'FAIL'}] {name}", flush=True)
+            if not ok:
+                fails.append(name)
+    print(f"FAILS: {fails}")
+
+
+if __name__ == "__main__":
+    main()
