@@ -696,11 +696,8 @@ SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_wa
                 "bv16_w1_old": dict(bv=16, num_warps=1, kslices=1, fma=False),
                 "bv16_w1_k1": dict(bv=16, num_warps=1, kslices=1), "bv16_w1_k2": dict(bv=16, num_warps=1, kslices=2),
                 "bv16_w1_k8": dict(bv=16, num_warps=1, kslices=8), "bv8_w1_k8": dict(bv=8, num_warps=1, kslices=8),
-                # FMAs in the reductions only (the update a multiply and an add), or none with the slices
-                "bv16_w1_red": dict(bv=16, num_warps=1, fma="reduce"),
-                "bv16_w1_k8_red": dict(bv=16, num_warps=1, kslices=8, fma="reduce"),
+                # run 18 also timed FMAs in the reductions only (an option since dropped): slower, 7.5 ms at B=1
                 "bv16_w1_k4_nofma": dict(bv=16, num_warps=1, fma=False),
-                "bv32_w2_red": dict(bv=32, num_warps=2, fma="reduce"),
                 "bv16_w2": dict(bv=16, num_warps=2), "bv32_w1": dict(bv=32, num_warps=1),
                 "bv32_w2": dict(bv=32, num_warps=2), "bv64_w4": dict(bv=64, num_warps=4),
                 # when the loads are issued (same arithmetic): ahead = tokens loaded ahead (run 14 also timed the

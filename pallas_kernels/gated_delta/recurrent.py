@@ -25,7 +25,8 @@ from ..invariant import tree_sum
 _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md, run 12), kernel-only, B=64/256: bv=64, 4 warps 3.49/3.71 TB/s; 8 warps
 # 3.46/3.68; bv=32, 4 warps 3.34/3.54; bv=128, 8 warps 2.60/2.78. bv may also be 8 (no dots here; the scan kernel's
-# configurations). kslices: the state block held in that many row slices (`k_slices`), so that the reductions over
+# configurations). Run 19, the current arithmetic (4 slices, FMAs): 3.47/3.78 TB/s, against 3.31/3.69 for the
+# previous one (kslices=1, fma=False) and 3.44/3.66 with 8 slices in the same run. kslices: the state block held in that many row slices (`k_slices`), so that the reductions over
 # K combine slices with FMAs before reducing; fma: FMAs (one rounding) where the arithmetic multiplies and adds.
 # Both change the bits, so the scan kernel shares them.
 DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1, kslices=4, fma=True)
@@ -57,17 +58,17 @@ def _fma(a, b, c, fused):
 
 
 def fma_mode(fma, interpret):
-    """The config's `fma` (True, False or "reduce") as the kernels use it: never in interpret mode."""
-    if fma not in (True, False, "reduce"):
-        raise ValueError(f"fma={fma!r}: expected True, False or 'reduce'")
-    return False if interpret else fma
+    """The config's `fma` (a bool) as the kernels use it: never in interpret mode."""
+    if fma not in (True, False):
+        raise ValueError(f"fma={fma!r}: expected True or False")
+    return bool(fma) and not interpret
 
 
 def _slice_dot(xs, ys, fused):
     """sum_i xs[i] * ys[i] over the K slices, elementwise: one multiply, then FMAs in slice order."""
     acc = xs[0] * ys[0]
     for x, y in zip(xs[1:], ys[1:]):
-        acc = _fma(x, y, acc, bool(fused))
+        acc = _fma(x, y, acc, fused)
     return acc
 
 
@@ -100,13 +101,13 @@ def token_update(s, q, k, qk, v, g, beta, interpret=False, fused=False):
     chain. Each reduction first combines the slices elementwise (`_slice_dot`: FMAs on the GPU), then reduces
     the [K / n, BV] result; the update is one FMA per element. The decode kernel and the token-by-token prefill
     kernel (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same
-    bits. fused: False, True (every multiply-add an FMA) or "reduce" (the reductions only)."""
+    bits. fused: every multiply-add an FMA (`_fma`)."""
     a = jnp.exp(g)[:, None]  # [1, 1]
     s = tuple(x * a for x in s)  # [K / n, BV] each
     kv = _ksum(_slice_dot(s, tuple(x[:, None] for x in k), fused), interpret)  # [BV]
     sq = _ksum(_slice_dot(s, tuple(x[:, None] for x in q), fused), interpret)  # [BV]
     u = beta * (v - kv)
-    return sq + qk * u, tuple(_fma(x[:, None], u[None, :], y, fused is True) for x, y in zip(k, s))
+    return sq + qk * u, tuple(_fma(x[:, None], u[None, :], y, fused) for x, y in zip(k, s))
 
 
 def load_slices(ref, n, index=()):

@@ -36,16 +36,20 @@ from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slice
 
 # Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline.
 # A prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow
-# the layout), so the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs 10, 12 and 14; HK=16
-# HV=32): bv=16 with one warp takes 6.3-6.4 / 8.2 / 24.7-24.9 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the
-# chunked kernels: 2.2 / 6.0 / 8.4) and a one-token call 1.31-1.36x the decode kernel (issue 7's bar: <= 1.5x).
+# the layout), so the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs 10, 12, 14, 17 and 18;
+# HK=16 HV=32): bv=16 with one warp, with the per-token arithmetic on 4 state slices with FMAs, takes 5.8-5.9 /
+# 7.0 / 22.5 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the previous arithmetic 6.3-6.4 / 8.1-8.2 / 24.8-24.9;
+# the chunked kernels 2.2 / 6.1 / 8.4) and a one-token call 1.27-1.54x the decode kernel at B=64, 1.33-1.36x at
+# B=256 (issue 7's bar: <= 1.5x; the B=64 ratio varied that much between two runs, the old arithmetic 1.26-1.45x).
 # bv=8 is faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token; bv=32 with 2 warps is 1.12-1.18x at one
 # token but 8.2 ms at B=1. The kernel is bound by instruction issue (~690 per token and warp, Nsight Compute).
 # ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with the loads carried unconverted, 21-25%
 # at bv=16; carrying them unconverted alone changed nothing beyond 3% and was dropped, run 14). It moves the loads,
 # not the arithmetic.
 # kslices, fma: the per-token arithmetic's (`recurrent.DEFAULT_CONFIG`: the decode kernel's, so that both kernels
-# compute the same bits).
+# compute the same bits). Runs 17-18, (1, 8192) ms: 4 slices + FMAs 5.8-5.9; 8 slices 6.3; 2 slices 8.0; one slice
+# with FMAs 8.7 (the inline-assembly update alone is slower than a separate multiply and add); 4 slices without FMAs
+# 6.4; bv=8 with 4 slices 10.7.
 DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, kslices=4, fma=True)
 
 

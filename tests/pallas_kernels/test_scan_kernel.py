@@ -49,7 +49,8 @@ def test_matches_oracle(B, T, HK, HV, K, V, g_kind, beta_kind, dtype):
     assert not o[1:, lengths[-1]:].any()  # padded positions: o = 0
 
 
-@pytest.mark.parametrize("config", [{"bv": 16, "num_warps": 1}, {"bv": 16, "num_warps": 2}, {"bv": 8, "num_warps": 1}])
+@pytest.mark.parametrize("config", [{"bv": 16, "num_warps": 1}, {"bv": 16, "num_warps": 2}, {"bv": 8, "num_warps": 1},
+                                    {"kslices": 1}, {"kslices": 8, "fma": False}])
 def test_equals_decode_kernel_steps_bitwise(config):
     """Same launch configuration in both kernels (what the equality needs on the GPU, where the reductions follow
     the layout; `scripts/gpu_kernels.py --only scan` checks it there per configuration)."""
@@ -188,3 +189,22 @@ def test_one_token_segments_bitwise(backend):
         np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[0])
     with pytest.raises(ValueError, match="checkpoint_stride"):
         pallas_kernels.fused_recurrent_gated_delta_rule(*a, checkpoint_stride=0, backend=backend)
+
+
+def test_state_slices_and_fma_options():
+    """The state block is held in `kslices` row slices of >= 16 rows (fewer slices for a small K); a bad choice
+    is refused. The slices change the reductions' order, so results differ in the low bits only (fp32 inputs:
+    within 1e-6 of one slice; interpret mode has no FMAs, `fma` is a GPU choice)."""
+    from pallas_kernels.gated_delta.recurrent import k_slices
+
+    assert [k_slices(128, n) for n in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert k_slices(32, 4) == 2 and k_slices(16, 4) == 1
+    d = random_gdn_inputs(np.random.default_rng(8), 2, 12, 1, 2, 64, 32, np.float32, beta_kind="mixed")
+    a = args_of(d)
+    s0 = jnp.asarray(d["initial_state"])
+    o1, s1 = scan(*a, initial_state=s0, interpret=True, config={"kslices": 1})
+    o4, s4 = scan(*a, initial_state=s0, interpret=True, config={"kslices": 4})
+    assert rel_err(np.asarray(o4), np.asarray(o1)) <= 1e-6 and rel_err(np.asarray(s4), np.asarray(s1)) <= 1e-6
+    for bad in ({"kslices": 3}, {"kslices": 0}, {"fma": "yes"}):
+        with pytest.raises(ValueError, match="kslices|fma"):
+            scan(*a, initial_state=s0, interpret=True, config=bad)
