@@ -1,6 +1,6 @@
 """Which deterministic-mode component loses batch invariance on a tensor-parallel GPU mesh.
 
-  PYTHONPATH=. python3 scripts/gpu_mesh_invariance.py [--tp 2] [--cpu]
+  PYTHONPATH=. python3 scripts/gpu_mesh_invariance.py [--tp 2] [--cpu] [--model]
 
 Each component of deterministic mode that runs per shard (`pallas_kernels.api`: the fixed-tile matmul split by
 columns and by rows, the attention kernel split by heads) — and the row-split product's all-reduce alone — is
@@ -26,6 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--model", action="store_true", help="also bisect the deterministic model by layer states")
     args = ap.parse_args()
     backend = "interpret" if args.cpu else "pallas"
     mesh = S.make_mesh(args.tp)
@@ -79,7 +80,73 @@ def main():
             print(f"[{'PASS' if ok else 'FAIL'}] {name}", flush=True)
             if not ok:
                 fails.append(name)
+        # the GDN chunk kernel per shard (heads split): row 0 alone == row 0 of a batch with a padded second row
+        from tests.gdn_oracle import random_gdn_inputs
+        d = random_gdn_inputs(np.random.default_rng(1), 2, 256, 16, 32, 128, 128, np.float32)
+        a = [jnp.asarray(d[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in ("q", "k", "v", "g", "beta")]
+        fc = jax.jit(lambda *x, n: api.chunk_gated_delta_rule(*x, lengths=n, backend=backend))
+        o2, s2 = fc(*a, n=jnp.asarray([256, 100], jnp.int32))
+        o1, s1 = fc(*(x[:1] for x in a), n=jnp.asarray([256], jnp.int32))
+        ok = np.array_equal(np.asarray(o1)[0], np.asarray(o2)[0]) and np.array_equal(np.asarray(s1)[0],
+                                                                                   np.asarray(s2)[0])
+        print(f"[{'PASS' if ok else 'FAIL'}] GDN chunk kernel per shard", flush=True)
+        if not ok:
+            fails.append("chunk")
+    if args.model:
+        fails += model_bisect(mesh, args.cpu)
     print(f"FAILS: {fails}")
+
+
+def model_bisect(mesh, cpu):
+    """Deterministic model (first 4 layers of the 9B shape on GPU — 3 GDN + 1 attention — the tiny one on CPU) on
+    the mesh: a row alone vs the same row inside batches of 2 and 8 (other rows shorter): the first layer whose
+    state differs, and which leaf."""
+    import dataclasses
+
+    from jaxgdn import Model, presets
+    from jaxgdn.config import PRESETS
+    from jaxgdn.init import random_params
+    from jaxgdn.model import prefill_chunk
+
+    cfg = PRESETS["tiny" if cpu else "qwen3.5-9b"]()
+    cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:4])
+    dt = jnp.float32 if cpu else jnp.bfloat16
+    m = Model(params=jax.jit(lambda k: random_params(cfg, k, dt))(jax.random.key(0)), config=cfg, dtype=dt,
+              backend="interpret" if cpu else None, deterministic=True)
+    del presets
+    sm = S.shard_model(m, mesh)
+    rng = np.random.default_rng(0)
+    W = 256
+    target = rng.integers(0, cfg.vocab_size, W).astype(np.int32)
+    f = jax.jit(prefill_chunk)
+
+    def run(rows):
+        toks = np.zeros((len(rows), W), np.int32)
+        for i, r in enumerate(rows):
+            toks[i, :len(r)] = r
+        with jax.set_mesh(mesh):
+            st, lg = f(sm, S.init_state(sm, len(rows), W + 64), jnp.asarray(toks),
+                       jnp.asarray([len(r) for r in rows], jnp.int32))
+        return st, np.asarray(lg)
+
+    fails = []
+    s1, l1 = run([target])
+    for B, full in ((2, True), (2, False), (8, False)):
+        rows = [target] + [rng.integers(0, cfg.vocab_size, W if full else int(rng.integers(1, W))).astype(np.int32)
+                           for _ in range(B - 1)]
+        s2, l2 = run(rows)
+        diffs = []
+        for i, (a, b) in enumerate(zip(s1.layers, s2.layers)):
+            for name, x, y in zip(a._fields, a, b):
+                if x is not None and not np.array_equal(np.asarray(x)[0], np.asarray(y)[0]):
+                    diffs.append(f"layer {i} {type(a).__name__}.{name} "
+                                 f"(max {float(np.abs(np.asarray(x, np.float64)[0] - np.asarray(y, np.float64)[0]).max()):.1e})")
+        ok = np.array_equal(l1[0], l2[0]) and not diffs
+        print(f"[{'PASS' if ok else 'FAIL'}] model B={B} ({'full' if full else 'shorter'} other rows): logits "
+              f"{'equal' if np.array_equal(l1[0], l2[0]) else 'differ'}; differing states: {diffs[:6]}", flush=True)
+        if not ok:
+            fails.append(f"model B={B}")
+    return fails
 
 
 if __name__ == "__main__":
