@@ -52,8 +52,9 @@ experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_o
 fixed-tile matmuls and the attention kernel run per shard in `shard_map` (`pallas_kernels.matmul_invariant`'s
 `row_groups` / `col_groups`, `attention_invariant`), as the GDN kernels do; so does the default mode's attention
 kernel. On two H200s the deterministic checks passed with the earlier dispatch (reference products under XLA's
-partitioner; BENCHMARKS.md); the per-shard kernels are tested on CPU meshes only; meshes of more than 2 GPUs have
-not been run (none lent so far).
+partitioner), but fail with the per-shard kernels: a row alone and the same row in a batch differ (BENCHMARKS.md,
+runs S3-S5; `GPU_MESH_DETERMINISM` below, with what was narrowed down), so `init_state` warns for a deterministic
+model on a GPU mesh. Meshes of more than 2 GPUs have not been run (none lent so far).
 Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
 last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —
 XLA compiles the interpreted kernel body inside the partitioned program differently per batch size. The compiled
@@ -87,8 +88,12 @@ _GROUPED_LAYOUT = "gdn_qkv_groups" in ModelConfig.__dataclass_fields__  # the co
 
 # Measured (BENCHMARKS.md, runs S3-S5, 2 x H200): with the per-shard dispatch, deterministic mode on a 2-GPU mesh
 # gives a row alone different bits from the same row inside a batch (the same call twice and a grid split still
-# agree), although each per-shard component alone — both matmul splits, the all-reduce, the attention kernel —
-# passes the same check on those GPUs (`scripts/gpu_mesh_invariance.py`). The cause is not found yet.
+# agree; also with the matmul's many-row tiling off), although each per-shard component alone — both matmul splits,
+# the all-reduce, both attention kernels, the chunked GDN kernel — passes the same check on those GPUs
+# (`scripts/gpu_mesh_invariance.py`). In the 9B-shaped model the first difference is layer 0's GDN recurrent state
+# while its conv state (the q/k/v projection's last rows) is equal: the suspects are the a/b gate projections (per
+# shard N = 16, K split in 16), XLA's elementwise conv and gate code as partitioned per batch size, and the GDN
+# kernel fed from them. The cause is not found yet.
 GPU_MESH_DETERMINISM = (
     "deterministic=True on a tensor-parallel GPU mesh is not batch-invariant: on 2 x H200 a row alone and the "
     "same row inside a batch gave different logits (BENCHMARKS.md, Tensor parallelism). Run deterministic "
