@@ -335,7 +335,6 @@ def ceilings():
     jax_copy = 2 * 2 ** 29 * 4 / t / 1e12
     RESULTS["ceilings"] = dict(copy_TBps_torch=copy_tbs, copy_TBps_jax=jax_copy, bf16_matmul_TFLOPs=mm)
     log(f"copy (torch 2 GiB) {copy_tbs:.2f} TB/s; jax elementwise {jax_copy:.2f} TB/s; bf16 8192^3 {mm:.0f} TFLOP/s")
-    del x, y, a
 
 
 def fla_prefill_fn(q, k, v, g, beta, module="fla"):
