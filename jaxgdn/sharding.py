@@ -53,8 +53,8 @@ fixed-tile matmuls and the attention kernel run per shard in `shard_map` (`palla
 `row_groups` / `col_groups`, `attention_invariant`), as the GDN kernels do; so does the default mode's attention
 kernel. On two H200s the deterministic checks passed with the earlier dispatch (reference products under XLA's
 partitioner), but fail with the per-shard kernels: a row alone and the same row in a batch differ (BENCHMARKS.md,
-runs S3-S5; `GPU_MESH_DETERMINISM` below, with what was narrowed down), so `init_state` warns for a deterministic
-model on a GPU mesh. Meshes of more than 2 GPUs have not been run (none lent so far).
+runs S3-S5; `GPU_MESH_DETERMINISM` below, with what was narrowed down), so `shard_model` and `init_state` warn
+for a deterministic model on a GPU mesh. Meshes of more than 2 GPUs have not been run (none lent so far).
 Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
 last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —
 XLA compiles the interpreted kernel body inside the partitioned program differently per batch size. The compiled
@@ -102,6 +102,13 @@ GPU_MESH_DETERMINISM = (
 
 def _on_gpus(mesh: Mesh) -> bool:
     return mesh.devices.flat[0].platform == "gpu"
+
+
+def _warn_if_deterministic_on_gpus(model: Model, mesh: Mesh) -> None:
+    """`GPU_MESH_DETERMINISM` as a RuntimeWarning when a deterministic model is placed on, or makes a state for, a
+    GPU mesh of more than one device."""
+    if model.deterministic and _tp_size(mesh) > 1 and _on_gpus(mesh):
+        warnings.warn(GPU_MESH_DETERMINISM, RuntimeWarning, stacklevel=3)
 
 
 def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -412,6 +419,7 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     if pl.grouped_qkv:
         model = with_layout(model, model.config.linear_num_key_heads)
     params = place(model.params, param_specs(model.config, mesh), mesh)
+    _warn_if_deterministic_on_gpus(model, mesh)
     return dataclasses.replace(model, params=params)
 
 
@@ -430,8 +438,7 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
     replay = model.keeps_open_chunk
     if mesh is None:
         return _init_state(model.config, batch_size, capacity, model.dtype, replay)
-    if model.deterministic and _tp_size(mesh) > 1 and _on_gpus(mesh):
-        warnings.warn(GPU_MESH_DETERMINISM, RuntimeWarning, stacklevel=3)
+    _warn_if_deterministic_on_gpus(model, mesh)
     return _sharded_zeros(model.config, batch_size, capacity, jnp.dtype(model.dtype), replay, mesh)()
 
 

@@ -44,10 +44,10 @@ from .config import merged_config
 # the default reaches 73-87% of XLA's bf16 GEMM at M >= 1024.
 # wide_m: the M from which `_plan` takes the many-row tiling (0: never); bn_wide: its widest column tile;
 # inner_acc: the most accumulator columns (S x BN) one program may hold for an in-kernel split; stages_wide: its
-# pipeline stages (the arithmetic does not depend on them). Measured on the H200 (BENCHMARKS.md, run 19), as XLA's
-# time / ours at M = 8192 (few-row tiling -> many-row tiling with 3 stages -> with 4): N = 12288: 0.78 -> 0.89 ->
-# 0.93; N = 8192: 0.83 -> 0.92 -> 0.94; the split weights N = 4096 (K = 12288 / 4096) and 1024: 0.72 / 0.66 / 0.67
-# -> 0.63 / 0.63 / 0.61 -> 0.76 / 0.74 / 0.70 (an in-kernel split pays only with the fourth stage).
+# pipeline stages (the arithmetic does not depend on them). Measured on the H200 (BENCHMARKS.md, run 20), as XLA's
+# time / ours at M = 8192 (few-row tiling -> many-row tiling with 3 stages -> with 4): N = 12288: 0.76 -> 0.90 ->
+# 0.91; N = 8192: 0.83 -> 0.89 -> 0.93; the split weights N = 4096 (K = 12288 / 4096) and 1024: 0.75 / 0.64 / 0.67
+# -> 0.62 / 0.61 / 0.65 -> 0.76 / 0.71 / 0.78 (an in-kernel split pays only with the fourth stage).
 DEFAULT_CONFIG = dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, split_k_below=8, max_split=16,
                       target_programs=64, bn_min=128, max_split_target=2, wide_m=1024, bn_wide=256, inner_acc=256,
                       stages_wide=4)
@@ -108,7 +108,8 @@ def _plan(M: int, K: int, N: int, cfg: dict) -> tuple[int, int, int, int, int, i
     """(BM, BN, BK, grid slices, in-kernel slices, pipeline stages) for an M-row product. Below `wide_m` rows:
     `_tiling`, its S slices as grid programs. From `wide_m` rows on, the same S (a row's bits depend on it) but
     reduced inside each program when S x BN <= inner_acc (else still on the grid), and, for S = 1, the widest
-    BN <= bn_wide dividing N into >= split_k_below tiles (the tiling without `target_programs`)."""
+    BN <= bn_wide dividing N into >= split_k_below tiles (the tiling without `target_programs`) — or the few-row
+    BN when that is wider."""
     bm, bn, bk, split = _tiling(K, N, cfg)
     if not cfg["wide_m"] or M < cfg["wide_m"]:
         return bm, bn, bk, split, 1, cfg["num_stages"]
@@ -129,7 +130,11 @@ def _sum_fixed_order(parts):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "out_dtype", "w_rows_out"))
 def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
-    cfg = merged_config("matmul_invariant", DEFAULT_CONFIG, config, pow2=("bm", "bn", "bk"))
+    cfg = merged_config("matmul_invariant", DEFAULT_CONFIG, config, pow2=("bm", "bn", "bk", "bn_wide"))
+    for key in ("wide_m", "inner_acc", "stages_wide"):
+        if type(cfg[key]) is not int or cfg[key] < (0 if key == "wide_m" else 1):
+            raise ValueError(f"matmul_invariant: {key}={cfg[key]!r} must be an integer >= "
+                             f"{0 if key == 'wide_m' else 1}")
     M, K = x.shape
     N = w.shape[0] if w_rows_out else w.shape[1]
     bm, bn, bk, split, inner, stages = _plan(M, K, N, cfg)

@@ -574,7 +574,9 @@ def invariant_kernels():
     # every projection shape of the model: rows computed with the decode tiling (M < wide_m) == the same rows
     # inside a prefill-sized call (the many-row tiling: in-kernel split, wide column tiles)
     from pallas_kernels.matmul import DEFAULT_CONFIG as MM_DEFAULT, _plan
-    for (Kp, Np) in [(4096, 8192), (4096, 4096), (4096, 1024), (4096, 32), (4096, 12288), (12288, 4096)]:
+    # (4096, 16): the a/b gate projections' per-shard shape on a 2-GPU mesh (16 slices, in-kernel for many rows)
+    for (Kp, Np) in [(4096, 8192), (4096, 4096), (4096, 1024), (4096, 32), (4096, 16), (4096, 12288),
+                     (12288, 4096)]:
         wp = (jax.random.normal(ks[0], (Kp, Np), jnp.float32) * 0.02).astype(jnp.bfloat16)
         xp = jax.random.normal(ks[1], (2048, Kp), jnp.bfloat16)
         fullp = np.asarray(matmul_invariant_pallas(xp, wp))

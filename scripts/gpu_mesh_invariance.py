@@ -5,7 +5,7 @@
 Each component of deterministic mode that runs per shard (`pallas_kernels.api`: the fixed-tile matmul split by
 columns and by rows, the attention kernel split by heads) — and the row-split product's all-reduce alone — is
 called under the mesh on random bf16 inputs of the Qwen3.5-9B shapes: rows computed alone (M = 1 and 7) must
-equal the same rows inside a call of M = 512 rows, bitwise. Prints PASS / FAIL per component.
+equal the same rows inside a larger call (2048 rows for the matmuls), bitwise. Prints PASS / FAIL per component.
 On CPU (`--cpu`, with XLA_FLAGS=--xla_force_host_platform_device_count=2) with interpret-mode kernels.
 """
 
@@ -40,11 +40,13 @@ def main():
             fails.append(name)
 
     with jax.set_mesh(mesh):
+        # the last: the GDN a/b gate projections (per shard N = 16, K split in 16 slices); calls of 2048 rows take
+        # the matmul's many-row tiling, rows alone the few-row one
         for (K, N, how, groups) in [(4096, 12288, "col", 12288), (12288, 4096, "row", 12288),
-                                    (4096, 4096, "row", 32), (4096, 8192, "col", 16)]:
+                                    (4096, 4096, "row", 32), (4096, 8192, "col", 16), (4096, 32, "col", 16)]:
             w = (jax.random.normal(ks[0], (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
             w = jax.device_put(w, NamedSharding(mesh, P(None, "tp") if how == "col" else P("tp", None)))
-            x = jax.random.normal(ks[1], (512, K), jnp.bfloat16)
+            x = jax.random.normal(ks[1], (2048, K), jnp.bfloat16)
             kw = dict(col_groups=groups) if how == "col" else dict(row_groups=groups)
             f = jax.jit(lambda x, w, kw=kw: api.matmul_invariant(x, w, backend=backend, **kw))
             full = f(x, w)

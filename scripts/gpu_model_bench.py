@@ -323,7 +323,11 @@ def main():
     small = args.preset.startswith("tiny")
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
         from pallas_kernels import matmul as _mm
-        _mm.DEFAULT_CONFIG.update(json.loads(args.matmul_config))
+        overrides = json.loads(args.matmul_config)
+        unknown = set(overrides) - set(_mm.DEFAULT_CONFIG)
+        if unknown:
+            raise SystemExit(f"--matmul-config: unknown keys {sorted(unknown)}; known: {sorted(_mm.DEFAULT_CONFIG)}")
+        _mm.DEFAULT_CONFIG.update(overrides)
         RESULTS["matmul_config"] = dict(_mm.DEFAULT_CONFIG)
     RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
                    host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)

@@ -384,7 +384,11 @@ def main():
     args = ap.parse_args()
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
         from pallas_kernels import matmul as _mm
-        _mm.DEFAULT_CONFIG.update(json.loads(args.matmul_config))
+        overrides = json.loads(args.matmul_config)
+        unknown = set(overrides) - set(_mm.DEFAULT_CONFIG)
+        if unknown:
+            raise SystemExit(f"--matmul-config: unknown keys {sorted(unknown)}; known: {sorted(_mm.DEFAULT_CONFIG)}")
+        _mm.DEFAULT_CONFIG.update(overrides)
     if args.cpu_smoke:
         args.preset, args.layers, args.prefill_tokens = "tiny", 0, 128
         args.decode_batch, args.decode_batch2, args.context, args.bitwise_lengths = 8, 4, 64, "128"

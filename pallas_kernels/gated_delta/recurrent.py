@@ -26,9 +26,10 @@ _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md, run 12), kernel-only, B=64/256: bv=64, 4 warps 3.49/3.71 TB/s; 8 warps
 # 3.46/3.68; bv=32, 4 warps 3.34/3.54; bv=128, 8 warps 2.60/2.78. bv may also be 8 (no dots here; the scan kernel's
 # configurations). Run 19, the current arithmetic (4 slices, FMAs): 3.47/3.78 TB/s, against 3.31/3.69 for the
-# previous one (kslices=1, fma=False) and 3.44/3.66 with 8 slices in the same run. kslices: the state block held in that many row slices (`k_slices`), so that the reductions over
-# K combine slices with FMAs before reducing; fma: FMAs (one rounding) where the arithmetic multiplies and adds.
-# Both change the bits, so the scan kernel shares them.
+# previous one (kslices=1, fma=False) and 3.44/3.66 with 8 slices in the same run.
+# kslices: the state block held in that many row slices (`k_slices`), so that the reductions over K combine the
+# slices with FMAs before reducing; fma: FMAs (one rounding) in those slice combinations and in the state update.
+# Both change the bits, so the scan kernel shares them (its DEFAULT_CONFIG takes them from here).
 DEFAULT_CONFIG = dict(bv=64, num_warps=4, num_stages=1, kslices=4, fma=True)
 
 
@@ -101,7 +102,8 @@ def token_update(s, q, k, qk, v, g, beta, interpret=False, fused=False):
     chain. Each reduction first combines the slices elementwise (`_slice_dot`: FMAs on the GPU), then reduces
     the [K / n, BV] result; the update is one FMA per element. The decode kernel and the token-by-token prefill
     kernel (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same
-    bits. fused: every multiply-add an FMA (`_fma`)."""
+    bits. fused: the slice combinations and the state update as FMAs (`_fma`); the output's sq + qk u and the
+    normalisation's scaling stay a separate multiply and add."""
     a = jnp.exp(g)[:, None]  # [1, 1]
     s = tuple(x * a for x in s)  # [K / n, BV] each
     kv = _ksum(_slice_dot(s, tuple(x[:, None] for x in k), fused), interpret)  # [BV]

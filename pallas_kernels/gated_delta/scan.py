@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import merged_config
+from .recurrent import DEFAULT_CONFIG as _DECODE_CONFIG
 from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slices, token_update
 
 # Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline.
@@ -50,7 +51,8 @@ from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slice
 # compute the same bits). Runs 17-18, (1, 8192) ms: 4 slices + FMAs 5.8-5.9; 8 slices 6.3; 2 slices 8.0; one slice
 # with FMAs 8.7 (the inline-assembly update alone is slower than a separate multiply and add); 4 slices without FMAs
 # 6.4; bv=8 with 4 slices 10.7.
-DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, kslices=4, fma=True)
+DEFAULT_CONFIG = dict(bv=16, num_warps=1, num_stages=1, ahead=2, kslices=_DECODE_CONFIG["kslices"],
+                      fma=_DECODE_CONFIG["fma"])
 
 
 def _scan_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, so_ref, *ck_refs, T, stride, nck,

@@ -151,6 +151,9 @@ def test_kernel_configs_are_checked():
     x = jnp.ones((4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="bn=24 must be a power of two"):
         matmul_invariant_pallas(x, jnp.ones((64, 64), jnp.bfloat16), interpret=True, config={"bn": 24})
+    for bad in ({"stages_wide": 0}, {"wide_m": -1}, {"inner_acc": 0}, {"bn_wide": 96}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            matmul_invariant_pallas(x, jnp.ones((64, 64), jnp.bfloat16), interpret=True, config=bad)
     with pytest.raises(ValueError, match="unknown config keys"):
         attention_invariant_pallas(jnp.ones((1, 2, 4, 32)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32)),
                                    jnp.zeros((1, 2), jnp.int32), interpret=True, config={"block": 64})
@@ -167,7 +170,7 @@ def test_kernel_configs_are_checked():
     (256, 1024, dict(target_programs=16, split_k_below=4)),  # unsplit: BN 128 for few rows, 256 for many
     (1024, 512, dict(target_programs=16)),                    # split in 2: on the grid for few rows, in-kernel for many
     (1024, 64, {}),                                           # split in 4
-    (512, 80, dict(max_split=2)),                             # N padded to the tile
+    (500, 72, dict(max_split=2)),                             # N and K padded to the tiles
 ])
 def test_matmul_many_row_tiling_gives_the_same_bits(K, N, conf):
     """From `wide_m` rows on, the product takes another tiling (`_plan`: a split weight's slices reduced in-kernel
