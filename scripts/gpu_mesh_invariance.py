@@ -2,6 +2,10 @@
 
   PYTHONPATH=. python3 scripts/gpu_mesh_invariance.py [--tp 2] [--cpu] [--model]
 
+With --model, also the deterministic model (the first 4 layers of the 9B shape on a GPU): its first GDN layer step
+by step (embedding, norm, each projection, gates, conv, the GDN kernel), then every layer's state, row alone vs in
+a batch — the first step that differs names the cause.
+
 Each component of deterministic mode that runs per shard (`pallas_kernels.api`: the fixed-tile matmul split by
 columns and by rows, the attention kernel split by heads) — and the row-split product's all-reduce alone — is
 called under the mesh on random bf16 inputs of the Qwen3.5-9B shapes: rows computed alone (M = 1 and 7) must
@@ -99,6 +103,69 @@ def main():
     print(f"FAILS: {fails}")
 
 
+def layer0_bisect(sm, mesh, target, rng):
+    """The first GDN layer's intermediate values, step by step as `jaxgdn.layers.gdn.gdn_prefill` computes them,
+    for the target row alone vs as row 0 of a batch of 2: the embedding, the input norm, the q/k/v, a, b, z
+    projections, the conv, the gates, the GDN kernel's output and state, the layer's output."""
+    import pallas_kernels
+    from jaxgdn.config import LINEAR
+    from jaxgdn.layers import gdn as G
+    from jaxgdn.layers.conv import causal_conv1d
+    from jaxgdn.layers.norm import rms_norm
+
+    cfg, p = sm.config, sm.params
+    i = cfg.layer_types.index(LINEAR)
+    lp = p.layers[i]
+    det = "pallas" if jax.devices()[0].platform == "gpu" else "interpret"
+    T = len(target)
+
+    def steps(tokens):
+        B = tokens.shape[0]
+        lengths = jnp.full((B,), T, jnp.int32)
+        out = {}
+        x = p.embed[tokens].astype(sm.dtype)
+        out["embedding"] = x
+        h = rms_norm(x, lp.input_norm, cfg.rms_norm_eps)
+        out["input norm"] = h
+        proj = G._input_projection(cfg, h, det)
+        out["qkv projection"] = pre = proj(lp.mixer.in_proj_qkv)
+        out["a projection"] = a = proj(lp.mixer.in_proj_a)
+        out["b projection"] = b = proj(lp.mixer.in_proj_b)
+        out["z projection"] = proj(lp.mixer.in_proj_z)
+        g, beta = pallas_kernels.gdn_gates(lp.mixer.A_log, a, lp.mixer.dt_bias, b)
+        out["g"], out["beta"] = g, beta
+        state0 = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, pre.shape[-1]), pre.dtype)
+        conv = causal_conv1d(pre, state0, lp.mixer.conv_weight, lengths)
+        out["conv output"] = conv[0]
+        q, k, v = G._split_qkv(cfg, conv[0])
+        o, st = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths)
+        out["GDN kernel output"], out["GDN kernel state"] = o, st
+        return out
+
+    f = jax.jit(steps)
+    other = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
+    with jax.set_mesh(mesh):
+        alone = f(jnp.asarray(target[None]))
+        batch = f(jnp.asarray(np.stack([target, other])))
+    fails = []
+    order = ["embedding", "input norm", "qkv projection", "a projection", "b projection", "z projection", "g", "beta",
+             "conv output", "GDN kernel output", "GDN kernel state"]
+    for name in order:
+        x, y = np.asarray(alone[name])[0], np.asarray(batch[name])[0]
+        ok = np.array_equal(x, y)
+        where = ""
+        if not ok:
+            where = f" (max {float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()):.1e}"
+            if x.shape[0] == T:  # per-token values: the first token that differs
+                where += f"; first differing token {int(np.argwhere((x != y).reshape(T, -1).any(1))[0, 0])}"
+            where += ")"
+        print(f"[{'PASS' if ok else 'FAIL'}] layer {i} step '{name}': row alone == row 0 of a batch of 2{where}",
+              flush=True)
+        if not ok:
+            fails.append(f"layer0 {name}")
+    return fails
+
+
 def model_bisect(mesh, cpu):
     """Deterministic model (first 4 layers of the 9B shape on GPU — 3 GDN + 1 attention — the tiny one on CPU) on
     the mesh: a row alone vs the same row inside batches of 2 and 8 (other rows shorter): the first layer whose
@@ -131,7 +198,7 @@ def model_bisect(mesh, cpu):
                        jnp.asarray([len(r) for r in rows], jnp.int32))
         return st, np.asarray(lg)
 
-    fails = []
+    fails = layer0_bisect(sm, mesh, target, rng)
     s1, l1 = run([target])
     for B, full in ((2, True), (2, False), (8, False)):
         rows = [target] + [rng.integers(0, cfg.vocab_size, W if full else int(rng.integers(1, W))).astype(np.int32)
