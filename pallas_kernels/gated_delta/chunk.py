@@ -673,7 +673,7 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, initial_state
     elif initial_state.shape != (B, HV, K, V):
         raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
-               else jnp.minimum(jnp.asarray(lengths, jnp.int32), T))
+               else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T))  # a negative length: an empty row
     config = None if config is None else tuple(sorted(dict(config).items()))
     return _chunk_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
                        initial_state.astype(jnp.float32), lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),

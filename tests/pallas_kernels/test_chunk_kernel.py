@@ -238,3 +238,13 @@ def test_bad_config_is_refused(config, match):
     with pytest.raises(ValueError, match=match):
         chunk_gated_delta_rule_pallas(z, z, jnp.zeros((1, 64, 2, V)), jnp.zeros((1, 64, 2)), jnp.zeros((1, 64, 2)),
                                       interpret=True, config=config)
+
+
+def test_lengths_are_clipped(seq):
+    """A negative length is an empty row (state bit-identical, outputs zero) and a length past T is T — as the
+    token-by-token kernel clips them — bitwise equal to passing 0 and T."""
+    T = seq["q"].shape[1]
+    o, s = run(seq, lengths=[-5, T + 40, 37])
+    o0, s0 = run(seq, lengths=[0, T, 37])
+    assert np.array_equal(o, o0) and np.array_equal(s, s0)
+    assert np.array_equal(s[0], seq["initial_state"][0]) and not o[0].any()
