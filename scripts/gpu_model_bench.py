@@ -304,6 +304,19 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 140, ba
     return all(checks.values())
 
 
+def apply_matmul_config(text: str) -> dict:
+    """--matmul-config: a JSON dict of `pallas_kernels.matmul.DEFAULT_CONFIG` keys, written into the defaults for
+    this process (before anything is traced: the kernel reads them at trace time). Unknown keys stop the run.
+    Returns the resulting defaults."""
+    from pallas_kernels import matmul as _mm
+    overrides = json.loads(text)
+    unknown = set(overrides) - set(_mm.DEFAULT_CONFIG)
+    if unknown:
+        raise SystemExit(f"--matmul-config: unknown keys {sorted(unknown)}; known: {sorted(_mm.DEFAULT_CONFIG)}")
+    _mm.DEFAULT_CONFIG.update(overrides)
+    return dict(_mm.DEFAULT_CONFIG)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-9b")
@@ -322,13 +335,7 @@ def main():
     args = ap.parse_args()
     small = args.preset.startswith("tiny")
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
-        from pallas_kernels import matmul as _mm
-        overrides = json.loads(args.matmul_config)
-        unknown = set(overrides) - set(_mm.DEFAULT_CONFIG)
-        if unknown:
-            raise SystemExit(f"--matmul-config: unknown keys {sorted(unknown)}; known: {sorted(_mm.DEFAULT_CONFIG)}")
-        _mm.DEFAULT_CONFIG.update(overrides)
-        RESULTS["matmul_config"] = dict(_mm.DEFAULT_CONFIG)
+        RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
     RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
                    host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
     log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")

@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gpu_model_bench import build as build_shared, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from gpu_model_bench import apply_matmul_config, build as build_shared, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
 from jaxgdn.generate import greedy_decode  # noqa: E402
@@ -383,12 +383,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
-        from pallas_kernels import matmul as _mm
-        overrides = json.loads(args.matmul_config)
-        unknown = set(overrides) - set(_mm.DEFAULT_CONFIG)
-        if unknown:
-            raise SystemExit(f"--matmul-config: unknown keys {sorted(unknown)}; known: {sorted(_mm.DEFAULT_CONFIG)}")
-        _mm.DEFAULT_CONFIG.update(overrides)
+        RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
     if args.cpu_smoke:
         args.preset, args.layers, args.prefill_tokens = "tiny", 0, 128
         args.decode_batch, args.decode_batch2, args.context, args.bitwise_lengths = 8, 4, 64, "128"
