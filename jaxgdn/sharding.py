@@ -93,7 +93,9 @@ _GROUPED_LAYOUT = "gdn_qkv_groups" in ModelConfig.__dataclass_fields__  # the co
 # (`scripts/gpu_mesh_invariance.py`). In the 9B-shaped model the first difference is layer 0's GDN recurrent state
 # while its conv state (the q/k/v projection's last rows) is equal: the suspects are the a/b gate projections (per
 # shard N = 16, K split in 16), XLA's elementwise conv and gate code as partitioned per batch size, and the GDN
-# kernel fed from them. The cause is not found yet.
+# kernel fed from them. (XLA on GPUs contracts a * b + c into an FMA inside a fusion — openxla/xla issue 41579 —
+# so a fusion boundary that moves with the batch shape moves a rounding: the conv's tap sums and the norms'
+# squares are such products and sums.) The cause is not found yet.
 GPU_MESH_DETERMINISM = (
     "deterministic=True on a tensor-parallel GPU mesh is not batch-invariant: on 2 x H200 a row alone and the "
     "same row inside a batch gave different logits (BENCHMARKS.md, Tensor parallelism). Run deterministic "
