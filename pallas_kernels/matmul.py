@@ -15,11 +15,12 @@ cut off).
 
 At M >= `wide_m` (prefill) the same bits are computed with a tiling made for many rows (`_plan`): the S slices of a
 split weight are reduced inside one program, in S accumulators added in the same fixed order (no fp32 partials
-through memory), an unsplit weight gets the wide column tiles (BN up to `bn_wide`) that narrow tiles gave up
-for decode, and the loads are pipelined deeper (`stages_wide`). Both keep every output element's reduction — the same BK steps in the same order, each slice from
-zero, the slices added pairwise, then one rounding to the output dtype — so which tiling a call takes does not
-change a row's bits (an MMA element does not depend on the tile's width; checked on the H200 by
-`scripts/gpu_kernels.py --only invariant`, rows alone vs inside M = 2048 for each projection shape).
+through memory), an unsplit weight gets the wide column tiles (BN up to `bn_wide`) that narrow tiles gave up for
+decode, and the loads are pipelined deeper (`stages_wide`). Both keep every output element's reduction — the same
+BK steps in the same order, each slice from zero, the slices added pairwise (`_sum_fixed_order`), then one
+rounding to the output dtype — so which tiling a call takes does not change a row's bits (an MMA element does
+not depend on the tile's width; checked on the H200 by `scripts/gpu_kernels.py --only invariant`, rows alone vs
+inside M = 2048 for each projection shape).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from .config import merged_config
 # many column tiles, then K split (up to max_split_target, a fixed power of two) for the rest. Measured inside the
 # deterministic model (4-layer 9B slice, decode B=64 / prefill 8k, ms): target_programs=0: 2.58 / 37.9; the
 # default (64, bn_min 128, max_split_target 2): 2.11 / 41.3 (run K; 0.83 / 0.84 of normal mode, 0.81 / 0.83 at 32
-# layers); target 128 with BN >= 64: 2.07 / 56.3; 64 with BN >= 64 and no split: 2.42 / 46.9. Per kernel (run 6)
-# the default reaches 73-87% of XLA's bf16 GEMM at M >= 1024.
+# layers); target 128 with BN >= 64: 2.07 / 56.3; 64 with BN >= 64 and no split: 2.42 / 46.9. Per kernel (run 6,
+# before the many-row tiling below) this tiling reached 73-87% of XLA's bf16 GEMM at M >= 1024.
 # wide_m: the M from which `_plan` takes the many-row tiling (0: never); bn_wide: its widest column tile;
 # inner_acc: the most accumulator columns (S x BN) one program may hold for an in-kernel split; stages_wide: its
 # pipeline stages (the arithmetic does not depend on them). Measured on the H200 (BENCHMARKS.md, run 20), as XLA's
@@ -67,10 +68,7 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, bk, nk, inner, w_rows_out):
 
     per = nk // inner
     accs = [lax.fori_loop(s * per, (s + 1) * per, body, jnp.zeros((bm, bn), jnp.float32)) for s in range(inner)]
-    while len(accs) > 1:  # parts[:h] + parts[h:], as `_sum_fixed_order`
-        h = len(accs) // 2
-        accs = [accs[i] + accs[i + h] for i in range(h)]
-    o_ref[...] = accs[0].astype(o_ref.dtype)
+    o_ref[...] = _sum_fixed_order(accs).astype(o_ref.dtype)
 
 
 def _tiling(K: int, N: int, cfg: dict) -> tuple[int, int, int, int]:
@@ -121,20 +119,22 @@ def _plan(M: int, K: int, N: int, cfg: dict) -> tuple[int, int, int, int, int, i
 
 
 def _sum_fixed_order(parts):
-    """[S, ...] -> [...]: pairwise halving (S a power of two), elementwise adds in one fixed order."""
-    while parts.shape[0] > 1:
-        h = parts.shape[0] // 2
-        parts = parts[:h] + parts[h:]
+    """S partial products (a sequence, S a power of two) -> their sum by pairwise halving: part i + part i + S/2,
+    repeated — elementwise adds in one fixed order, whether the parts come from the grid (through memory) or from
+    one program's accumulators."""
+    parts = list(parts)
+    while len(parts) > 1:
+        h = len(parts) // 2
+        parts = [parts[i] + parts[i + h] for i in range(h)]
     return parts[0]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "out_dtype", "w_rows_out"))
 def _matmul_impl(x, w, *, interpret, config, out_dtype, w_rows_out):
     cfg = merged_config("matmul_invariant", DEFAULT_CONFIG, config, pow2=("bm", "bn", "bk", "bn_wide"))
-    for key in ("wide_m", "inner_acc", "stages_wide"):
-        if type(cfg[key]) is not int or cfg[key] < (0 if key == "wide_m" else 1):
-            raise ValueError(f"matmul_invariant: {key}={cfg[key]!r} must be an integer >= "
-                             f"{0 if key == 'wide_m' else 1}")
+    for key, least in (("wide_m", 0), ("inner_acc", 1), ("stages_wide", 1)):
+        if type(cfg[key]) is not int or cfg[key] < least:
+            raise ValueError(f"matmul_invariant: {key}={cfg[key]!r} must be an integer >= {least}")
     M, K = x.shape
     N = w.shape[0] if w_rows_out else w.shape[1]
     bm, bn, bk, split, inner, stages = _plan(M, K, N, cfg)

@@ -106,17 +106,18 @@ def main():
 def layer0_bisect(sm, mesh, target, rng):
     """The first GDN layer's intermediate values, step by step as `jaxgdn.layers.gdn.gdn_prefill` computes them,
     for the target row alone vs as row 0 of a batch of 2: the embedding, the input norm, the q/k/v, a, b, z
-    projections, the conv, the gates, the GDN kernel's output and state, the layer's output."""
+    projections, the gates, the conv, the GDN kernel's output and state (the model's own backend throughout)."""
     import pallas_kernels
     from jaxgdn.config import LINEAR
     from jaxgdn.layers import gdn as G
     from jaxgdn.layers.conv import causal_conv1d
     from jaxgdn.layers.norm import rms_norm
+    from jaxgdn.model import _det
 
     cfg, p = sm.config, sm.params
     i = cfg.layer_types.index(LINEAR)
     lp = p.layers[i]
-    det = "pallas" if jax.devices()[0].platform == "gpu" else "interpret"
+    det = _det(sm)  # the backend deterministic mode's products run on, as in the model
     T = len(target)
 
     def steps(tokens):
@@ -138,7 +139,7 @@ def layer0_bisect(sm, mesh, target, rng):
         conv = causal_conv1d(pre, state0, lp.mixer.conv_weight, lengths)
         out["conv output"] = conv[0]
         q, k, v = G._split_qkv(cfg, conv[0])
-        o, st = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths)
+        o, st = pallas_kernels.chunk_gated_delta_rule(q, k, v, g, beta, lengths=lengths, backend=sm.backend)
         out["GDN kernel output"], out["GDN kernel state"] = o, st
         return out
 
@@ -172,7 +173,7 @@ def model_bisect(mesh, cpu):
     state differs, and which leaf."""
     import dataclasses
 
-    from jaxgdn import Model, presets
+    from jaxgdn import Model
     from jaxgdn.config import PRESETS
     from jaxgdn.init import random_params
     from jaxgdn.model import prefill_chunk
@@ -182,7 +183,6 @@ def model_bisect(mesh, cpu):
     dt = jnp.float32 if cpu else jnp.bfloat16
     m = Model(params=jax.jit(lambda k: random_params(cfg, k, dt))(jax.random.key(0)), config=cfg, dtype=dt,
               backend="interpret" if cpu else None, deterministic=True)
-    del presets
     sm = S.shard_model(m, mesh)
     rng = np.random.default_rng(0)
     W = 256
@@ -207,9 +207,11 @@ def model_bisect(mesh, cpu):
         diffs = []
         for i, (a, b) in enumerate(zip(s1.layers, s2.layers)):
             for name, x, y in zip(a._fields, a, b):
-                if x is not None and not np.array_equal(np.asarray(x)[0], np.asarray(y)[0]):
-                    diffs.append(f"layer {i} {type(a).__name__}.{name} "
-                                 f"(max {float(np.abs(np.asarray(x, np.float64)[0] - np.asarray(y, np.float64)[0]).max()):.1e})")
+                if x is None:
+                    continue
+                x, y = np.asarray(x, np.float64)[0], np.asarray(y, np.float64)[0]
+                if not np.array_equal(x, y):
+                    diffs.append(f"layer {i} {type(a).__name__}.{name} (max {float(np.abs(x - y).max()):.1e})")
         ok = np.array_equal(l1[0], l2[0]) and not diffs
         print(f"[{'PASS' if ok else 'FAIL'}] model B={B} ({'full' if full else 'shorter'} other rows): logits "
               f"{'equal' if np.array_equal(l1[0], l2[0]) else 'differ'}; differing states: {diffs[:6]}", flush=True)

@@ -4,7 +4,8 @@ Grid (V // BV, HV, B): one program per (batch row, value head, V block). Each pr
 S [K, BV] once, applies
     S = exp(g) S;  u = beta (v - S^T k);  o = scale (S^T q + (q.k) u);  S = S + k u^T   (q, k fp32-L2-normalised)
 with elementwise fp32 arithmetic — the block held in row slices so that the reductions over K start with FMAs
-across slices, then fixed-order reductions (no tensor cores: no TF32 rounding) — and writes S back once, in place (`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
+across slices, then fixed-order reductions (no tensor cores: no TF32 rounding) — and writes S back once, in place
+(`input_output_aliases`; callers donate the state). With `A_log`/`dt_bias` given, `g` and `beta`
 carry the raw `a` and `b` and the gates are computed inside in fp32: g = -exp(A_log) softplus(a + dt_bias),
 beta = sigmoid(b). The per-token arithmetic (`token_update`) is shared with the token-by-token prefill kernel
 (`scan.py`), which under the same launch configuration gives the same bits (tested on CPU and on the H200).

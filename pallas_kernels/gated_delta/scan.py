@@ -18,8 +18,8 @@ chunked kernels.
 Padded tokens (t >= lengths[b]) leave the state bit-identical and give o = 0: the loop over tokens stops at
 lengths[b] (clipped to [0, T]; no per-token select over the state block), and a second loop writes their zero
 outputs. (Its trip count being a runtime value also keeps interpret mode exact for one-token calls: XLA on CPU
-inlines a loop of one static trip and fuses it with its neighbours, which changes the rounding with the batch.) In-call checkpoints: exact copies of the state after every `checkpoint_stride` tokens (any positive
-stride).
+inlines a loop of one static trip and fuses it with its neighbours, which changes the rounding with the batch.)
+In-call checkpoints: exact copies of the state after every `checkpoint_stride` tokens (any positive stride).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slice
 # 7.0 / 22.5 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the previous arithmetic 6.3-6.4 / 8.1-8.2 / 24.8-24.9;
 # the chunked kernels 2.2 / 6.1 / 8.4) and a one-token call 1.27-1.54x the decode kernel at B=64, 1.33-1.36x at
 # B=256 (issue 7's bar: <= 1.5x; the B=64 ratio varied that much between two runs, the old arithmetic 1.26-1.45x).
-# bv=8 is faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token; bv=32 with 2 warps is 1.12-1.18x at one
-# token but 8.2 ms at B=1. The kernel is bound by instruction issue (~690 per token and warp, Nsight Compute).
+# With the previous arithmetic bv=8 was faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token (with the
+# current one: 10.7 ms at B=1); bv=32 with 2 warps was 1.12-1.18x at one token but 8.2 ms at B=1. The kernel is
+# bound by instruction issue (Nsight Compute, previous arithmetic: ~690 per token and warp).
 # ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with the loads carried unconverted, 21-25%
 # at bv=16; carrying them unconverted alone changed nothing beyond 3% and was dropped, run 14). It moves the loads,
 # not the arithmetic.
