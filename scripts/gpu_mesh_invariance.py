@@ -1,10 +1,12 @@
 """Which deterministic-mode component loses batch invariance on a tensor-parallel GPU mesh.
 
-  PYTHONPATH=. python3 scripts/gpu_mesh_invariance.py [--tp 2] [--cpu] [--model]
+  PYTHONPATH=. python3 scripts/gpu_mesh_invariance.py [--tp 2] [--cpu] [--model [--jit jaxgdn,plain]]
 
 With --model, also the deterministic model (the first 4 layers of the 9B shape on a GPU): its first GDN layer step
 by step (embedding, norm, each projection, gates, conv, the GDN kernel), then every layer's state, row alone vs in
-a batch — the first step that differs names the cause.
+a batch — the first step that differs names the cause. Each is compiled once per `--jit` variant: "jaxgdn"
+(`jaxgdn.model.jit`: `COMPILER_OPTIONS`, no excess precision — what the library's own entry points use) and "plain"
+(`jax.jit` with XLA's defaults, which let a fusion keep bf16 intermediates in fp32).
 
 Each component of deterministic mode that runs per shard (`pallas_kernels.api`: the fixed-tile matmul split by
 columns and by rows, the attention kernel split by heads) — and the row-split product's all-reduce alone — is
@@ -31,6 +33,7 @@ def main():
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--model", action="store_true", help="also bisect the deterministic model by layer states")
+    ap.add_argument("--jit", default="jaxgdn,plain", help="--model: compile with jaxgdn.model.jit and/or jax.jit")
     args = ap.parse_args()
     backend = "interpret" if args.cpu else "pallas"
     mesh = S.make_mesh(args.tp)
@@ -99,11 +102,16 @@ def main():
         if not ok:
             fails.append("chunk")
     if args.model:
-        fails += model_bisect(mesh, args.cpu)
+        import jaxgdn.model
+
+        jits = {"jaxgdn": jaxgdn.model.jit, "plain": jax.jit}
+        for name in args.jit.split(","):
+            print(f"== model, compiled with {name} jit", flush=True)
+            fails += [f"{name} jit: {f}" for f in model_bisect(mesh, args.cpu, jits[name])]
     print(f"FAILS: {fails}")
 
 
-def layer0_bisect(sm, mesh, target, rng):
+def layer0_bisect(sm, mesh, target, rng, jit):
     """The first GDN layer's intermediate values, step by step as `jaxgdn.layers.gdn.gdn_prefill` computes them,
     for the target row alone vs as row 0 of a batch of 2: the embedding, the input norm, the q/k/v, a, b, z
     projections, the gates, the conv, the GDN kernel's output and state (the model's own backend throughout)."""
@@ -143,7 +151,7 @@ def layer0_bisect(sm, mesh, target, rng):
         out["GDN kernel output"], out["GDN kernel state"] = o, st
         return out
 
-    f = jax.jit(steps)
+    f = jit(steps)
     other = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
     with jax.set_mesh(mesh):
         alone = f(jnp.asarray(target[None]))
@@ -167,7 +175,7 @@ def layer0_bisect(sm, mesh, target, rng):
     return fails
 
 
-def model_bisect(mesh, cpu):
+def model_bisect(mesh, cpu, jit):
     """Deterministic model (first 4 layers of the 9B shape on GPU — 3 GDN + 1 attention — the tiny one on CPU) on
     the mesh: a row alone vs the same row inside batches of 2 and 8 (other rows shorter): the first layer whose
     state differs, and which leaf."""
@@ -187,7 +195,7 @@ def model_bisect(mesh, cpu):
     rng = np.random.default_rng(0)
     W = 256
     target = rng.integers(0, cfg.vocab_size, W).astype(np.int32)
-    f = jax.jit(prefill_chunk)
+    f = jit(prefill_chunk)
 
     def run(rows):
         toks = np.zeros((len(rows), W), np.int32)
@@ -198,7 +206,7 @@ def model_bisect(mesh, cpu):
                        jnp.asarray([len(r) for r in rows], jnp.int32))
         return st, np.asarray(lg)
 
-    fails = layer0_bisect(sm, mesh, target, rng)
+    fails = layer0_bisect(sm, mesh, target, rng, jit)
     s1, l1 = run([target])
     for B, full in ((2, True), (2, False), (8, False)):
         rows = [target] + [rng.integers(0, cfg.vocab_size, W if full else int(rng.integers(1, W))).astype(np.int32)

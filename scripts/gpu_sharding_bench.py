@@ -66,6 +66,10 @@ from jaxgdn.state import AttentionLayerState, GDNLayerState  # noqa: E402
 
 RESULTS: dict = {"errors": []}
 OUT = "."
+# How the model's functions are compiled: `jaxgdn.model.jit` (jaxgdn's COMPILER_OPTIONS, as `Model.prefill_chunk`,
+# `generate` and the other entry points compile them), or plain `jax.jit` with `--plain-jit` (XLA's default excess
+# precision: a fusion may keep bf16 intermediates in fp32, so rounding can move with the fusion).
+MODEL_JIT = jaxgdn.model.jit
 
 
 def log(*a):
@@ -149,7 +153,7 @@ def stage_checks(mesh, tol: float):
     lens = np.array([64, 41], np.int32)
     nxt = np.array([7, 9], np.int32)
     valid = np.arange(64)[None, :] < lens[:, None]
-    pf, dc = jax.jit(prefill_chunk), jax.jit(decode_step)
+    pf, dc = MODEL_JIT(prefill_chunk), MODEL_JIT(decode_step)
     with jax.default_matmul_precision("highest"):
         for name in ("tiny", "tiny-next"):
             model = jaxgdn.tiny_model(name)
@@ -218,7 +222,7 @@ def stage_hlo(model, mesh, B: int, context: int):
     out = {}
     for ctx_name, ctx in (("with mesh context", on_mesh(mesh)), ("without", _Null())):
         with ctx:
-            txt = jax.jit(decode_step).lower(sm, st, tok).compile().as_text()
+            txt = MODEL_JIT(decode_step).lower(sm, st, tok).compile().as_text()
         c = collectives(txt)
         out[ctx_name] = c
         log(f"  decode step collectives ({ctx_name}): {sum(c.values())}")
@@ -237,7 +241,7 @@ def stage_hlo(model, mesh, B: int, context: int):
 # ---- stage: prefill / decode throughput, 1 GPU vs the mesh -------------------------------------------------------
 
 def prefill_time(model, mesh, T: int, reps: int = 3):
-    f = jax.jit(functools.partial(prefill_chunk, last_only=True))
+    f = MODEL_JIT(functools.partial(prefill_chunk, last_only=True))
     st = S.init_state(model, 1, T)
     toks = jax.random.randint(jax.random.key(1), (1, T), 0, model.config.vocab_size, jnp.int32)
     lens = jnp.array([T], jnp.int32)
@@ -249,7 +253,7 @@ def decode_time(model, mesh, B: int, context: int, steps: int = 16):
     """Seconds per decode step inside one compiled loop of `steps` (state donated), and per separate call."""
     cap = context + steps + 64
 
-    f = jax.jit(functools.partial(greedy_decode, steps=steps), donate_argnums=1)
+    f = MODEL_JIT(functools.partial(greedy_decode, steps=steps), donate_argnums=1)
     tok = jnp.zeros((B,), jnp.int32)
     with on_mesh(mesh):
         state = fresh_state(model, B, cap, context)
@@ -262,7 +266,7 @@ def decode_time(model, mesh, B: int, context: int, steps: int = 16):
             jax.block_until_ready(t_out)
             ts.append((time.perf_counter() - t0) / steps)
         state = fresh_state(model, B, cap, context)
-        t_call = timed(jax.jit(decode_step), model, state, tok, reps=5)
+        t_call = timed(MODEL_JIT(decode_step), model, state, tok, reps=5)
     return statistics.median(ts), t_call, state
 
 
@@ -322,8 +326,8 @@ def stage_bitwise(model, mesh, max_len: int, batches=(2, 8, 64)):
     rng = np.random.default_rng(0)
     target = rng.integers(0, cfg.vocab_size, max_len).astype(np.int32)
     width = max_len
-    f = jax.jit(functools.partial(prefill_chunk, last_only=True))
-    d = jax.jit(decode_step)
+    f = MODEL_JIT(functools.partial(prefill_chunk, last_only=True))
+    d = MODEL_JIT(decode_step)
     checks = {}
 
     def run(m, msh, rows):
@@ -364,7 +368,7 @@ def stage_bitwise(model, mesh, max_len: int, batches=(2, 8, 64)):
 # ---- main --------------------------------------------------------------------------------------------------------
 
 def main():
-    global OUT
+    global OUT, MODEL_JIT
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-9b")
     ap.add_argument("--layers", type=int, default=8, help="keep only the first N layers (0: all)")
@@ -380,8 +384,12 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="small shapes, tiny preset (CPU test of the script)")
     ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
                     "for this run (deterministic mode's matmul tiling)")
+    ap.add_argument("--plain-jit", action="store_true", help="compile the model's functions with jax.jit (XLA's "
+                    "default excess precision) instead of jaxgdn.model.jit")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.plain_jit:
+        MODEL_JIT = jax.jit
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
         RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
     if args.cpu_smoke:
