@@ -708,6 +708,7 @@ def _bench(args, out: _Outputs) -> int:
 
     from .generate import greedy_decode
     from .model import _prefill_jit as prefill
+    from .model import jit as model_jit
 
     if args.output:
         out.target(args.output)
@@ -721,7 +722,7 @@ def _bench(args, out: _Outputs) -> int:
         raise CapacityError(f"{T} prompt + {N} decode tokens exceed the capacity of {_max_length(args)} tokens")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (B, T)), jnp.int32)
     lengths = jnp.full((B,), T, jnp.int32)
-    decode_loop = jax.jit(functools.partial(greedy_decode, steps=N))
+    decode_loop = model_jit(functools.partial(greedy_decode, steps=N))  # the library's compiler options
 
     def timed(fn):
         times = []

@@ -5,7 +5,7 @@
     state = model.init_state(B, N)                       # created already split (jaxgdn.sharding.init_state)
     state, logits = model.prefill_chunk(state, tokens)   # unchanged; so are decode_step and generate
     with jax.set_mesh(mesh):                             # for your own jit of the pure functions:
-        state, logits = jax.jit(jaxgdn.prefill_chunk)(model, state, tokens, lengths)
+        state, logits = jaxgdn.model.jit(jaxgdn.prefill_chunk)(model, state, tokens, lengths)
 
 The state functions are unchanged: under `jax.jit` the inputs' `NamedSharding`s are annotations, XLA's SPMD
 partitioner splits the computation and inserts the collectives (two all-reduces per layer — after the mixer's
@@ -51,10 +51,14 @@ attention o_proj, MLP down_proj) fp32 partial products and adds them in device o
 experts' routed and shared down projections (`pallas_kernels.expert_down(fixed_order=True)`). Deterministic mode's
 fixed-tile matmuls and the attention kernel run per shard in `shard_map` (`pallas_kernels.matmul_invariant`'s
 `row_groups` / `col_groups`, `attention_invariant`), as the GDN kernels do; so does the default mode's attention
-kernel. On two H200s the deterministic checks passed with the earlier dispatch (reference products under XLA's
-partitioner), but fail with the per-shard kernels: a row alone and the same row in a batch differ (BENCHMARKS.md,
-runs S3-S5; `GPU_MESH_DETERMINISM` below, with what was narrowed down), so `shard_model` and `init_state` warn
-for a deterministic model on a GPU mesh. Meshes of more than 2 GPUs have not been run (none lent so far).
+kernel. On two H200s every deterministic check passes with the per-shard kernels (BENCHMARKS.md, run S6: a row
+alone == inside batches of 2/8/64 at prefill and decode, a grid split == one call, the first GDN layer step by step)
+when the functions are compiled with `jaxgdn.model.COMPILER_OPTIONS`, as the library's entry points (`Model`
+methods, `generate`, `score`, the engine) compile them. Compiled with plain `jax.jit`, XLA's default excess
+precision lets a fusion keep bf16 intermediates in fp32 and the partitioned program fuses differently per batch
+size: the same checks fail there (runs S3-S5, and S6 with `--plain-jit`). So jit the pure functions yourself as
+`jaxgdn.model.jit(fn)` or with `compiler_options=jaxgdn.model.COMPILER_OPTIONS`.
+Meshes of more than 2 GPUs have not been run (none lent so far).
 Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
 last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —
 XLA compiles the interpreted kernel body inside the partitioned program differently per batch size. The compiled
@@ -65,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Sequence
 
 import jax
@@ -85,33 +88,6 @@ _GROUPED_LAYOUT = "gdn_qkv_groups" in ModelConfig.__dataclass_fields__  # the co
 
 
 # ---- the mesh ----------------------------------------------------------------------------------------------------
-
-# Measured (BENCHMARKS.md, runs S3-S5, 2 x H200): with the per-shard dispatch, deterministic mode on a 2-GPU mesh
-# gives a row alone different bits from the same row inside a batch (the same call twice and a grid split still
-# agree; also with the matmul's many-row tiling off), although each per-shard component alone — both matmul splits,
-# the all-reduce, both attention kernels, the chunked GDN kernel — passes the same check on those GPUs
-# (`scripts/gpu_mesh_invariance.py`). In the 9B-shaped model the first difference is layer 0's GDN recurrent state
-# while its conv state (the q/k/v projection's last rows) is equal: the suspects are the a/b gate projections (per
-# shard N = 16, K split in 16), XLA's elementwise conv and gate code as partitioned per batch size, and the GDN
-# kernel fed from them. (XLA on GPUs contracts a * b + c into an FMA inside a fusion — openxla/xla issue 41579 —
-# so a fusion boundary that moves with the batch shape moves a rounding: the conv's tap sums and the norms'
-# squares are such products and sums.) The cause is not found yet.
-GPU_MESH_DETERMINISM = (
-    "deterministic=True on a tensor-parallel GPU mesh is not batch-invariant: on 2 x H200 a row alone and the "
-    "same row inside a batch gave different logits (BENCHMARKS.md, Tensor parallelism). Run deterministic "
-    "workloads on one device until this is fixed.")
-
-
-def _on_gpus(mesh: Mesh) -> bool:
-    return mesh.devices.flat[0].platform == "gpu"
-
-
-def _warn_if_deterministic_on_gpus(model: Model, mesh: Mesh) -> None:
-    """`GPU_MESH_DETERMINISM` as a RuntimeWarning when a deterministic model is placed on, or makes a state for, a
-    GPU mesh of more than one device."""
-    if model.deterministic and _tp_size(mesh) > 1 and _on_gpus(mesh):
-        warnings.warn(GPU_MESH_DETERMINISM, RuntimeWarning, stacklevel=3)
-
 
 def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D tensor-parallel mesh: axis "tp" over `tp` devices (default: all of `devices` / `jax.devices()`).
@@ -421,7 +397,6 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     if pl.grouped_qkv:
         model = with_layout(model, model.config.linear_num_key_heads)
     params = place(model.params, param_specs(model.config, mesh), mesh)
-    _warn_if_deterministic_on_gpus(model, mesh)
     return dataclasses.replace(model, params=params)
 
 
@@ -440,7 +415,6 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
     replay = model.keeps_open_chunk
     if mesh is None:
         return _init_state(model.config, batch_size, capacity, model.dtype, replay)
-    _warn_if_deterministic_on_gpus(model, mesh)
     return _sharded_zeros(model.config, batch_size, capacity, jnp.dtype(model.dtype), replay, mesh)()
 
 

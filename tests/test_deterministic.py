@@ -99,3 +99,29 @@ def test_deterministic_recurrent_mode_refuses_off_grid_prefill():
     state, _ = replay.prefill_chunk(replay.init_state(1, 128), jnp.ones((1, 10), jnp.int32))
     state, _ = replay.prefill_chunk(state, jnp.ones((1, 5), jnp.int32))
     assert int(state.position[0]) == 15 and int(state.provenance[0]) == jaxgdn.Provenance.PREFILL
+
+
+def test_library_compiles_its_functions_with_its_compiler_options():
+    """Every compilation inside jaxgdn goes through `jaxgdn.model.jit` (COMPILER_OPTIONS: no XLA excess precision).
+    With plain `jax.jit` a fusion may keep bf16 intermediates in fp32, and on a 2-GPU mesh that broke batch
+    invariance (BENCHMARKS.md, runs S3-S6). Allowed: the definition itself, and the sharded zero state (no
+    arithmetic)."""
+    import ast
+
+    allowed = {("model.py", "jit"), ("sharding.py", "_sharded_zeros")}
+    found = []
+    for path in sorted(Path(jaxgdn.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+                continue
+            body = fn.body if isinstance(fn, ast.Module) else fn.body + fn.decorator_list
+            for stmt in body:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt is not fn:
+                    continue  # walked on its own
+                for node in ast.walk(stmt):
+                    if (isinstance(node, ast.Attribute) and node.attr == "jit" and isinstance(node.value, ast.Name)
+                            and node.value.id == "jax"):
+                        found.append((path.name, getattr(fn, "name", "<module>")))
+    assert found, "the scan found no jax.jit at all: it is broken"
+    assert set(found) <= allowed, sorted(set(found) - allowed)

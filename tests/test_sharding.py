@@ -315,29 +315,6 @@ def _worker() -> dict:
 
     record("fixed_order", fixed_order)
 
-    def gpu_mesh_warning():
-        """A deterministic model placed on a GPU mesh, and its state there, come with a RuntimeWarning each
-        (deterministic mode is measured not batch-invariant there); CPU meshes and the default mode stay silent.
-        The GPU is faked here."""
-        import warnings
-
-        mesh2 = S.make_mesh(2)
-        caught = {}
-        for fake_gpu in (False, True):
-            for det in (True, False):
-                real = S._on_gpus
-                S._on_gpus = lambda mesh, fake=fake_gpu: fake
-                try:
-                    with warnings.catch_warnings(record=True) as w:
-                        warnings.simplefilter("always")
-                        S.shard_model(det_fixture.with_deterministic(det), mesh2).init_state(1, 64)
-                finally:
-                    S._on_gpus = real
-                caught[f"gpu{int(fake_gpu)}_det{int(det)}"] = sum("not batch-invariant" in str(x.message) for x in w)
-        return caught
-
-    record("gpu_mesh_warning", gpu_mesh_warning)
-
     def cache_and_generate():
         """generate on a mesh (its first token and logprob = the single-device prefill's, within TOL), the
         deterministic prefix cache on a mesh: its checkpoints stay split, a warm run (restored onto the mesh)
@@ -481,11 +458,6 @@ def test_deterministic_mode_on_four_devices_sums_in_a_fixed_order(results, key):
     assert f["dense_all_gathers_tp4"] > 0 and f["dense_all_gathers_tp2"] == 0, f
     # the MoE's routed and shared down projections too (per MoE layer, inside the 64-token tile map)
     assert f["moe_all_gathers_tp4"] > f["dense_all_gathers_tp4"] / 2 and f["moe_all_gathers_tp2"] == 0, f
-
-
-def test_deterministic_mode_on_a_gpu_mesh_warns(results):
-    r = _get(results, "gpu_mesh_warning")
-    assert r == {"gpu0_det1": 0, "gpu0_det0": 0, "gpu1_det1": 2, "gpu1_det0": 0}, r  # shard_model, init_state
 
 
 def test_generate_and_prefix_cache_on_a_mesh(results):
