@@ -224,6 +224,25 @@ def chunk_bitwise(config=None, tag="default"):
 
 
 @section
+def config_equality(configs):
+    """Which configurations compute the default's bits (outputs and final state, lengths 512/300/37, a non-zero
+    initial state): a configuration chosen by shape (e.g. a V block for small grids) must, or a row alone and the
+    same row in a batch could differ."""
+    rng = np.random.default_rng(3)
+    x = dev_inputs(random_gdn_inputs(rng, 3, 512, 2, 4, 128, 128, np.float32, beta_kind="mixed"))
+    ref = call_chunk(x, lengths=[512, 300, 37])
+    out = {}
+    for name, cfg in configs.items():
+        if name == "default":
+            continue
+        got = call_chunk(x, lengths=[512, 300, 37], config=cfg)
+        out[name] = [bool(np.array_equal(a, b)) for a, b in zip(got, ref)]
+        log(f"  {name:>16s}: outputs {'==' if out[name][0] else '!='} default, state "
+            f"{'==' if out[name][1] else '!='} default")
+    RESULTS["config_equality"] = out
+
+
+@section
 def decode_checks():
     rng = np.random.default_rng(2)
     B, HK, HV, K, V = 4, 2, 8, 128, 128
@@ -543,7 +562,8 @@ def prefill_breakdown(cfg):
     for shp in [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32)]:
         q, k, v, g, beta = make_prefill(*shp)
         row = dict(shape=shp)
-        stops = ["prep", "state", None] if split else ["prep", None]
+        two = dict(chunk_mod.DEFAULT_CONFIG, **(cfg or {}))["prep_kernels"] == 2
+        stops = (["inverse"] if split and two else []) + (["prep", "state", None] if split else ["prep", None])
         prev = 0.0
         for stop in stops:
             c = dict(cfg or {}, stop_after=stop) if stop else cfg
@@ -858,7 +878,7 @@ def main():
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.only:
-        every = {"accuracy", "bitwise", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
+        every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
                  "conv1d", "invariant", "replay", "reference", "scan"}
         skip = every - set(args.only.split(","))
     t_start = time.time()
@@ -905,6 +925,11 @@ def main():
         "prep2_w2": dict(prep_kernels=2, warps_prep=2),
         "prep2_tiles16": dict(prep_kernels=2, inv="tiles16"),
         "prep2_bv32_s2": dict(prep_kernels=2, bv=32, stages_state=2),
+        "rows": dict(inv="rows"),
+        "rows_bv32_s2": dict(inv="rows", bv=32, stages_state=2),
+        "rows_s2": dict(inv="rows", stages_state=2),
+        "rows_w2": dict(inv="rows", warps_prep=2),
+        "rows_w8": dict(inv="rows", warps_prep=8),
     }
     if args.quick:
         chunk_configs = {"default": None}
@@ -928,6 +953,8 @@ def main():
         acc = chunk_accuracy(chunk_configs)
     if "bitwise" not in skip:
         chunk_bitwise()
+    if "equality" not in skip and len(chunk_configs) > 1:
+        config_equality(chunk_configs)
     if "decode_checks" not in skip:
         decode_checks()
     if "ceilings" not in skip:
