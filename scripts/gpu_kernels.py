@@ -925,11 +925,6 @@ def main():
         "prep2_w2": dict(prep_kernels=2, warps_prep=2),
         "prep2_tiles16": dict(prep_kernels=2, inv="tiles16"),
         "prep2_bv32_s2": dict(prep_kernels=2, bv=32, stages_state=2),
-        "rows": dict(inv="rows"),
-        "rows_bv32_s2": dict(inv="rows", bv=32, stages_state=2),
-        "rows_s2": dict(inv="rows", stages_state=2),
-        "rows_w2": dict(inv="rows", warps_prep=2),
-        "rows_w8": dict(inv="rows", warps_prep=8),
     }
     if args.quick:
         chunk_configs = {"default": None}

@@ -132,50 +132,6 @@ def _unit_lower_inverse(a, prec, interpret):
     return _merge_block_inverse(a, di, prec, interpret)
 
 
-def _inverse_rows(k, beta, gc, x_ref, cfg, interpret):
-    """inv="rows" (prep_kernels=2): X = (I + A)^-1 as `_unit_lower_inverse` computes it, with the row A_b[i, :] that
-    each forward-substitution step needs loaded from memory instead of extracted from registers by a masked
-    reduction (one cross-thread reduction per step instead of two). The four 16x16 diagonal blocks are parked,
-    stacked, in the output block `x_ref` [C, C] (rows 16 b + r, columns 0..15 hold A_b[r, :]) behind a barrier;
-    step i loads rows i, 16 + i, 32 + i, 48 + i with one strided load. A second barrier orders the last loads before
-    the caller overwrites `x_ref` with X. The loaded values are the stored fp32 values, so X is the same
-    function of A as with inv="block16" (row-causal, fixed order)."""
-    c, s = CHUNK, _SUB
-    nb = c // s
-    lower, decay = _causal_decay(gc, strict=True)
-    kk = _dot(k * beta[:, None], k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
-    a = jnp.where(lower, kk * decay, 0.0)
-    rows = lax.broadcasted_iota(jnp.int32, (c, nb, s), 0)
-    cblk = lax.broadcasted_iota(jnp.int32, (c, nb, s), 1)
-    stacked = jnp.sum(jnp.where(rows // s == cblk, a.reshape(c, nb, s), 0.0), axis=1)  # [C, 16]: exact
-    x_ref[:, pl.ds(0, s)] = stacked
-    _barrier(interpret)
-    r = lax.broadcasted_iota(jnp.int32, (nb, s, s), 1)
-    col = lax.broadcasted_iota(jnp.int32, (nb, s, s), 2)
-    t0 = jnp.where(r == col, 1.0, 0.0).astype(jnp.float32)
-
-    def body(i, t):
-        arow = x_ref[pl.ds(i, nb, stride=s), pl.ds(0, s)]  # [nb, s]: a[b, i, :]
-        contrib = jnp.sum(arow[:, :, None] * t, axis=1)  # [nb, s]: sum_j a[b, i, j] t[b, j, :]
-        return jnp.where(r == i, t - contrib[:, None, :], t)
-
-    t = lax.fori_loop(1, s, body, t0)
-    _barrier(interpret)
-    bi = lax.broadcasted_iota(jnp.int32, (nb, s, nb, s), 0)
-    bj = lax.broadcasted_iota(jnp.int32, (nb, s, nb, s), 2)
-    di = jnp.where(bi == bj, jnp.broadcast_to(t[:, :, None, :], (nb, s, nb, s)), 0.0).reshape(c, c)
-    return _merge_block_inverse(a, di, cfg["p_inv"], interpret)
-
-
-def _barrier(interpret):
-    """A CTA-wide barrier on the GPU (global-memory writes before it are visible to every thread of the program
-    after it); nothing in interpret mode, where a program is one sequential computation."""
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        pltriton.debug_barrier()
-
-
 def _merge_block_inverse(a, di, prec, interpret):
     """(I + a)^-1 from di, the inverse of I plus a's 16x16 diagonal blocks: with E the strictly block-lower part of
     a, N = di E is nilpotent (N^4 = 0) and (I + a)^-1 = (I - N + N^2 - N^3) di."""
@@ -410,12 +366,6 @@ def _inverse_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, gc_ref, *, use_l2, c
     """Split design with prep_kernels=2, part 1: X = (I + A)^-1 [C, C] and gc of one chunk (a small footprint:
     [C, C] tiles and one [C, K] block live, so more programs fit on an SM to hide the inverse's latency)."""
     valid = _valid_rows(len_ref[0])
-    if cfg["inv"] == "rows":
-        gc = jnp.cumsum(_masked(g_ref, valid))
-        gc_ref[...] = gc
-        x_ref[...] = _inverse_rows(_load_key(k_ref, valid, use_l2), _masked(beta_ref, valid), gc, x_ref, cfg,
-                                   interpret)
-        return
     di = None
     if cfg["inv"] == "tiles16":
         di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
@@ -462,11 +412,8 @@ def _checked_config(config, V: int) -> dict:
                         extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
-    if cfg["inv"] not in ("block16", "rows", "tiles16", "doubling", "fwd64"):
-        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'rows', 'tiles16', 'doubling' or 'fwd64'")
-    if cfg["inv"] == "rows" and (cfg["design"] != "split" or cfg["prep_kernels"] != 2):
-        raise ValueError("inv='rows' parks A's diagonal blocks in the inverse kernel's output: it needs the split "
-                         "design with prep_kernels=2")
+    if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64"):
+        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
     for name, p in cfg.items():

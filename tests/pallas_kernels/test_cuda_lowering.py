@@ -107,14 +107,12 @@ def test_chunk_lowers_for_h200(B, T, HK, HV, K, V, dtype, stride):
                                     {"bv": 32, "bv_out": 64, "stages_state": 2, "warps_out": 8}, {"inv": "tiles16"},
                                     {"inv": "tiles16", "design": "fused", "warps_prep": 8, "prep_kernels": 1},
                                     {"prep_kernels": 1},
-                                    {"prep_kernels": 2, "inv": "tiles16", "warps_apply": 8}, {"inv": "rows"}])
+                                    {"prep_kernels": 2, "inv": "tiles16", "warps_apply": 8}])
 def test_chunk_configs_lower(config):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    config=config)
     _, modules = lower_for_h200(f, *chunk_args(2, 256, 2, 4, 128, 128, jnp.bfloat16))
     assert not dot_problems(modules)[1]
-    if config.get("inv") == "rows":  # the parked diagonal blocks are read back behind a CTA barrier (gpu.barrier)
-        assert any(op.name == "gpu.barrier" for m in modules for op in _walk(m.operation)), "no barrier"
 
 
 @pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
