@@ -221,6 +221,17 @@ def chunk_bitwise(config=None, tag="default"):
             oj, _ = call_chunk(x, sl=slice(start, start + j), s0=s_start, config=config)
             ok &= np.array_equal(oj, of[:, :j])
     check(f"[{tag}] chunk j<64 rows == full-chunk rows (j=1,2,7,33,63; at 0 and 256)", ok)
+    if config is None:  # the recurrence's launch follows the grid (chunk._recurrence_blocks): rows alone (B=1, HV=32:
+        # bv_small) == the same rows in a batch of 4 (bv), the Qwen3.5 head shape
+        x = dev_inputs(random_gdn_inputs(rng, 4, 256, 16, 32, 128, 128, np.float32, beta_kind="mixed"))
+        lengths = [256, 200, 64, 1]
+        ob, sb = call_chunk(x, lengths=lengths)
+        ok = True
+        for b, n in enumerate(lengths):
+            xb = {k_: (None if v_ is None else v_[b: b + 1]) for k_, v_ in x.items()}
+            oa, sa = call_chunk(xb, sl=slice(0, n))
+            ok &= np.array_equal(oa[0], ob[b, :n]) and np.array_equal(sa[0], sb[b])
+        check(f"[{tag}] chunk row alone (small-grid launch) == row in a batch of 4 (HV=32)", ok)
 
 
 @section

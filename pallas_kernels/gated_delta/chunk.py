@@ -71,9 +71,15 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="inverse" (prep_kernels=2) returns after the inverse kernel; stop_after="state" (split design) returns
 # after the recurrence kernel.
+# Small grids (split design): when the recurrence's grid (V // bv, HV, B) has at most `small_grid` programs (132:
+# one per SM of the H200), it runs with V blocks of `bv_small` and `stages_small` load stages instead — twice the
+# programs, loads pipelined — unless the caller's config sets bv or stages_state. Run 21: (1, 8192, 16, 32) 1.80
+# against 2.19 ms, (1, 32768, 16, 32) 6.99 against 8.34; at (8, 4096) the same setting was 2% slower, hence the rule.
+# The bits do not depend on it (`_recurrence_blocks`).
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=2, warps_apply=4,
     bv=64, inv="block16", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
+    small_grid=132, bv_small=32, stages_small=2,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -408,7 +414,8 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
 
 def _checked_config(config, V: int) -> dict:
     """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
-    cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config, blocks={"bv": V, "bv_out": V},
+    cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
+                        blocks={"bv": V, "bv_out": V, "bv_small": V},
                         extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
@@ -422,6 +429,24 @@ def _checked_config(config, V: int) -> dict:
     return cfg
 
 
+def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bool) -> dict:
+    """The split design's recurrence launch for this shape: `bv_small` / `stages_small` on a grid of at most
+    `small_grid` programs (DEFAULT_CONFIG), unless `config` (the caller's) sets bv or stages_state.
+
+    Bitwise safe on the GPU: every element of v_new = u - w S and of kd^T v_new is one tensor-core dot over the same
+    axis (K, or the chunk's 64 rows) in the same order whatever the V block, and pipelining moves loads, not
+    arithmetic — so a row alone (a small grid) and the same row in a batch (a large one) still agree bit for bit.
+    Checked on the H200 (run 21: bv=32 with 2 stages == the default, outputs and states; `scripts/gpu_kernels.py`
+    also checks a row alone against a batch across the switch). Not in interpret mode: there the dots are
+    XLA:CPU's, whose rounding does depend on the block width (seen in the tests), and speed is not the point."""
+    user = dict(config or ())
+    if interpret or cfg["design"] != "split" or "bv" in user or "stages_state" in user:
+        return cfg
+    if (V // min(cfg["bv"], V)) * HV * B > cfg["small_grid"]:
+        return cfg
+    return dict(cfg, bv=cfg["bv_small"], stages_state=cfg["stages_small"])
+
+
 def _check_pow2(name, x, lo=16):
     if x < lo or x & (x - 1):
         raise ValueError(f"{name}={x}: the Pallas-Triton kernels need a power of two >= {lo}")
@@ -430,9 +455,9 @@ def _check_pow2(name, x, lo=16):
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "checkpoint_stride", "interpret", "config"))
 def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2norm, checkpoint_stride, interpret,
                 config):
-    cfg = _checked_config(config, v.shape[3])
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    cfg = _recurrence_blocks(_checked_config(config, V), config, B, HV, V, interpret)
     nt = -(-T // CHUNK)
     tp = nt * CHUNK
     if tp != T:

@@ -210,3 +210,19 @@ def test_invariant_matmul_with_transposed_weight_lowers_for_h200():
     _, modules = lower_for_h200(f, SDS((64, 1024), jnp.bfloat16), SDS((151936, 1024), jnp.bfloat16))
     n, bad = dot_problems(modules)
     assert len(modules) == 1 and n == 1 and not bad, bad
+
+
+@pytest.mark.parametrize("B,bv", [(1, 32), (8, 64)])
+def test_chunk_recurrence_block_follows_the_grid(B, bv):
+    """On the GPU the recurrence takes V blocks of 32 on a small grid (B=1, HV=32: 64 programs of bv 64) and keeps
+    64 on a large one (`chunk._recurrence_blocks`): the state kernel's dots are [64, bv] and [128, bv]."""
+    from jax._src.lib.mlir import ir
+
+    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n)
+    _, modules = lower_for_h200(f, *chunk_args(B, 128, 16, 32, 128, 128, jnp.bfloat16))
+    state = [m for m in modules if any("gdn_chunk_state" in str(op.attributes["sym_name"])
+                                       for op in m.body.operations if "sym_name" in op.attributes)]
+    assert len(state) == 1
+    dots = sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(state[0].operation)
+                  if op.name == "tt.dot")
+    assert dots == [(64, bv), (128, bv)], dots
