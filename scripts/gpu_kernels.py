@@ -333,15 +333,20 @@ def to_torch(x):
 
 
 def prefill_model(B, T, HK, HV, K, V, bv):
-    """FLOPs of our two kernels' dots and the minimal DRAM bytes (inputs, w/u/gc round trip, o, final state)."""
+    """FLOPs of the split design's dots (the inverse's merge counted once, not per TF32 pass) and its DRAM bytes:
+    inputs (k read by three kernels, q and v by one), the fp32 intermediates written once and read once (X, gc, w,
+    u, kd, v_new per token; the state h per chunk), the bf16 output and the final state. `bv` is not used (q/k
+    reads per V block hit L2)."""
     C = 64
-    nch = B * HV * (-(-T // C))
-    flops_prep = 2 * C * C * K + 4 * 2 * C ** 3 + 2 * C * C * K + 2 * C * C * V + 2 * C * C * K
-    flops_state = 3 * 2 * C * K * V + 2 * C * C * V
-    flops = nch * (flops_prep + flops_state)
-    useful = nch * (2 * C * C * K + 2 * C * C * K + 2 * C * C * V + 3 * 2 * C * K * V + 2 * C * C * V)
-    inputs = B * T * (2 * HK * K * 2 + HV * V * 2 + HV * 8)
-    inter = 2 * B * T * HV * (3 * K + V + C + 1) * 4  # w, u, qg, kd, Aqk, gc written and read once
+    nt = -(-T // C)
+    nch = B * HV * nt
+    flops_prep = 2 * C * C * K + 4 * 2 * C ** 3 + 2 * C * C * K + 2 * C * C * V  # kk^T, merge, w, u
+    flops_state = 2 * 2 * C * K * V  # w S, kd^T v_new
+    flops_out = 2 * C * C * K + 2 * C * K * V + 2 * C * C * V  # q k^T, q h, A v_new
+    flops = nch * (flops_prep + flops_state + flops_out)
+    useful = nch * (2 * C * C * K + 2 * C * C * K + 2 * C * C * V + flops_state + flops_out)
+    inputs = B * T * (HK * K * 2 * 4 + HV * V * 2 + HV * 8)
+    inter = 2 * 4 * (B * T * HV * (C + 1 + 2 * K + 2 * V) + nch * K * V)
     out = B * T * HV * V * 2 + B * HV * K * V * 4
     return flops, useful, inputs + inter + out
 
