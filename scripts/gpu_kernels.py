@@ -941,9 +941,6 @@ def main():
         "prep2_w2": dict(prep_kernels=2, warps_prep=2),
         "prep2_tiles16": dict(prep_kernels=2, inv="tiles16"),
         "prep2_bv32_s2": dict(prep_kernels=2, bv=32, stages_state=2),
-        "air": dict(apply_in_recurrence=True),  # w / u / kd inside the recurrence (small-grid rule as the default)
-        "air_w8": dict(apply_in_recurrence=True, warps_state=8),
-        "air_bv32_s2": dict(apply_in_recurrence=True, bv=32, stages_state=2),
     }
     if args.quick:
         chunk_configs = {"default": None}

@@ -62,8 +62,6 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 #   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
 #   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd);
-#   apply_in_recurrence (prep_kernels=2): w / u / kd computed inside the recurrence from X and the inputs instead of
-#   by their own kernel (no fp32 w, u, kd round trip through memory; two more dots per chunk on the sequential path);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -81,7 +79,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=2, warps_apply=4,
     bv=64, inv="block16", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, apply_in_recurrence=False,
+    small_grid=132, bv_small=32, stages_small=2,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -404,27 +402,6 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
 
 
-def _state_apply_kernel(len_ref, x_ref, k_ref, v_ref, beta_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, *, nt, use_l2,
-                        cfg, interpret):
-    """apply_in_recurrence: `_state_split_kernel` with each chunk's w, u and kd computed here, from X and the
-    chunk's inputs (as `_apply_kernel` computes them), instead of read from memory."""
-    length = len_ref[0]
-    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-
-    def body(c, s):
-        start = pl.multiple_of(c * CHUNK, CHUNK)
-        sl = pl.ds(start, CHUNK)
-        valid = (start + iota) < length
-        w, u, kd = _apply_wy(x_ref[sl, :], _load_key(k_ref.at[sl], valid, use_l2), _masked(v_ref.at[sl], valid),
-                             _masked(beta_ref.at[sl], valid), gc_ref[sl], cfg, interpret)
-        h_ref[c] = s
-        v_new = u - _dot(w, s, cfg["p_ws"], interpret)  # [C, BV]
-        vn_ref[sl, :] = v_new
-        return s * jnp.exp(_last(gc_ref[sl])) + _dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
-
-    st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
-
-
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
     """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
     valid = _valid_rows(len_ref[0])
@@ -446,8 +423,6 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
-    if cfg["apply_in_recurrence"] and cfg["prep_kernels"] != 2:
-        raise ValueError("apply_in_recurrence needs the split design with prep_kernels=2 (X from the inverse kernel)")
     for name, p in cfg.items():
         if name.startswith("p_") and p not in _PRECISIONS:
             raise ValueError(f"{name}={p!r}: expected one of {_PRECISIONS}")
@@ -575,13 +550,6 @@ class _ChunkGrid:
 def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
     """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
     prep_kernels=2) -> recurrence -> output."""
-    if cfg["apply_in_recurrence"]:
-        x, gc = _inverse_call(k, g, beta, lengths, _ChunkGrid(q, v), use_l2=use_l2, interpret=interpret, cfg=cfg)
-        if cfg.get("stop_after") in ("prep", "inverse"):
-            return x, gc
-        return _recurrence_and_output(q, k, v, x, None, None, gc, initial_state, lengths, T=T, scale=scale,
-                                      use_l2=use_l2, checkpoint_stride=checkpoint_stride, interpret=interpret,
-                                      cfg=cfg, g_beta=beta)
     if cfg["prep_kernels"] == 2:
         w, u, kd, gc = _prep_two_calls(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
     else:
@@ -607,9 +575,10 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     )(lengths, k, v, g, beta)
 
 
-def _inverse_call(k, g, beta, lengths, cg, *, use_l2, interpret, cfg):
-    """The inverse kernel (prep_kernels=2): X [B, HV, Tp, C] and gc [B, HV, Tp], fp32."""
-    return pl.pallas_call(
+def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
+    """prep_kernels=2: the inverse (and gc) in one kernel, w / u / kd in a second; X goes through memory (fp32)."""
+    cg = _ChunkGrid(q, v)
+    x, gc = pl.pallas_call(
         functools.partial(_inverse_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.token, cg.token],
@@ -619,12 +588,6 @@ def _inverse_call(k, g, beta, lengths, cg, *, use_l2, interpret, cfg):
         interpret=interpret,
         name="gdn_chunk_inverse",
     )(lengths, k, g, beta)
-
-
-def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """prep_kernels=2: the inverse (and gc) in one kernel, w / u / kd in a second; X goes through memory (fp32)."""
-    cg = _ChunkGrid(q, v)
-    x, gc = _inverse_call(k, g, beta, lengths, cg, use_l2=use_l2, interpret=interpret, cfg=cfg)
     if cfg.get("stop_after") == "inverse":  # benchmarking hook: the inverse kernel alone (X in place of w)
         return x, None, None, gc
     w, u, kd = pl.pallas_call(
@@ -641,9 +604,8 @@ def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
 
 
 def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride,
-                           interpret, cfg, g_beta=None):
-    """The split design's recurrence and output kernels, and the in-call checkpoints. With apply_in_recurrence, `w`
-    is X and `g_beta` the (padded) beta: the recurrence computes w, u, kd itself."""
+                           interpret, cfg):
+    """The split design's recurrence and output kernels, and the in-call checkpoints."""
     B, tp, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
@@ -651,32 +613,16 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     bv = min(cfg["bv"], V)
     bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
-    gc_spec = pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0))
-    s0_spec = pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j))
-    if g_beta is None:
-        kernel = functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret)
-        in_specs = [
-            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),  # w
-            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),  # u
-            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),  # kd
-            gc_spec, s0_spec,
-        ]
-        operands = (w, u, kd, gc, initial_state)
-    else:
-        kernel = functools.partial(_state_apply_kernel, nt=nt, use_l2=use_l2, cfg=cfg, interpret=interpret)
-        in_specs = [
-            pl.BlockSpec((1,), lambda j, h, b: (b,)),  # lengths
-            pl.BlockSpec((None, None, tp, CHUNK), lambda j, h, b: (b, h, 0, 0)),  # X
-            pl.BlockSpec((None, tp, None, K), lambda j, h, b: (b, 0, h // G, 0)),  # k (raw)
-            pl.BlockSpec((None, tp, None, bv), lambda j, h, b: (b, 0, h, j)),  # v
-            pl.BlockSpec((None, tp, None), lambda j, h, b: (b, 0, h)),  # beta
-            gc_spec, s0_spec,
-        ]
-        operands = (lengths, w, k, v, g_beta, gc, initial_state)
     h, vn, final = pl.pallas_call(
-        kernel,
+        functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
-        in_specs=in_specs,
+        in_specs=[
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
         out_specs=[
             pl.BlockSpec((None, None, nt, K, bv), lambda j, h, b: (b, h, 0, 0, j)),
             pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
@@ -690,7 +636,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
         compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
         interpret=interpret,
         name="gdn_chunk_state",
-    )(*operands)
+    )(w, u, kd, gc, initial_state)
     if cfg.get("stop_after") == "state":
         return h, vn, final
 

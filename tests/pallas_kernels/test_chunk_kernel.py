@@ -204,11 +204,10 @@ def test_alternative_inverses(inv, design):
     assert np.array_equal(np.asarray(o7), o[:, :7])
 
 
-@pytest.mark.parametrize("cfg", [{"inv": "tiles16"}, {"apply_in_recurrence": True}])
-def test_alternative_prep_with_lengths_split_and_batch(seq, cfg):
-    """inv="tiles16" (per-block loads from the refs, with their own masking) and apply_in_recurrence (w, u, kd
-    computed inside the recurrence from X, with the masking done there): rows of different lengths against the
+def test_tiles16_inverse_with_lengths_split_and_batch(seq):
+    """inv="tiles16" (per-block loads from the refs, with their own masking): rows of different lengths against the
     oracle (2e-5), split on the grid == unsplit and a row alone == in the batch, bitwise."""
+    cfg = {"inv": "tiles16"}
     lengths = [192, 100, 37]
     args = lambda sl: [jnp.asarray(seq[n][:, sl]) for n in ("q", "k", "v", "g", "beta")]  # noqa: E731
     s0 = jnp.asarray(seq["initial_state"])
@@ -233,8 +232,7 @@ def test_alternative_prep_with_lengths_split_and_batch(seq, cfg):
 @pytest.mark.parametrize("config,match", [({"bv_out": 24}, "power of two"), ({"bv": 24}, "power of two"),
                                           ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
                                           ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"),
-                                          ({"prep_kernels": 2, "design": "fused"}, "prep_kernels"),
-                                          ({"apply_in_recurrence": True, "prep_kernels": 1}, "apply_in_recurrence")])
+                                          ({"prep_kernels": 2, "design": "fused"}, "prep_kernels")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
     with pytest.raises(ValueError, match=match):
