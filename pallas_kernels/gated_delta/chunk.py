@@ -9,7 +9,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    with three block-Neumann products), w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc), written
    in fp32 — by default in two kernels (`_inverse_kernel`: X and gc; `_apply_kernel`: w, u, kd; measured faster),
    or in one (`_prep_split_kernel`, prep_kernels=1).
-2. `_state_split_kernel`, grid (V // BV, HV, B), sequential over chunks with the fp32 state block S [K, BV] on chip:
+2. `_state_split_kernel`, grid (V // BV, HV, B) (BV = 64; 32 with two load stages on grids of at most 132 programs,
+   `_recurrence_blocks`), sequential over chunks with the fp32 state block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
