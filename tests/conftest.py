@@ -23,6 +23,9 @@ import jaxgdn
 jax.config.update("jax_compilation_cache_dir", os.environ.get(
     "JAXGDN_TEST_XLA_CACHE", str(Path(tempfile.gettempdir()) / "jaxgdn-test-xla-cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+# A size limit turns on the cache's file lock (JAX locks only when it may evict): without it an xdist worker can
+# read an entry another worker is still writing, and deserialising a truncated executable can crash the process.
+jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 FIXTURES = Path(__file__).parent / "fixtures"
