@@ -123,5 +123,8 @@ def test_library_compiles_its_functions_with_its_compiler_options():
                     if (isinstance(node, ast.Attribute) and node.attr == "jit" and isinstance(node.value, ast.Name)
                             and node.value.id == "jax"):
                         found.append((path.name, getattr(fn, "name", "<module>")))
+                    if isinstance(node, ast.ImportFrom) and node.module == "jax" and any(
+                            a.name == "jit" for a in node.names):
+                        found.append((path.name, "from jax import jit"))
     assert found, "the scan found no jax.jit at all: it is broken"
     assert set(found) <= allowed, sorted(set(found) - allowed)
