@@ -74,8 +74,9 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 # after the recurrence kernel.
 # Small grids (split design): when the recurrence's grid (V // bv, HV, B) has at most `small_grid` programs (132:
 # one per SM of the H200), it runs with V blocks of `bv_small` and `stages_small` load stages instead — twice the
-# programs, loads pipelined — unless the caller's config sets bv or stages_state. Run 21: (1, 8192, 16, 32) 1.80
-# against 2.19 ms, (1, 32768, 16, 32) 6.99 against 8.34; at (8, 4096) the same setting was 2% slower, hence the rule.
+# programs, loads pipelined — unless the caller's config sets bv or stages_state. Runs 21-22: (1, 8192, 16, 32)
+# 1.80 against 2.19 ms, (1, 32768, 16, 32) 6.92-6.99 against 8.30-8.34 (runs 14-15); at (8, 4096) the same setting
+# was 2% slower, hence the rule.
 # The bits do not depend on it (`_recurrence_blocks`).
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=2, warps_apply=4,
