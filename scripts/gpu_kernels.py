@@ -575,11 +575,11 @@ def decode_timing(configs):
 def prefill_breakdown(cfg):
     """Time the kernels cumulatively: prep alone, prep + recurrence, all (split design; fused: prep + rest)."""
     split = dict(cfg or {}).get("design", "split") == "split"
+    two = dict(chunk_mod.DEFAULT_CONFIG, **(cfg or {}))["prep_kernels"] == 2
+    stops = (["inverse"] if split and two else []) + (["prep", "state", None] if split else ["prep", None])
     for shp in [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32)]:
         q, k, v, g, beta = make_prefill(*shp)
         row = dict(shape=shp)
-        two = dict(chunk_mod.DEFAULT_CONFIG, **(cfg or {}))["prep_kernels"] == 2
-        stops = (["inverse"] if split and two else []) + (["prep", "state", None] if split else ["prep", None])
         prev = 0.0
         for stop in stops:
             c = dict(cfg or {}, stop_after=stop) if stop else cfg
@@ -894,8 +894,8 @@ def main():
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.only:
-        every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode", "breakdown",
-                 "conv1d", "invariant", "replay", "reference", "scan"}
+        every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
+                 "breakdown", "conv1d", "invariant", "replay", "reference", "scan"}
         skip = every - set(args.only.split(","))
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -108,23 +108,31 @@ def test_library_compiles_its_functions_with_its_compiler_options():
     arithmetic)."""
     import ast
 
+    class PlainJits(ast.NodeVisitor):  # (file, enclosing function) of every jax.jit / `from jax import jit`
+        def __init__(self, name):
+            self.name, self.scope, self.found = name, ["<module>"], []
+
+        def visit_FunctionDef(self, node):
+            self.scope.append(node.name)
+            self.generic_visit(node)
+            self.scope.pop()
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_Attribute(self, node):
+            if node.attr == "jit" and isinstance(node.value, ast.Name) and node.value.id == "jax":
+                self.found.append((self.name, self.scope[-1]))
+            self.generic_visit(node)
+
+        def visit_ImportFrom(self, node):
+            if node.module == "jax" and any(a.name == "jit" for a in node.names):
+                self.found.append((self.name, "from jax import jit"))
+
     allowed = {("model.py", "jit"), ("sharding.py", "_sharded_zeros")}
     found = []
     for path in sorted(Path(jaxgdn.__file__).parent.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
-                continue
-            body = fn.body if isinstance(fn, ast.Module) else fn.body + fn.decorator_list
-            for stmt in body:
-                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt is not fn:
-                    continue  # walked on its own
-                for node in ast.walk(stmt):
-                    if (isinstance(node, ast.Attribute) and node.attr == "jit" and isinstance(node.value, ast.Name)
-                            and node.value.id == "jax"):
-                        found.append((path.name, getattr(fn, "name", "<module>")))
-                    if isinstance(node, ast.ImportFrom) and node.module == "jax" and any(
-                            a.name == "jit" for a in node.names):
-                        found.append((path.name, "from jax import jit"))
+        finder = PlainJits(path.name)
+        finder.visit(ast.parse(path.read_text()))
+        found += finder.found
     assert found, "the scan found no jax.jit at all: it is broken"
     assert set(found) <= allowed, sorted(set(found) - allowed)
