@@ -79,9 +79,9 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 # was 2% slower, hence the rule.
 # The bits do not depend on it (`_recurrence_blocks`).
 DEFAULT_CONFIG = dict(
-    design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=2, warps_apply=4,
-    bv=64, inv="block16", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2,
+    design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
+    bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto",
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -197,6 +197,97 @@ def _diag_inverses_tiles16(k_ref, g_ref, beta_ref, length, use_l2, cfg, interpre
         placed = _dot(sel, t, "ieee", interpret)  # [64, 16]
         di = di + _dot(placed, sel, "ieee", interpret, trans_b=True)  # [64, 64]
     return di
+
+
+def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
+    """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
+    padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
+    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it)."""
+    s = _SUB
+    iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
+    ks, gcs, betas, valids = [], [], [], []
+    for b in range(CHUNK // s):
+        sl = pl.ds(b * s, s)
+        valid = (pl.program_id(0) * CHUNK + b * s + iota) < length
+        valids.append(valid)
+        ks.append(_load_key(k_ref.at[sl], valid, use_l2))
+        gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
+        if gcs:
+            gc = gc + jnp.sum(jnp.where(iota == s - 1, gcs[-1], 0.0))  # exact: one non-zero term
+        gcs.append(gc)
+        betas.append(jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0))
+    return ks, gcs, betas, valids
+
+
+def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
+    """Write the tiled inverse as the [C, C] X (zeros above the diagonal tiles) and gc [C]."""
+    s, nb = _SUB, CHUNK // _SUB
+    zero = jnp.zeros((s, s), jnp.float32)
+    for i in range(nb):
+        gc_ref[pl.ds(i * s, s)] = gcs[i]
+        for m in range(nb):
+            x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
+
+
+def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret):
+    """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `_apply_wy`), 16 rows at a time from
+    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
+    s, nb = _SUB, CHUNK // _SUB
+    iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
+    g_last = jnp.sum(jnp.where(iota == s - 1, gcs[-1], 0.0))
+    bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
+    bvs = [_masked(v_ref.at[pl.ds(m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
+           enumerate(zip(valids, betas))]
+    for i in range(nb):
+        sl = pl.ds(i * s, s)
+        w = _dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
+        u = _dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
+        for m in range(1, i + 1):
+            w = w + _dot(x[i, m], bks[m], cfg["p_wu"], interpret)
+            u = u + _dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
+        w_ref[sl, :] = w.astype(w_ref.dtype)
+        u_ref[sl, :] = u
+        kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
+
+
+def _tiled_inverse(ks, gcs, betas, cfg, interpret):
+    """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i} (`_chunk_slices`' inputs).
+
+    Diagonal tiles T_i = (I + A_ii)^-1 by exact fp32 forward substitution on 2-D tiles (A_ii built transposed, so a
+    row of A_ii is a reduction along the tile's second axis and the loop never re-lays-out a vector); then, block row
+    by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
+    block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
+    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
+    s, nb = _SUB, CHUNK // _SUB
+    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    upper = r16 < c16
+    ats = []
+    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r), r < c
+        kk_t = _dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)
+        ats.append(jnp.where(upper, kk_t * jnp.exp(jnp.where(upper, gc[None, :] - gc[:, None], 0.0)), 0.0))
+    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
+
+    def body(i, ts):
+        out = []
+        for at, t in zip(ats, ts):
+            arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_ii[i, j]
+            contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_ii[i, j] t[j, n]
+            out.append(jnp.where(r16 == i, t - contrib[None, :], t))
+        return tuple(out)
+
+    ts = lax.fori_loop(1, s, body, (eye16,) * nb)
+    x = {(i, i): ts[i] for i in range(nb)}
+    for i in range(1, nb):
+        bk = ks[i] * betas[i][:, None]
+        a = {j: _dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
+             for j in range(i)}  # A_ij [16, 16], j < i: every entry strictly below the diagonal
+        for m in range(i - 1, -1, -1):
+            acc = _dot(a[m], x[m, m], cfg["p_inv"], interpret)
+            for j in range(m + 1, i):
+                acc = acc + _dot(a[j], x[j, m], cfg["p_inv"], interpret)
+            x[i, m] = -_dot(ts[i], acc, cfg["p_inv"], interpret)
+    return x
 
 
 def _unit_lower_inverse_doubling(a, prec, interpret):
@@ -359,6 +450,13 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
                        interpret):
     """Split design, parallel part 1: w, u, kd, gc of one chunk (fp32). Needs no q."""
+    if cfg["inv"] == "tiled":
+        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
+        for i, gc in enumerate(gcs):
+            gc_ref[pl.ds(i * _SUB, _SUB)] = gc
+        _store_tiled_wy(_tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
+                        kd_ref, cfg, interpret)
+        return
     valid = _valid_rows(len_ref[0])
     di = None
     if cfg["inv"] == "tiles16":
@@ -366,13 +464,24 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret,
-                                              di)
+    _store_wy(w_ref, u_ref, kd_ref, _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret, di))
+
+
+def _store_wy(w_ref, u_ref, kd_ref, wy):
+    """Write (w, u, kd), w and kd in their refs' dtype (fp16 storage: `_wk_dtype`)."""
+    w, u, kd = wy
+    w_ref[...] = w.astype(w_ref.dtype)
+    u_ref[...] = u
+    kd_ref[...] = kd.astype(kd_ref.dtype)
 
 
 def _inverse_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, gc_ref, *, use_l2, cfg, interpret):
     """Split design with prep_kernels=2, part 1: X = (I + A)^-1 [C, C] and gc of one chunk (a small footprint:
     [C, C] tiles and one [C, K] block live, so more programs fit on an SM to hide the inverse's latency)."""
+    if cfg["inv"] == "tiled":
+        ks, gcs, betas, _ = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
+        _store_tiled_inverse(x_ref, gc_ref, _tiled_inverse(ks, gcs, betas, cfg, interpret), gcs)
+        return
     valid = _valid_rows(len_ref[0])
     di = None
     if cfg["inv"] == "tiles16":
@@ -385,9 +494,8 @@ def _inverse_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, gc_ref, *, use_l2, c
 def _apply_kernel(len_ref, k_ref, v_ref, beta_ref, gc_ref, x_ref, w_ref, u_ref, kd_ref, *, use_l2, cfg, interpret):
     """Split design with prep_kernels=2, part 2: w, u and kd of one chunk from X (two dots, throughput-bound)."""
     valid = _valid_rows(len_ref[0])
-    w_ref[...], u_ref[...], kd_ref[...] = _apply_wy(x_ref[...], _load_key(k_ref, valid, use_l2),
-                                                    _masked(v_ref, valid), _masked(beta_ref, valid), gc_ref[...],
-                                                    cfg, interpret)
+    _store_wy(w_ref, u_ref, kd_ref, _apply_wy(x_ref[...], _load_key(k_ref, valid, use_l2), _masked(v_ref, valid),
+                                              _masked(beta_ref, valid), gc_ref[...], cfg, interpret))
 
 
 def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, *, nt, cfg, interpret):
@@ -397,9 +505,10 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
         h_ref[c] = s
-        v_new = u_ref[sl, :] - _dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
+        v_new = u_ref[sl, :] - _dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
         vn_ref[sl, :] = v_new
-        return s * jnp.exp(_last(gc_ref[sl])) + _dot(kd_ref[sl, :], v_new, cfg["p_kv"], interpret, trans_a=True)
+        kd = kd_ref[sl, :].astype(jnp.float32)
+        return s * jnp.exp(_last(gc_ref[sl])) + _dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
 
     st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
 
@@ -421,10 +530,14 @@ def _checked_config(config, V: int) -> dict:
                         extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
-    if cfg["inv"] not in ("block16", "tiles16", "doubling", "fwd64"):
-        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'block16', 'tiles16', 'doubling' or 'fwd64'")
+    if cfg["inv"] not in ("tiled", "block16", "tiles16", "doubling", "fwd64"):
+        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'tiles16', 'doubling' or 'fwd64'")
+    if cfg["inv"] == "tiled" and cfg["design"] != "split":
+        raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
+    if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
+        raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     for name, p in cfg.items():
         if name.startswith("p_") and p not in _PRECISIONS:
             raise ValueError(f"{name}={p!r}: expected one of {_PRECISIONS}")
@@ -447,6 +560,21 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
     if (V // min(cfg["bv"], V)) * HV * B > cfg["small_grid"]:
         return cfg
     return dict(cfg, bv=cfg["bv_small"], stages_state=cfg["stages_small"])
+
+
+def _wk_dtype(cfg: dict, use_l2: bool, interpret: bool):
+    """Storage dtype of the split design's w and kd between the prep and the recurrence kernels.
+
+    "auto" (default): fp16 on the GPU when q/k are L2-normalised, else fp32. With unit keys, beta in [0, 1] and
+    log-decays g <= 0, every entry of kd = k exp(gc_last - gc) and of w = X (beta exp(gc) k) lies in [-1, 1] (a row
+    of w is beta_i exp(gc_i) k_i carried through the chunk's earlier factors I - beta_j k_j k_j^T, each of norm <= 1),
+    so fp16 cannot overflow, and its 10-bit mantissa is the TF32 mantissa the recurrence's dots round them to anyway:
+    half the bytes of the recurrence's largest reads, the same accuracy class (BENCHMARKS.md, run 25). In interpret
+    mode "auto" keeps fp32, so the CPU tests' exact-fp32 tolerances hold; "float16" forces it (tested on CPU)."""
+    choice = cfg["wk_dtype"]
+    if choice == "auto":
+        return jnp.float16 if use_l2 and not interpret else jnp.float32
+    return jnp.float16 if choice == "float16" else jnp.float32
 
 
 def _check_pow2(name, x, lo=16):
@@ -545,8 +673,8 @@ class _ChunkGrid:
         """BlockSpec of a per-chunk [B, HV, Tp, n] array."""
         return pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))
 
-    def rows_out(self, n):
-        return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), jnp.float32)
+    def rows_out(self, n, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), dtype)
 
 
 def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
@@ -565,12 +693,13 @@ def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, 
 def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     """The split design's prep kernel: (w, u, kd, gc)."""
     cg = _ChunkGrid(q, v)
+    wk = _wk_dtype(cfg, use_l2, interpret)
     return pl.pallas_call(
         functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
-        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K), cg.gc_out],
+        out_shape=[cg.rows_out(cg.K, wk), cg.rows_out(cg.V), cg.rows_out(cg.K, wk), cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
@@ -580,6 +709,7 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
 def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     """prep_kernels=2: the inverse (and gc) in one kernel, w / u / kd in a second; X goes through memory (fp32)."""
     cg = _ChunkGrid(q, v)
+    wk = _wk_dtype(cfg, use_l2, interpret)
     x, gc = pl.pallas_call(
         functools.partial(_inverse_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
@@ -597,7 +727,7 @@ def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.gc, cg.rows(CHUNK)],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K)],
-        out_shape=[cg.rows_out(cg.K), cg.rows_out(cg.V), cg.rows_out(cg.K)],
+        out_shape=[cg.rows_out(cg.K, wk), cg.rows_out(cg.V), cg.rows_out(cg.K, wk)],
         compiler_params=_triton_params(cfg["warps_apply"], 1),
         interpret=interpret,
         name="gdn_chunk_apply",

@@ -95,19 +95,19 @@ def test_chunk_lowers_for_h200(B, T, HK, HV, K, V, dtype, stride):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    checkpoint_stride=stride)
     lowered, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, K, V, dtype))
-    assert len(modules) == 4  # default (split) design: inverse, w/u/kd, state recurrence, output
+    assert len(modules) == 3  # default (split) design: prep (tiled inverse, w / u / kd), state recurrence, output
     n, bad = dot_problems(modules)
     assert n >= 10 and not bad, bad
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
 @pytest.mark.parametrize("config", [{"bv": 64, "p_ws": "bf16", "p_kv": "ieee"}, {"bv": 16}, {"inv": "doubling"},
-                                    {"inv": "fwd64", "bv": 32}, {"design": "fused", "prep_kernels": 1},
-                                    {"design": "fused", "bv": 32, "stages_state": 2, "prep_kernels": 1},
+                                    {"inv": "fwd64", "bv": 32}, {"design": "fused", "prep_kernels": 1, "inv": "block16"},
+                                    {"design": "fused", "bv": 32, "stages_state": 2, "prep_kernels": 1, "inv": "block16"},
                                     {"bv": 32, "bv_out": 64, "stages_state": 2, "warps_out": 8}, {"inv": "tiles16"},
                                     {"inv": "tiles16", "design": "fused", "warps_prep": 8, "prep_kernels": 1},
-                                    {"prep_kernels": 1},
-                                    {"prep_kernels": 2, "inv": "tiles16", "warps_apply": 8}])
+                                    {"prep_kernels": 2}, {"prep_kernels": 2, "inv": "block16"},
+                                    {"prep_kernels": 2, "inv": "tiles16", "warps_apply": 8}, {"warps_prep": 8}, {"wk_dtype": "float32"}])
 def test_chunk_configs_lower(config):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    config=config)
