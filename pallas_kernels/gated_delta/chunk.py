@@ -3,12 +3,14 @@
 Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `config["design"]` picks one.
 
 "split" (default: the recurrence kept to two dots per chunk):
-1. prep, grid (NT, HV, B), fully parallel: per chunk and value head, fp32 L2-norm of k, masking of padded tokens,
-   the in-chunk cumulative log-decay gc, the strictly-lower A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) (j < i),
-   its unit-lower inverse X = (I + A)^-1 (four 16x16 diagonal blocks by exact fp32 forward substitution, merged
-   with three block-Neumann products), w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc), written
-   in fp32 — by default in two kernels (`_inverse_kernel`: X and gc; `_apply_kernel`: w, u, kd; measured faster),
-   or in one (`_prep_split_kernel`, prep_kernels=1).
+1. `_prep_split_kernel`, grid (NT, HV, B), fully parallel: per chunk and value head, fp32 L2-norm of k, masking of
+   padded tokens, the in-chunk cumulative log-decay gc, the strictly-lower A[i, j] = beta_i (k_i . k_j)
+   exp(gc_i - gc_j) (j < i), its unit-lower inverse X = (I + A)^-1 and w = X (beta exp(gc) k), u = X (beta v),
+   kd = k exp(gc_last - gc). By default (inv="tiled", `_tiled_inverse`) all of it on 16-row slices and [16, 16]
+   tiles: the diagonal tiles inverted by exact fp32 forward substitution, the rest merged block row by block row,
+   w / u / kd 16 rows at a time. u is written in fp32, w and kd in fp16 on the GPU (`_wk_dtype`: bounded by
+   construction). prep_kernels=2 writes X to memory (`_inverse_kernel`) and applies it in `_apply_kernel`;
+   inv="block16" is the earlier [64, 64] form (diagonal blocks on a [4, 16, 16] stack, block-Neumann merge).
 2. `_state_split_kernel`, grid (V // BV, HV, B) (BV = 64; 32 with two load stages on grids of at most 132 programs,
    `_recurrence_blocks`), sequential over chunks with the fp32 state block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
@@ -57,18 +59,23 @@ _EPS = 1e-6
 _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 
 # Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
-#   bv: V block of the state kernel; inv: "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16]
-#   stack + block-Neumann merge), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`;
+#   bv: V block of the state kernel; inv: "tiled" (everything on [16, 16] tiles: `_tiled_inverse`; runs 24-25),
+#   "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16] stack + block-Neumann merge on
+#   [64, 64]; the default up to run 23), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`;
 #   measured slower, run 4), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
 #   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
 #   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
-#   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd);
+#   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
+#   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); diag: the tiled inverse's
+#   diagonal tiles by forward substitution ("subst") or loop-free block merging ("merge": not yet timed);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
 # Measured on the H200 (BENCHMARKS.md, run 3): split with 4 prep warps was the fastest over (1, 8192, 16, 32) +
 # (8, 4096, 16, 32); all configurations kept outputs within 1.8e-3 and states within 8e-4 of the float64 oracle.
 # Run 4: prep_kernels=2 (the inverse in its own kernel) took 2.23 + 6.08 ms against 2.42 + 7.19 ms, as accurate.
+# Runs 24-25: the tiled inverse in one prep kernel, then fp16 w / kd: 1.31 + 4.41 ms against 1.80 + 6.01 (run 22's
+# default), as accurate (states <= 8e-4 of the oracle).
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="inverse" (prep_kernels=2) returns after the inverse kernel; stop_after="state" (split design) returns
 # after the recurrence kernel.
@@ -81,7 +88,7 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto",
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst",
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -250,15 +257,11 @@ def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg,
         kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
 
 
-def _tiled_inverse(ks, gcs, betas, cfg, interpret):
-    """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i} (`_chunk_slices`' inputs).
-
-    Diagonal tiles T_i = (I + A_ii)^-1 by exact fp32 forward substitution on 2-D tiles (A_ii built transposed, so a
-    row of A_ii is a reduction along the tile's second axis and the loop never re-lays-out a vector); then, block row
-    by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
-    block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
-    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
-    s, nb = _SUB, CHUNK // _SUB
+def _diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
+    """diag="subst": T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
+    steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the loop never
+    re-lays-out a vector)."""
+    s = _SUB
     r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
     c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
     upper = r16 < c16
@@ -276,7 +279,43 @@ def _tiled_inverse(ks, gcs, betas, cfg, interpret):
             out.append(jnp.where(r16 == i, t - contrib[None, :], t))
         return tuple(out)
 
-    ts = lax.fori_loop(1, s, body, (eye16,) * nb)
+    return lax.fori_loop(1, s, body, (eye16,) * len(ks))
+
+
+def _diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
+    """diag="merge" (a candidate, not yet timed on the GPU: run 26 ran out of device time after its accuracy checks,
+    which matched "subst" to three digits): T_i = (I + A_ii)^-1 without a loop, by block forward substitution on blocks of 2, 4, 8, 16 rows:
+    with D the inverse of I plus A's within-block part at one size and E A's part inside blocks of twice that size
+    but across their two halves, D E is nilpotent of order 2, so (I + A)^-1 at the doubled size is D - D E D. Blocks
+    of 2 start exact (D = I - E, a sign flip), then three levels of two [16, 16] dots (p_inv). Every factor is lower
+    triangular with exact zeros, so row r depends only on rows <= r (the j < 64 row property)."""
+    s = _SUB
+    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    lower = r16 > c16
+    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
+    ts = []
+    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii[r, c] = beta_r k_r . k_c exp(gc_r - gc_c), r > c
+        kk = _dot(kb * beta[:, None], kb, cfg["p_kk"], interpret, trans_b=True)
+        a = jnp.where(lower, kk * jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        d = eye16 - jnp.where(r16 // 2 == c16 // 2, a, 0.0)
+        for half in (2, 4, 8):
+            e = jnp.where((r16 // (2 * half) == c16 // (2 * half)) & (r16 // half != c16 // half), a, 0.0)
+            d = d - _dot(d, _dot(e, d, cfg["p_inv"], interpret), cfg["p_inv"], interpret)
+        ts.append(d)
+    return ts
+
+
+def _tiled_inverse(ks, gcs, betas, cfg, interpret):
+    """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i} (`_chunk_slices`' inputs).
+
+    Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution or by block merging (`cfg["diag"]`); then, block row
+    by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
+    block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
+    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
+    nb = CHUNK // _SUB
+    ts = (_diag_tiles_by_merging if cfg["diag"] == "merge" else _diag_tiles_by_substitution)(ks, gcs, betas, cfg,
+                                                                                           interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
         bk = ks[i] * betas[i][:, None]
@@ -536,6 +575,8 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
+    if cfg["diag"] not in ("merge", "subst"):
+        raise ValueError(f"diag={cfg['diag']!r}: expected 'merge' or 'subst'")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     for name, p in cfg.items():

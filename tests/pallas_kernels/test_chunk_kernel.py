@@ -42,6 +42,8 @@ def _design_config(design):
         return {"design": "split", "prep_kernels": 2}
     if design == "fused":  # the fused design with the block-Neumann inverse on [64, 64] tiles
         return {"design": "fused", "prep_kernels": 1, "inv": "block16"}
+    if design == "split_merge":  # the tiled inverse's diagonal tiles by loop-free block merging
+        return {"design": "split", "prep_kernels": 1, "diag": "merge"}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
         return {"design": "split", "prep_kernels": 1, "wk_dtype": "float16"}
     return {"design": design, "prep_kernels": 1}
@@ -121,11 +123,12 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
-@pytest.fixture(params=["split", "fused", "split2", "split_wk16"])
+@pytest.fixture(params=["split", "fused", "split2", "split_wk16", "split_merge"])
 def design(request):
     """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
-    the split design with its prep in two kernels ("split2": inverse, then w / u / kd), and with w and kd stored in
-    fp16 between prep and recurrence as on the GPU ("split_wk16")."""
+    the split design with its prep in two kernels ("split2": inverse, then w / u / kd), with w and kd stored in
+    fp16 between prep and recurrence as on the GPU ("split_wk16"), and with the diagonal tiles of the inverse by
+    block merging instead of forward substitution ("split_merge")."""
     return request.param
 
 
@@ -263,7 +266,7 @@ def test_tiles16_inverse_with_lengths_split_and_batch(seq):
 
 @pytest.mark.parametrize("config,match", [({"bv_out": 24}, "power of two"), ({"bv": 24}, "power of two"),
                                           ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
-                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"), ({"wk_dtype": "bf16"}, "wk_dtype"),
+                                          ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"), ({"wk_dtype": "bf16"}, "wk_dtype"), ({"diag": "loop"}, "diag"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
