@@ -935,12 +935,8 @@ def main():
         "bv32_w8": old(bv=32, warps_state=8),
         "doubling": old(inv="doubling"),
         "state_x3": old(p_ws="tf32x3", p_kv="tf32x3"),
-        "tiles16": old(inv="tiles16"),
-        "tiles16_w8": old(inv="tiles16", warps_prep=8),
-        "tiles16_fused": old(inv="tiles16", design="fused"),
         "prep2": old2(),
         "prep2_w2": old2(warps_prep=2),
-        "prep2_tiles16": old2(inv="tiles16"),
         "prep2_bv32_s2": old2(bv=32, stages_state=2),
         # run 24 (the tiled inverse): tiled = two prep kernels (X through memory); tiled1 = the default then
         "tiled": dict(prep_kernels=2),

@@ -23,7 +23,9 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
 2. `_state_kernel`: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new; stores o, the
    final state and (optionally) the state after every `checkpoint_stride` tokens.
 
-A row-exact configuration (FMA-chain dots) for an incremental replay kernel was removed: its prefill measured
+"tiles16" (the diagonal blocks on four 2-D [16, 16] tiles, placed into [64, 64] for the block-Neumann merge; run 4,
+slower) was removed when inv="tiled" kept the tiles through the merge. A row-exact configuration (FMA-chain dots)
+for an incremental replay kernel was removed: its prefill measured
 54-58x the default and its replay step 88x the recurrent kernel (BENCHMARKS.md).
 
 Determinism properties (tested on CPU in interpret mode and on the GPU):
@@ -61,9 +63,9 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 # Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
 #   bv: V block of the state kernel; inv: "tiled" (everything on [16, 16] tiles: `_tiled_inverse`; runs 24-25),
 #   "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16] stack + block-Neumann merge on
-#   [64, 64]; the default up to run 23), "tiles16" (the same on four 2-D [16, 16] tiles: `_diag_inverses_tiles16`;
-#   measured slower, run 4), "doubling" (loop-free: diagonal blocks by repeated squaring; measured slower) or
-#   "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch parameters;
+#   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
+#   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
+#   parameters;
 #   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); diag: the tiled inverse's
@@ -162,50 +164,6 @@ def _merge_block_inverse(a, di, prec, interpret):
     return _dot(p, di, prec, interpret)
 
 
-def _diag_inverses_tiles16(k_ref, g_ref, beta_ref, length, use_l2, cfg, interpret):
-    """inv="tiles16": the block-diagonal inverse di [64, 64] from four separate 2-D [16, 16] tiles (no 3-D/4-D
-    tensors, no layout change inside the loop). Each block's rows are loaded straight from the refs; its
-    transposed matrix A_b^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r) (r < c; within-block cumulative gates, whose
-    differences are the same sums) is built directly, so that row i of A_b is a reduction over the tile's second
-    axis and the forward substitution never transposes a vector. The four tiles are placed into [64, 64] by exact
-    selection products (fp32 FMA dots with one non-zero term per entry).
-    Measured slower than "block16" on the H200 (BENCHMARKS.md, run 4); row-causal like the default."""
-    s = _SUB
-    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
-    row64 = lax.broadcasted_iota(jnp.int32, (CHUNK, s), 0)
-    col64 = lax.broadcasted_iota(jnp.int32, (CHUNK, s), 1)
-    ats = []
-    for b in range(CHUNK // s):
-        sl = pl.ds(b * s, s)
-        valid = (pl.program_id(0) * CHUNK + b * s + iota) < length
-        kb = _load_key(k_ref.at[sl], valid, use_l2)  # [16, K]
-        lc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
-        beta = jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0)
-        upper = r16 < c16
-        decay_t = jnp.exp(jnp.where(upper, lc[None, :] - lc[:, None], 0.0))
-        kk_t = _dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)  # [r, c] = beta_c k_r . k_c
-        ats.append(jnp.where(upper, kk_t * decay_t, 0.0))
-    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
-
-    def body(i, ts):
-        out = []
-        for at, t in zip(ats, ts):
-            arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_b[i, j]
-            contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_b[i, j] t[j, n]
-            out.append(jnp.where(r16 == i, t - contrib[None, :], t))
-        return tuple(out)
-
-    ts = lax.fori_loop(1, s, body, (eye16,) * (CHUNK // s))
-    di = jnp.zeros((CHUNK, CHUNK), jnp.float32)
-    for b, t in enumerate(ts):
-        sel = jnp.where(row64 == col64 + b * s, 1.0, 0.0).astype(jnp.float32)  # [64, 16]: block b's rows
-        placed = _dot(sel, t, "ieee", interpret)  # [64, 16]
-        di = di + _dot(placed, sel, "ieee", interpret, trans_b=True)  # [64, 64]
-    return di
-
-
 def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
@@ -284,11 +242,12 @@ def _diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
 
 def _diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
     """diag="merge" (a candidate, not yet timed on the GPU: run 26 ran out of device time after its accuracy checks,
-    which matched "subst" to three digits): T_i = (I + A_ii)^-1 without a loop, by block forward substitution on blocks of 2, 4, 8, 16 rows:
-    with D the inverse of I plus A's within-block part at one size and E A's part inside blocks of twice that size
-    but across their two halves, D E is nilpotent of order 2, so (I + A)^-1 at the doubled size is D - D E D. Blocks
-    of 2 start exact (D = I - E, a sign flip), then three levels of two [16, 16] dots (p_inv). Every factor is lower
-    triangular with exact zeros, so row r depends only on rows <= r (the j < 64 row property)."""
+    which matched "subst" to three digits): T_i = (I + A_ii)^-1 without a loop, by block forward substitution on
+    blocks of 2, 4, 8, 16 rows. With D the inverse of I plus A's within-block part at one size, and E A's part inside
+    blocks of twice that size but across their two halves, D E is nilpotent of order 2, so (I + A)^-1 at the doubled
+    size is D - D E D. Blocks of 2 start exact (D = I - E, a sign flip), then three levels of two [16, 16] dots
+    (p_inv). Every factor is lower triangular with exact zeros, so row r depends only on rows <= r (the j < 64 row
+    property)."""
     s = _SUB
     r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
     c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
@@ -404,20 +363,17 @@ def _causal_decay(gc, strict):
     return lower, jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))
 
 
-def _wy(k, v, beta, gc, cfg, interpret, di=None):
+def _wy(k, v, beta, gc, cfg, interpret):
     """WY/UT form of one chunk: X = (I + A)^-1 with A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i);
-    returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K].
-    `di`: the block-diagonal inverse when already computed (inv="tiles16")."""
-    return _apply_wy(_wy_inverse(k, beta, gc, cfg, interpret, di), k, v, beta, gc, cfg, interpret)
+    returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K]."""
+    return _apply_wy(_wy_inverse(k, beta, gc, cfg, interpret), k, v, beta, gc, cfg, interpret)
 
 
-def _wy_inverse(k, beta, gc, cfg, interpret, di=None):
+def _wy_inverse(k, beta, gc, cfg, interpret):
     """X = (I + A)^-1 [C, C] (see `_wy`)."""
     lower, decay = _causal_decay(gc, strict=True)
     kk = _dot(k * beta[:, None], k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
     a = jnp.where(lower, kk * decay, 0.0)
-    if di is not None:
-        return _merge_block_inverse(a, di, cfg["p_inv"], interpret)
     if cfg["inv"] == "fwd64":
         return _unit_lower_inverse_fwd64(a)
     if cfg["inv"] == "doubling":
@@ -450,16 +406,12 @@ def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg
                  scale, use_l2, cfg, interpret):
     """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (written in fp32)."""
     valid = _valid_rows(len_ref[0])
-    di = None
-    if cfg["inv"] == "tiles16":
-        di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
     q = _load_key(q_ref, valid, use_l2) * scale  # scale folded into q (padded rows stay exact zeros)
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
     gc_ref[...] = gc
     aqk_ref[...], qg_ref[...] = _intra(q, k, gc, cfg, interpret)
-    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret,
-                                              di)
+    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
@@ -497,13 +449,10 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
                         kd_ref, cfg, interpret)
         return
     valid = _valid_rows(len_ref[0])
-    di = None
-    if cfg["inv"] == "tiles16":
-        di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    _store_wy(w_ref, u_ref, kd_ref, _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret, di))
+    _store_wy(w_ref, u_ref, kd_ref, _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
 
 
 def _store_wy(w_ref, u_ref, kd_ref, wy):
@@ -522,12 +471,9 @@ def _inverse_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, gc_ref, *, use_l2, c
         _store_tiled_inverse(x_ref, gc_ref, _tiled_inverse(ks, gcs, betas, cfg, interpret), gcs)
         return
     valid = _valid_rows(len_ref[0])
-    di = None
-    if cfg["inv"] == "tiles16":
-        di = _diag_inverses_tiles16(k_ref, g_ref, beta_ref, len_ref[0], use_l2, cfg, interpret)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    x_ref[...] = _wy_inverse(_load_key(k_ref, valid, use_l2), _masked(beta_ref, valid), gc, cfg, interpret, di)
+    x_ref[...] = _wy_inverse(_load_key(k_ref, valid, use_l2), _masked(beta_ref, valid), gc, cfg, interpret)
 
 
 def _apply_kernel(len_ref, k_ref, v_ref, beta_ref, gc_ref, x_ref, w_ref, u_ref, kd_ref, *, use_l2, cfg, interpret):
@@ -569,8 +515,8 @@ def _checked_config(config, V: int) -> dict:
                         extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
-    if cfg["inv"] not in ("tiled", "block16", "tiles16", "doubling", "fwd64"):
-        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'tiles16', 'doubling' or 'fwd64'")
+    if cfg["inv"] not in ("tiled", "block16", "doubling", "fwd64"):
+        raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'doubling' or 'fwd64'")
     if cfg["inv"] == "tiled" and cfg["design"] != "split":
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
