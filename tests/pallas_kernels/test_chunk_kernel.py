@@ -111,6 +111,30 @@ def test_fp16_w_and_kd_storage(prep_kernels):
         assert max(rel_err(o[b, :n], ro[b, :n]) for b, n in enumerate(lengths)) <= 1e-3, g_kind
 
 
+@pytest.mark.parametrize("keys", ["random", "identical", "nearly_parallel", "alternating_sign"])
+def test_w_and_kd_rows_have_norm_at_most_one(keys):
+    """The bound fp16 storage of w and kd relies on (`chunk._wk_dtype`): with L2-normalised keys, beta in [0, 1] and
+    g <= 0, every row of w = X (beta exp(gc) k) and of kd = k exp(gc_last - gc) has Euclidean norm <= 1 (so every
+    entry is in [-1, 1]), even where the WY inverse is worst conditioned (beta = 1, g = 0, parallel keys)."""
+    rng = np.random.default_rng(17)
+    adversarial = keys != "random"
+    d = random_gdn_inputs(rng, 2, 192, 1, 2, K, V, np.float32, g_kind="near_zero" if adversarial else "realistic",
+                          beta_kind="one" if adversarial else "mixed")
+    if adversarial:
+        d["g"][:] = 0.0
+    if keys == "identical":
+        d["k"][:] = d["k"][:, :1]
+    elif keys == "nearly_parallel":
+        d["k"][:] = d["k"][:, :1] + 1e-3 * rng.standard_normal(d["k"].shape)
+    elif keys == "alternating_sign":
+        d["k"][:, 1::2] = -d["k"][:, 0::2]
+    w, _, kd, _ = chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")),
+                                                interpret=True, config={"stop_after": "prep"})
+    for x in (np.asarray(w), np.asarray(kd)):
+        assert np.linalg.norm(x, axis=-1).max() <= 1 + 1e-5
+        assert np.linalg.norm(x, axis=-1).max() >= 0.3  # not vacuous: rows of real size
+
+
 def test_bf16_inputs_and_zero_initial_state():
     rng = np.random.default_rng(7)
     d = random_gdn_inputs(rng, 2, 70, 1, 2, K, V, np.float32, with_state=False)
