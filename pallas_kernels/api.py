@@ -231,12 +231,8 @@ def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None =
     if backend == "reference":
         return _att.attention_reference(q, keys, values, pos)
 
-    def local(q, keys, values, pos):
-        if not _att.supports(q.shape[2], keys.shape[2], q.shape[3], 16):
-            return _att.attention_reference(q, keys, values, pos)
-        return _attention_pallas(q, keys, values, pos, decode, backend)
-
-    return _by_heads(local, _att.attention_reference, q, keys, values, pos)
+    return _by_heads(lambda *a: _attention_pallas(*a, decode, backend, _att.attention_reference),
+                     _att.attention_reference, q, keys, values, pos)
 
 
 def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | None = None):
@@ -251,8 +247,8 @@ def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | No
     backend = resolve_backend(backend)
     if backend == "reference":
         return _attention_tiled(q, keys, values, pos, decode)
-    return _by_heads(lambda *a: _attention_pallas(*a, decode, backend), lambda *a: _attention_tiled(*a, decode),
-                     q, keys, values, pos)
+    tiled = lambda *a: _attention_tiled(*a, decode)  # noqa: E731
+    return _by_heads(lambda *a: _attention_pallas(*a, decode, backend, tiled), tiled, q, keys, values, pos)
 
 
 def _attention_tiled(q, keys, values, pos, decode: bool):
@@ -262,12 +258,12 @@ def _attention_tiled(q, keys, values, pos, decode: bool):
     return _att.attention_tiled_reference(q, keys, values, pos, tile=1 if decode else 64)
 
 
-def _attention_pallas(q, keys, values, pos, decode: bool, backend: str):
-    """The Pallas attention kernel on one device (64 query rows per program, 16 for `decode`), or the tiled
-    reference for head layouts it does not support."""
+def _attention_pallas(q, keys, values, pos, decode: bool, backend: str, fallback):
+    """The Pallas attention kernel on one device (64 query rows per program, 16 for `decode`), or
+    `fallback(q, keys, values, pos)` for head layouts it does not support."""
     from . import attention as _att
 
     rows = 16 if decode else 64
     if not _att.supports(q.shape[2], keys.shape[2], q.shape[3], rows):
-        return _attention_tiled(q, keys, values, pos, decode)
+        return fallback(q, keys, values, pos)
     return _att.attention_invariant_pallas(q, keys, values, pos, rows=rows, interpret=backend == "interpret")

@@ -98,6 +98,29 @@ def test_attention_is_batch_and_split_invariant(cache, rows):
     assert np.array_equal(np.asarray(part), o[1:, 10:33])
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_api_attention_entry_points_take_the_kernel_or_their_fallback(cache, decode):
+    """`cache_attention` (default mode) and `attention_invariant` (deterministic mode), "interpret" backend: on a
+    supported head layout the kernel's bits; on an unsupported one (3 query heads per KV head) each mode's own
+    fallback — XLA's attention for the default mode, the fixed-tile reference for deterministic mode — bit for bit."""
+    from pallas_kernels import api
+    from pallas_kernels.attention import attention_reference, attention_tiled_reference
+
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in cache[:3])
+    pos = jnp.asarray(cache[3])
+    if decode:
+        q, pos = q[:, -1:], pos[:, -1:]
+    rows = 16 if decode else 64
+    kernel = np.asarray(attention_invariant_pallas(q, k, v, pos, rows=rows, interpret=True))
+    for fn in (api.cache_attention, api.attention_invariant):
+        assert np.array_equal(np.asarray(fn(q, k, v, pos, decode=decode, backend="interpret")), kernel)
+    q3 = jnp.concatenate([q, q[:, :, :2]], axis=2)  # 6 query heads over 2 KV heads
+    assert np.array_equal(np.asarray(api.cache_attention(q3, k, v, pos, decode=decode, backend="interpret")),
+                          np.asarray(attention_reference(q3, k, v, pos)))
+    assert np.array_equal(np.asarray(api.attention_invariant(q3, k, v, pos, decode=decode, backend="interpret")),
+                          np.asarray(attention_tiled_reference(q3, k, v, pos, tile=1 if decode else 64)))
+
+
 def test_attention_rejects_unsupported_layouts():
     q = jnp.ones((1, 2, 6, 32))
     kv = jnp.ones((1, 8, 2, 32))
