@@ -6,7 +6,7 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
 1. `_prep_split_kernel`, grid (NT, HV, B), fully parallel: per chunk and value head, fp32 L2-norm of k, masking of
    padded tokens, the in-chunk cumulative log-decay gc, the strictly-lower A[i, j] = beta_i (k_i . k_j)
    exp(gc_i - gc_j) (j < i), its unit-lower inverse X = (I + A)^-1 and w = X (beta exp(gc) k), u = X (beta v),
-   kd = k exp(gc_last - gc). By default (inv="tiled", `_tiled_inverse`) all of it on 16-row slices and [16, 16]
+   kd = k exp(gc_last - gc). By default (inv="tiled", `wy.tiled_inverse`) all of it on 16-row slices and [16, 16]
    tiles: the diagonal tiles inverted by exact fp32 forward substitution, the rest merged block row by block row,
    w / u / kd 16 rows at a time. u is written in fp32, w and kd in fp16 on the GPU (`_wk_dtype`: bounded by
    construction). prep_kernels=2 writes X to memory (`_inverse_kernel`) and applies it in `_apply_kernel`;
@@ -50,18 +50,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import merged_config
+from . import wy
+from .wy import CHUNK
 
-CHUNK = 64
-_SUB = 16  # diagonal block size of the triangular inverse
-_EPS = 1e-6
-
-# Precision names -> what each dot does on the GPU. In interpret mode (CPU) every dot is exact fp32 (HIGHEST).
-#   "ieee":   fp32 FMA (no tensor cores)          "tf32": TF32 tensor cores (10-bit mantissa inputs)
-#   "tf32x3": three TF32 products (~fp32)         "bf16": operands rounded to bf16, fp32 accumulation
-_PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
 
 # Default configuration (tuned on the H200: see BENCHMARKS.md). Keys:
-#   bv: V block of the state kernel; inv: "tiled" (everything on [16, 16] tiles: `_tiled_inverse`; runs 24-25),
+#   bv: V block of the state kernel; inv: "tiled" (everything on [16, 16] tiles: `wy.tiled_inverse`; runs 24-25),
 #   "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16] stack + block-Neumann merge on
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
@@ -95,80 +89,11 @@ DEFAULT_CONFIG = dict(
 )
 
 
-def _dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
-    """2-D dot with an explicit precision, fp32 result."""
-    ca = 0 if trans_a else 1
-    cb = 1 if trans_b else 0
-    dn = (((ca,), (cb,)), ((), ()))
-    if interpret:
-        return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    if prec == "bf16":
-        return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
-                               preferred_element_type=jnp.float32)
-    a = a.astype(jnp.float32)
-    b = b.astype(jnp.float32)
-    if prec == "ieee":
-        p = lax.Precision.HIGHEST
-    elif prec == "tf32":
-        p = lax.Precision.HIGH
-    elif prec == "tf32x3":
-        p = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    else:
-        raise ValueError(f"unknown precision {prec!r}; expected one of {_PRECISIONS}")
-    return lax.dot_general(a, b, dn, precision=p, preferred_element_type=jnp.float32)
-
-
-def _l2norm(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + _EPS)
-
-
-def _unit_lower_inverse(a, prec, interpret):
-    """(I + a)^-1 for a strictly lower [64, 64] fp32 matrix; row i of the result depends only on rows <= i of a.
-
-    Diagonal 16x16 blocks: exact fp32 forward substitution on a [4, 16, 16] stack (elementwise, fixed-order
-    reductions over 16). Then, with D the block-diagonal part (inverse Di) and E the strictly block-lower rest,
-    N = Di E is nilpotent (N^4 = 0) and (I + a)^-1 = (I - N + N^2 - N^3) Di.
-    """
-    c, s = CHUNK, _SUB
-    nb = c // s
-    a4 = a.reshape(nb, s, nb, s)
-    bi = lax.broadcasted_iota(jnp.int32, (nb, s, nb, s), 0)
-    bj = lax.broadcasted_iota(jnp.int32, (nb, s, nb, s), 2)
-    ad = jnp.sum(jnp.where(bi == bj, a4, 0.0), axis=2)  # [nb, s, s] diagonal blocks (exact: one term is non-zero)
-    r = lax.broadcasted_iota(jnp.int32, (nb, s, s), 1)
-    col = lax.broadcasted_iota(jnp.int32, (nb, s, s), 2)
-    t0 = jnp.where(r == col, 1.0, 0.0).astype(jnp.float32)
-
-    def body(i, t):
-        arow = jnp.sum(jnp.where(r == i, ad, 0.0), axis=1)  # [nb, s]: a[b, i, :]
-        contrib = jnp.sum(arow[:, :, None] * t, axis=1)  # [nb, s]: sum_j a[b, i, j] t[b, j, :]
-        return jnp.where(r == i, t - contrib[:, None, :], t)
-
-    t = lax.fori_loop(1, s, body, t0)
-    di = jnp.where(bi == bj, jnp.broadcast_to(t[:, :, None, :], (nb, s, nb, s)), 0.0).reshape(c, c)
-    return _merge_block_inverse(a, di, prec, interpret)
-
-
-def _merge_block_inverse(a, di, prec, interpret):
-    """(I + a)^-1 from di, the inverse of I plus a's 16x16 diagonal blocks: with E the strictly block-lower part of
-    a, N = di E is nilpotent (N^4 = 0) and (I + a)^-1 = (I - N + N^2 - N^3) di."""
-    c, s = CHUNK, _SUB
-    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    cc = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    e = jnp.where(row // s > cc // s, a, 0.0)
-    n1 = _dot(di, e, prec, interpret)
-    n2 = _dot(n1, n1, prec, interpret)
-    n3 = _dot(n2, n1, prec, interpret)
-    eye = jnp.where(row == cc, 1.0, 0.0).astype(jnp.float32)
-    p = eye - n1 + n2 - n3
-    return _dot(p, di, prec, interpret)
-
-
 def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
     value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it)."""
-    s = _SUB
+    s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
@@ -186,7 +111,7 @@ def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
 
 def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
     """Write the tiled inverse as the [C, C] X (zeros above the diagonal tiles) and gc [C]."""
-    s, nb = _SUB, CHUNK // _SUB
+    s, nb = wy.SUB, CHUNK // wy.SUB
     zero = jnp.zeros((s, s), jnp.float32)
     for i in range(nb):
         gc_ref[pl.ds(i * s, s)] = gcs[i]
@@ -195,9 +120,9 @@ def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
 
 
 def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret):
-    """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `_apply_wy`), 16 rows at a time from
+    """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
     the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
-    s, nb = _SUB, CHUNK // _SUB
+    s, nb = wy.SUB, CHUNK // wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
     g_last = jnp.sum(jnp.where(iota == s - 1, gcs[-1], 0.0))
     bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
@@ -205,129 +130,14 @@ def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg,
            enumerate(zip(valids, betas))]
     for i in range(nb):
         sl = pl.ds(i * s, s)
-        w = _dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
-        u = _dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
+        w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
+        u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
         for m in range(1, i + 1):
-            w = w + _dot(x[i, m], bks[m], cfg["p_wu"], interpret)
-            u = u + _dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
+            w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
+            u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
         w_ref[sl, :] = w.astype(w_ref.dtype)
         u_ref[sl, :] = u
         kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
-
-
-def _diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
-    """diag="subst": T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
-    steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the loop never
-    re-lays-out a vector)."""
-    s = _SUB
-    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    upper = r16 < c16
-    ats = []
-    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r), r < c
-        kk_t = _dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)
-        ats.append(jnp.where(upper, kk_t * jnp.exp(jnp.where(upper, gc[None, :] - gc[:, None], 0.0)), 0.0))
-    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
-
-    def body(i, ts):
-        out = []
-        for at, t in zip(ats, ts):
-            arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_ii[i, j]
-            contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_ii[i, j] t[j, n]
-            out.append(jnp.where(r16 == i, t - contrib[None, :], t))
-        return tuple(out)
-
-    return lax.fori_loop(1, s, body, (eye16,) * len(ks))
-
-
-def _diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
-    """diag="merge" (a candidate, not yet timed on the GPU: run 26 ran out of device time after its accuracy checks,
-    which matched "subst" to three digits): T_i = (I + A_ii)^-1 without a loop, by block forward substitution on
-    blocks of 2, 4, 8, 16 rows. With D the inverse of I plus A's within-block part at one size, and E A's part inside
-    blocks of twice that size but across their two halves, D E is nilpotent of order 2, so (I + A)^-1 at the doubled
-    size is D - D E D. Blocks of 2 start exact (D = I - E, a sign flip), then three levels of two [16, 16] dots
-    (p_inv). Every factor is lower triangular with exact zeros, so row r depends only on rows <= r (the j < 64 row
-    property)."""
-    s = _SUB
-    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    lower = r16 > c16
-    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
-    ts = []
-    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii[r, c] = beta_r k_r . k_c exp(gc_r - gc_c), r > c
-        kk = _dot(kb * beta[:, None], kb, cfg["p_kk"], interpret, trans_b=True)
-        a = jnp.where(lower, kk * jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        d = eye16 - jnp.where(r16 // 2 == c16 // 2, a, 0.0)
-        for half in (2, 4, 8):
-            e = jnp.where((r16 // (2 * half) == c16 // (2 * half)) & (r16 // half != c16 // half), a, 0.0)
-            d = d - _dot(d, _dot(e, d, cfg["p_inv"], interpret), cfg["p_inv"], interpret)
-        ts.append(d)
-    return ts
-
-
-def _tiled_inverse(ks, gcs, betas, cfg, interpret):
-    """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i} (`_chunk_slices`' inputs).
-
-    Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution or by block merging (`cfg["diag"]`); then, block row
-    by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
-    block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
-    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
-    nb = CHUNK // _SUB
-    ts = (_diag_tiles_by_merging if cfg["diag"] == "merge" else _diag_tiles_by_substitution)(ks, gcs, betas, cfg,
-                                                                                           interpret)
-    x = {(i, i): ts[i] for i in range(nb)}
-    for i in range(1, nb):
-        bk = ks[i] * betas[i][:, None]
-        a = {j: _dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
-             for j in range(i)}  # A_ij [16, 16], j < i: every entry strictly below the diagonal
-        for m in range(i - 1, -1, -1):
-            acc = _dot(a[m], x[m, m], cfg["p_inv"], interpret)
-            for j in range(m + 1, i):
-                acc = acc + _dot(a[j], x[j, m], cfg["p_inv"], interpret)
-            x[i, m] = -_dot(ts[i], acc, cfg["p_inv"], interpret)
-    return x
-
-
-def _unit_lower_inverse_doubling(a, prec, interpret):
-    """(I + a)^-1 without loops or reshapes (candidate for speed; measure before making it the default).
-
-    Diagonal 16x16 blocks: with Nd the within-block part of a (nilpotent, Nd^16 = 0),
-    (I + Nd)^-1 = (I - Nd)(I + Nd^2)(I + Nd^4)(I + Nd^8); then the same block-Neumann merge as `_unit_lower_inverse`.
-    All factors are lower triangular, so row i still depends only on rows <= i. The doubling products can have
-    large intermediate entries when keys in a block are nearly parallel (beta ~ 1, g ~ 0), so run it with an
-    accurate precision (tf32x3 or ieee).
-    """
-    c, s = CHUNK, _SUB
-    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
-    same = row // s == col // s
-    nd = jnp.where(same, a, 0.0)
-    e = jnp.where(row // s > col // s, a, 0.0)
-    n2 = _dot(nd, nd, prec, interpret)
-    n4 = _dot(n2, n2, prec, interpret)
-    n8 = _dot(n4, n4, prec, interpret)
-    di = _dot(eye - nd, eye + n2, prec, interpret)
-    di = _dot(di, eye + n4, prec, interpret)
-    di = _dot(di, eye + n8, prec, interpret)
-    di = jnp.where(same, di, 0.0)  # exact block-diagonal structure
-    n1 = _dot(di, e, prec, interpret)
-    n2 = _dot(n1, n1, prec, interpret)
-    n3 = _dot(n2, n1, prec, interpret)
-    return _dot(eye - n1 + n2 - n3, di, prec, interpret)
-
-
-def _unit_lower_inverse_fwd64(a):
-    """(I + a)^-1 by plain forward substitution over all 64 rows on [64, 64] tiles (exact fp32; slower fallback)."""
-    row = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    col = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-
-    def body(i, t):
-        arow = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # [C]: a[i, :]
-        contrib = jnp.sum(arow[:, None] * t, axis=0)  # [C]: sum_j a[i, j] t[j, :]
-        return jnp.where(row == i, t - contrib[None, :], t)
-
-    return lax.fori_loop(1, CHUNK, body, jnp.where(row == col, 1.0, 0.0).astype(jnp.float32))
 
 
 def _valid_rows(length):
@@ -340,66 +150,13 @@ def _load_key(ref, valid, use_l2):
     """q or k rows [R, K] in fp32: L2-normalised (optional), padded rows exact zeros (`where`: NaN cannot leak)."""
     x = ref[...].astype(jnp.float32)
     if use_l2:
-        x = _l2norm(x)
+        x = wy.l2norm(x)
     return jnp.where(valid[:, None], x, 0.0)
 
 
 def _masked(ref, valid):
     x = ref[...].astype(jnp.float32)
     return jnp.where(valid[:, None] if x.ndim == 2 else valid, x, 0.0)
-
-
-def _last(x):
-    """x[C - 1] of a [C] vector, as a reduction Triton can lower (exact: one non-zero term)."""
-    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    return jnp.sum(jnp.where(iota == CHUNK - 1, x, 0.0))
-
-
-def _causal_decay(gc, strict):
-    """exp(gc_i - gc_j) on the (strictly) lower triangle, exact zeros above (`where` before `exp`: no overflow)."""
-    row = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    col = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    lower = row > col if strict else row >= col
-    return lower, jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))
-
-
-def _wy(k, v, beta, gc, cfg, interpret):
-    """WY/UT form of one chunk: X = (I + A)^-1 with A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i);
-    returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K]."""
-    return _apply_wy(_wy_inverse(k, beta, gc, cfg, interpret), k, v, beta, gc, cfg, interpret)
-
-
-def _wy_inverse(k, beta, gc, cfg, interpret):
-    """X = (I + A)^-1 [C, C] (see `_wy`)."""
-    lower, decay = _causal_decay(gc, strict=True)
-    kk = _dot(k * beta[:, None], k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
-    a = jnp.where(lower, kk * decay, 0.0)
-    if cfg["inv"] == "fwd64":
-        return _unit_lower_inverse_fwd64(a)
-    if cfg["inv"] == "doubling":
-        return _unit_lower_inverse_doubling(a, cfg["p_inv"], interpret)
-    return _unit_lower_inverse(a, cfg["p_inv"], interpret)
-
-
-def _wy_rhs(k, v, beta, gc):
-    """The right-hand sides of w = X (beta exp(gc) k) and u = X (beta v): [C, K] and [C, V]."""
-    return k * beta[:, None] * jnp.exp(gc)[:, None], v * beta[:, None]
-
-
-def _apply_wy(x, k, v, beta, gc, cfg, interpret):
-    """(w, u, kd) of `_wy` from the inverse X."""
-    bk, bv = _wy_rhs(k, v, beta, gc)
-    u = _dot(x, bv, cfg["p_wu"], interpret)
-    w = _dot(x, bk, cfg["p_wu"], interpret)
-    kd = k * jnp.exp(_last(gc) - gc)[:, None]
-    return w, u, kd
-
-
-def _intra(q, k, gc, cfg, interpret):
-    """Masked intra-chunk attention Aqk[i, j] = q_i . k_j exp(gc_i - gc_j) (j <= i) [C, C] and qg = q exp(gc)."""
-    lower, decay = _causal_decay(gc, strict=False)
-    qk = _dot(q, k, cfg["p_qk"], interpret, trans_b=True)
-    return jnp.where(lower, qk * decay, 0.0), q * jnp.exp(gc)[:, None]
 
 
 def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
@@ -410,8 +167,8 @@ def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
     gc_ref[...] = gc
-    aqk_ref[...], qg_ref[...] = _intra(q, k, gc, cfg, interpret)
-    w_ref[...], u_ref[...], kd_ref[...] = _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
+    aqk_ref[...], qg_ref[...] = wy.intra(q, k, gc, cfg, interpret)
+    w_ref[...], u_ref[...], kd_ref[...] = wy.wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
@@ -420,11 +177,11 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        g_last = _last(gc_ref[sl])
-        v_new = u_ref[sl, :] - _dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
-        o = _dot(qg_ref[sl, :], s, cfg["p_qs"], interpret) + _dot(aqk_ref[sl, :], v_new, cfg["p_av"], interpret)
+        g_last = wy.last(gc_ref[sl])
+        v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
+        o = wy.dot(qg_ref[sl, :], s, cfg["p_qs"], interpret) + wy.dot(aqk_ref[sl, :], v_new, cfg["p_av"], interpret)
         o_ref[sl, :] = o.astype(o_ref.dtype)
-        s = s * jnp.exp(g_last) + _dot(kd_ref[sl, :], v_new, cfg["p_kv"], interpret, trans_a=True)
+        s = s * jnp.exp(g_last) + wy.dot(kd_ref[sl, :], v_new, cfg["p_kv"], interpret, trans_a=True)
         if per:
             m = lax.div(c + 1, per)
 
@@ -444,15 +201,15 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     if cfg["inv"] == "tiled":
         ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
         for i, gc in enumerate(gcs):
-            gc_ref[pl.ds(i * _SUB, _SUB)] = gc
-        _store_tiled_wy(_tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
+            gc_ref[pl.ds(i * wy.SUB, wy.SUB)] = gc
+        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
                         kd_ref, cfg, interpret)
         return
     valid = _valid_rows(len_ref[0])
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    _store_wy(w_ref, u_ref, kd_ref, _wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
+    _store_wy(w_ref, u_ref, kd_ref, wy.wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
 
 
 def _store_wy(w_ref, u_ref, kd_ref, wy):
@@ -468,18 +225,18 @@ def _inverse_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, gc_ref, *, use_l2, c
     [C, C] tiles and one [C, K] block live, so more programs fit on an SM to hide the inverse's latency)."""
     if cfg["inv"] == "tiled":
         ks, gcs, betas, _ = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
-        _store_tiled_inverse(x_ref, gc_ref, _tiled_inverse(ks, gcs, betas, cfg, interpret), gcs)
+        _store_tiled_inverse(x_ref, gc_ref, wy.tiled_inverse(ks, gcs, betas, cfg, interpret), gcs)
         return
     valid = _valid_rows(len_ref[0])
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    x_ref[...] = _wy_inverse(_load_key(k_ref, valid, use_l2), _masked(beta_ref, valid), gc, cfg, interpret)
+    x_ref[...] = wy.wy_inverse(_load_key(k_ref, valid, use_l2), _masked(beta_ref, valid), gc, cfg, interpret)
 
 
 def _apply_kernel(len_ref, k_ref, v_ref, beta_ref, gc_ref, x_ref, w_ref, u_ref, kd_ref, *, use_l2, cfg, interpret):
     """Split design with prep_kernels=2, part 2: w, u and kd of one chunk from X (two dots, throughput-bound)."""
     valid = _valid_rows(len_ref[0])
-    _store_wy(w_ref, u_ref, kd_ref, _apply_wy(x_ref[...], _load_key(k_ref, valid, use_l2), _masked(v_ref, valid),
+    _store_wy(w_ref, u_ref, kd_ref, wy.apply_wy(x_ref[...], _load_key(k_ref, valid, use_l2), _masked(v_ref, valid),
                                               _masked(beta_ref, valid), gc_ref[...], cfg, interpret))
 
 
@@ -490,10 +247,10 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
         h_ref[c] = s
-        v_new = u_ref[sl, :] - _dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
+        v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
         vn_ref[sl, :] = v_new
         kd = kd_ref[sl, :].astype(jnp.float32)
-        return s * jnp.exp(_last(gc_ref[sl])) + _dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
+        return s * jnp.exp(wy.last(gc_ref[sl])) + wy.dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
 
     st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
 
@@ -503,8 +260,8 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
     valid = _valid_rows(len_ref[0])
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
-    aqk, qg = _intra(q, k, gc_ref[...], cfg, interpret)
-    o = _dot(qg, h_ref[...], cfg["p_qs"], interpret) + _dot(aqk, vn_ref[...], cfg["p_av"], interpret)
+    aqk, qg = wy.intra(q, k, gc_ref[...], cfg, interpret)
+    o = wy.dot(qg, h_ref[...], cfg["p_qs"], interpret) + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret)
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -526,8 +283,8 @@ def _checked_config(config, V: int) -> dict:
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     for name, p in cfg.items():
-        if name.startswith("p_") and p not in _PRECISIONS:
-            raise ValueError(f"{name}={p!r}: expected one of {_PRECISIONS}")
+        if name.startswith("p_") and p not in wy.PRECISIONS:
+            raise ValueError(f"{name}={p!r}: expected one of {wy.PRECISIONS}")
     return cfg
 
 
