@@ -34,6 +34,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
                            checkpoint_stride=None, backend: str | None = None):
     """Chunked gated delta rule (prefill). q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV].
 
+    g is a log-decay (g <= 0, as the GDN gates compute it) and beta a gate in [0, 1]. The GPU kernel relies on it
+    when `use_qk_l2norm=True`: it then stores two intermediates in fp16, whose every entry those ranges keep in
+    [-1, 1] (`gated_delta.chunk._wk_dtype`). With g > 0 or beta > 2 they can overflow. Outside those ranges, call
+    `gated_delta.chunk.chunk_gated_delta_rule_pallas` with `config={"wk_dtype": "float32"}`.
+
     Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus checkpoints [B,T//stride,HV,K,V] when
     `checkpoint_stride` is given.
     """
