@@ -227,8 +227,8 @@ def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None =
 
     "reference": `attention_reference` (XLA; the [T, N] scores materialised per head); "pallas"/"interpret": the
     Pallas kernel of `attention_invariant` (3.1x faster than XLA's at decode, B=64, on the H200 — BENCHMARKS.md;
-    prefill: faster inside the deterministic model, not timed alone), with the same fallbacks, per shard under a
-    tensor-parallel mesh that splits the heads.
+    prefill: faster inside the deterministic model, not timed alone); head layouts the kernel does not support take
+    `attention_reference`, and under a tensor-parallel mesh the kernel runs per shard when the mesh splits the heads.
     """
     from . import attention as _att  # the submodule (the package exports no name `attention`)
 

@@ -334,9 +334,9 @@ def to_torch(x):
 
 def prefill_model(B, T, HK, HV, K, V, bv):
     """FLOPs of the split design's dots (the tiled inverse's sixteen [16, 16] merge dots counted once, not per TF32
-    pass) and its DRAM bytes as of run 25's default: inputs (k read by the three kernels, q and v by one), the
-    intermediates written once and read once (gc, u and v_new in fp32, w and kd in fp16 per token; the fp32 state h
-    per chunk), the bf16 output and the final state. `bv` is not used (q/k reads per V block hit L2)."""
+    pass) and its DRAM bytes as of run 25's default: inputs (k read by the prep and output kernels, q and v by one),
+    the intermediates written once and read once (gc, u and v_new in fp32, w and kd in fp16 per token; the fp32
+    state h per chunk), the bf16 output and the final state. `bv` is not used (q/k reads per V block hit L2)."""
     C = 64
     nt = -(-T // C)
     nch = B * HV * nt
@@ -345,7 +345,7 @@ def prefill_model(B, T, HK, HV, K, V, bv):
     flops_out = 2 * C * C * K + 2 * C * K * V + 2 * C * C * V  # q k^T, q h, A v_new
     flops = nch * (flops_prep + flops_state + flops_out)
     useful = nch * (2 * C * C * K + 2 * C * C * K + 2 * C * C * V + flops_state + flops_out)
-    inputs = B * T * (HK * K * 2 * 4 + HV * V * 2 + HV * 8)
+    inputs = B * T * (HK * K * 2 * 3 + HV * V * 2 + HV * 8)
     inter = 2 * (B * T * HV * (4 * (1 + 2 * V) + 2 * 2 * K) + nch * K * V * 4)
     out = B * T * HV * V * 2 + B * HV * K * V * 4
     return flops, useful, inputs + inter + out
@@ -918,9 +918,11 @@ def main():
     log(json.dumps(RESULTS["meta"]))
 
     # Earlier rounds' candidates keep their meaning: measured against the one-kernel prep with the block-Neumann
-    # inverse (`old`) or against the two-kernel prep (`old2`, the default up to run 23).
-    old = lambda **kw: dict(dict(prep_kernels=1, inv="block16"), **kw)  # noqa: E731
-    old2 = lambda **kw: dict(dict(prep_kernels=2, inv="block16"), **kw)  # noqa: E731
+    # inverse (`old`) or against the two-kernel prep (`old2`, the default up to run 23); w and kd in fp32 then
+    # (`f32`: up to run 24).
+    f32 = lambda **kw: dict(dict(wk_dtype="float32"), **kw)  # noqa: E731
+    old = lambda **kw: f32(**dict(dict(prep_kernels=1, inv="block16"), **kw))  # noqa: E731
+    old2 = lambda **kw: f32(**dict(dict(prep_kernels=2, inv="block16"), **kw))  # noqa: E731
     chunk_configs = {  # "default" is DEFAULT_CONFIG (split design: one prep kernel with the tiled inverse, recurrence,
         # output)
         "default": None,
@@ -938,12 +940,13 @@ def main():
         "prep2": old2(),
         "prep2_w2": old2(warps_prep=2),
         "prep2_bv32_s2": old2(bv=32, stages_state=2),
-        # run 24 (the tiled inverse): tiled = two prep kernels (X through memory); tiled1 = the default then
-        "tiled": dict(prep_kernels=2),
-        "tiled_tf32": dict(prep_kernels=2, p_inv="tf32"),
-        "tiled_w2": dict(prep_kernels=2, warps_prep=2),
-        "tiled1_tf32": dict(p_inv="tf32"),
-        "tiled1_w8": dict(warps_prep=8),
+        # run 24 (the tiled inverse, w and kd in fp32): tiled = two prep kernels (X through memory), tiled1 = one
+        "tiled": f32(prep_kernels=2),
+        "tiled_tf32": f32(prep_kernels=2, p_inv="tf32"),
+        "tiled_w2": f32(prep_kernels=2, warps_prep=2),
+        "tiled1": f32(),
+        "tiled1_tf32": f32(p_inv="tf32"),
+        "tiled1_w8": f32(warps_prep=8),
         # run 25 candidates, against the default
         "wk32": dict(wk_dtype="float32"),
         # the diagonal tiles by loop-free block merging (run 26: accuracy only, it ran out of device time before timing)
@@ -956,7 +959,10 @@ def main():
     if args.quick:
         chunk_configs = {"default": None}
     if args.configs:
-        chunk_configs = {n: chunk_configs[n] for n in ["default"] + args.configs.split(",") if n in chunk_configs}
+        unknown = set(args.configs.split(",")) - set(chunk_configs)
+        if unknown:
+            raise SystemExit(f"unknown prefill configs {sorted(unknown)}; known: {sorted(chunk_configs)}")
+        chunk_configs = {n: chunk_configs[n] for n in ["default"] + args.configs.split(",")}
     decode_configs = {
         "old_arith": dict(kslices=1, fma=False), "k1_fma": dict(kslices=1), "k8": dict(kslices=8),
         "bv32_w4": dict(bv=32, num_warps=4), "bv16_w2": dict(bv=16, num_warps=2), "bv32_w2": dict(bv=32, num_warps=2),

@@ -8,9 +8,9 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    exp(gc_i - gc_j) (j < i), its unit-lower inverse X = (I + A)^-1 and w = X (beta exp(gc) k), u = X (beta v),
    kd = k exp(gc_last - gc). By default (inv="tiled", `wy.tiled_inverse`) all of it on 16-row slices and [16, 16]
    tiles: the diagonal tiles inverted by exact fp32 forward substitution, the rest merged block row by block row,
-   w / u / kd 16 rows at a time. u is written in fp32, w and kd in fp16 on the GPU (`_wk_dtype`: bounded by
-   construction). prep_kernels=2 writes X to memory (`_inverse_kernel`) and applies it in `_apply_kernel`;
-   inv="block16" is the earlier [64, 64] form (diagonal blocks on a [4, 16, 16] stack, block-Neumann merge).
+   w / u / kd 16 rows at a time. u is written in fp32, w and kd in fp16 on the GPU when q/k are L2-normalised
+   (`_wk_dtype`: bounded by construction), else in fp32. prep_kernels=2 writes X to memory (`_inverse_kernel`)
+   and applies it in `_apply_kernel`; inv="block16" is the earlier [64, 64] form (diagonal blocks on a [4, 16, 16] stack, block-Neumann merge).
 2. `_state_split_kernel`, grid (V // BV, HV, B) (BV = 64; 32 with two load stages on grids of at most 132 programs,
    `_recurrence_blocks`), sequential over chunks with the fp32 state block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
@@ -197,7 +197,8 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 
 def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
                        interpret):
-    """Split design, parallel part 1: w, u, kd, gc of one chunk (fp32). Needs no q."""
+    """Split design, parallel part 1: w, u, kd, gc of one chunk (u and gc in fp32; w and kd in their refs' dtype,
+    `_wk_dtype`). Needs no q."""
     if cfg["inv"] == "tiled":
         ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
         for i, gc in enumerate(gcs):
@@ -309,15 +310,18 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
 def _wk_dtype(cfg: dict, use_l2: bool, interpret: bool):
     """Storage dtype of the split design's w and kd between the prep and the recurrence kernels.
 
-    "auto" (default): fp16 on the GPU when q/k are L2-normalised, else fp32. With unit keys, beta in [0, 1] and
-    log-decays g <= 0, every entry of kd = k exp(gc_last - gc) and of w = X (beta exp(gc) k) lies in [-1, 1] (a row
-    of w is beta_i exp(gc_i) k_i carried through the chunk's earlier factors I - beta_j k_j k_j^T, each of norm <= 1),
-    so fp16 cannot overflow, and its 10-bit mantissa is the TF32 mantissa the recurrence's dots round them to anyway:
-    half the bytes of the recurrence's largest reads, the same accuracy class (BENCHMARKS.md, run 25). In interpret
-    mode "auto" keeps fp32, so the CPU tests' exact-fp32 tolerances hold; "float16" forces it (tested on CPU)."""
+    "auto" (default): fp16 on the GPU when q/k are L2-normalised and the recurrence's dots that read w and kd
+    (p_ws, p_kv) are TF32 or bf16, else fp32. With unit keys, beta in [0, 1] and log-decays g <= 0, every entry of
+    kd = k exp(gc_last - gc) and of w = X (beta exp(gc) k) lies in [-1, 1] (a row of w is beta_i exp(gc_i) k_i
+    carried through the chunk's earlier factors I - beta_j k_j k_j^T, each of norm <= 1), so fp16 cannot overflow,
+    and its 10-bit mantissa is the TF32 mantissa those dots round them to anyway (below fp16's normal range, |x| <
+    6e-5, it keeps fewer bits, an absolute error <= 3e-8): half the bytes of the recurrence's largest reads, the same
+    accuracy class (BENCHMARKS.md, run 25). In interpret mode "auto" keeps fp32, so the CPU tests' exact-fp32
+    tolerances hold; "float16" forces it (tested on CPU)."""
     choice = cfg["wk_dtype"]
     if choice == "auto":
-        return jnp.float16 if use_l2 and not interpret else jnp.float32
+        tf32_dots = cfg["p_ws"] in ("tf32", "bf16") and cfg["p_kv"] in ("tf32", "bf16")
+        return jnp.float16 if use_l2 and tf32_dots and not interpret else jnp.float32
     return jnp.float16 if choice == "float16" else jnp.float32
 
 

@@ -42,6 +42,8 @@ def _design_config(design):
         return {"design": "split", "prep_kernels": 2}
     if design == "fused":  # the fused design with the block-Neumann inverse on [64, 64] tiles
         return {"design": "fused", "prep_kernels": 1, "inv": "block16"}
+    if design == "split_block16":  # the default up to run 23: the [64, 64] block-Neumann inverse, X through memory
+        return {"design": "split", "prep_kernels": 2, "inv": "block16"}
     if design == "split_merge":  # the tiled inverse's diagonal tiles by loop-free block merging
         return {"design": "split", "prep_kernels": 1, "diag": "merge"}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
@@ -109,6 +111,12 @@ def test_fp16_w_and_kd_storage(prep_kernels):
         assert np.isfinite(o).all() and np.isfinite(s).all()
         assert rel_err(s, rs) <= 2e-3, g_kind
         assert max(rel_err(o[b, :n], ro[b, :n]) for b, n in enumerate(lengths)) <= 1e-3, g_kind
+    args = [jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")]  # the option takes effect:
+    w, _, kd, _ = chunk_gated_delta_rule_pallas(*args, interpret=True, config=dict(cfg, stop_after="prep"))
+    assert w.dtype == kd.dtype == jnp.float16
+    s32 = chunk_gated_delta_rule_pallas(*args, interpret=True, config=dict(cfg, wk_dtype="float32"))[1]
+    assert not np.array_equal(np.asarray(s32), np.asarray(chunk_gated_delta_rule_pallas(*args, interpret=True,
+                                                                                         config=cfg)[1]))
 
 
 @pytest.mark.parametrize("keys", ["random", "identical", "nearly_parallel", "alternating_sign"])
@@ -147,12 +155,13 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
-@pytest.fixture(params=["split", "fused", "split2", "split_wk16", "split_merge"])
+@pytest.fixture(params=["split", "fused", "split2", "split_wk16", "split_merge", "split_block16"])
 def design(request):
     """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
     the split design with its prep in two kernels ("split2": inverse, then w / u / kd), with w and kd stored in
-    fp16 between prep and recurrence as on the GPU ("split_wk16"), and with the diagonal tiles of the inverse by
-    block merging instead of forward substitution ("split_merge")."""
+    fp16 between prep and recurrence as on the GPU ("split_wk16"), with the diagonal tiles of the inverse by block
+    merging instead of forward substitution ("split_merge"), and the [64, 64] block-Neumann inverse
+    ("split_block16")."""
     return request.param
 
 

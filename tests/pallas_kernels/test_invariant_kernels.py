@@ -102,7 +102,10 @@ def test_attention_is_batch_and_split_invariant(cache, rows):
 def test_api_attention_entry_points_take_the_kernel_or_their_fallback(cache, decode):
     """`cache_attention` (default mode) and `attention_invariant` (deterministic mode), "interpret" backend: on a
     supported head layout the kernel's bits; on an unsupported one (3 query heads per KV head) each mode's own
-    fallback — XLA's attention for the default mode, the fixed-tile reference for deterministic mode — bit for bit."""
+    fallback — XLA's attention for the default mode, the fixed-tile reference for deterministic mode — bit for bit
+    (at decode the two fallbacks compute the same bits: tiles of one query). And a layout the prefill kernel takes
+    but the decode kernel does not (32 query heads per KV head: more than its 16 rows) goes to the kernel at prefill,
+    to the fallback at decode."""
     from pallas_kernels import api
     from pallas_kernels.attention import attention_reference, attention_tiled_reference
 
@@ -119,6 +122,11 @@ def test_api_attention_entry_points_take_the_kernel_or_their_fallback(cache, dec
                           np.asarray(attention_reference(q3, k, v, pos)))
     assert np.array_equal(np.asarray(api.attention_invariant(q3, k, v, pos, decode=decode, backend="interpret")),
                           np.asarray(attention_tiled_reference(q3, k, v, pos, tile=1 if decode else 64)))
+    q32, k1, v1 = jnp.repeat(q[:1, -2:, :1], 32, axis=2), k[:1, :, :1], v[:1, :, :1]  # 32 query heads, 1 KV head
+    got = np.asarray(api.cache_attention(q32, k1, v1, pos[:1, -2:], decode=decode, backend="interpret"))
+    want = (attention_reference(q32, k1, v1, pos[:1, -2:]) if decode else
+            attention_invariant_pallas(q32, k1, v1, pos[:1, -2:], rows=64, interpret=True))
+    assert np.array_equal(got, np.asarray(want))
 
 
 def test_attention_rejects_unsupported_layouts():
