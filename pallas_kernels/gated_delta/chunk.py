@@ -10,7 +10,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    tiles: the diagonal tiles inverted by exact fp32 forward substitution, the rest merged block row by block row,
    w / u / kd 16 rows at a time. u is written in fp32, w and kd in fp16 on the GPU when q/k are L2-normalised
    (`_wk_dtype`: bounded by construction), else in fp32. prep_kernels=2 writes X to memory (`_inverse_kernel`)
-   and applies it in `_apply_kernel`; inv="block16" is the earlier [64, 64] form (diagonal blocks on a [4, 16, 16] stack, block-Neumann merge).
+   and applies it in `_apply_kernel`; inv="block16" is the earlier [64, 64] form (diagonal blocks on a
+   [4, 16, 16] stack, block-Neumann merge).
 2. `_state_split_kernel`, grid (V // BV, HV, B) (BV = 64; 32 with two load stages on grids of at most 132 programs,
    `_recurrence_blocks`), sequential over chunks with the fp32 state block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
@@ -25,8 +26,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
 
 "tiles16" (the diagonal blocks on four 2-D [16, 16] tiles, placed into [64, 64] for the block-Neumann merge; run 4,
 slower) was removed when inv="tiled" kept the tiles through the merge. A row-exact configuration (FMA-chain dots)
-for an incremental replay kernel was removed: its prefill measured
-54-58x the default and its replay step 88x the recurrent kernel (BENCHMARKS.md).
+for an incremental replay kernel was removed: its prefill measured 54-58x the default and its replay step 88x the
+recurrent kernel (BENCHMARKS.md).
 
 Determinism properties (tested on CPU in interpret mode and on the GPU):
 - every chunk's arithmetic depends only on that chunk's (masked) inputs and the incoming fp32 state, with fixed
@@ -59,8 +60,7 @@ from .wy import CHUNK
 #   "block16" (16x16 diagonal blocks by forward substitution on a [4, 16, 16] stack + block-Neumann merge on
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
-#   parameters;
-#   design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
+#   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); diag: the tiled inverse's
 #   diagonal tiles by forward substitution ("subst") or loop-free block merging ("merge": not yet timed);
@@ -103,18 +103,24 @@ def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
         ks.append(_load_key(k_ref.at[sl], valid, use_l2))
         gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
         if gcs:
-            gc = gc + jnp.sum(jnp.where(iota == s - 1, gcs[-1], 0.0))  # exact: one non-zero term
+            gc = gc + wy.last(gcs[-1])
         gcs.append(gc)
         betas.append(jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0))
     return ks, gcs, betas, valids
+
+
+def _store_gc(gc_ref, gcs):
+    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C]."""
+    for i, gc in enumerate(gcs):
+        gc_ref[pl.ds(i * wy.SUB, wy.SUB)] = gc
 
 
 def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
     """Write the tiled inverse as the [C, C] X (zeros above the diagonal tiles) and gc [C]."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     zero = jnp.zeros((s, s), jnp.float32)
+    _store_gc(gc_ref, gcs)
     for i in range(nb):
-        gc_ref[pl.ds(i * s, s)] = gcs[i]
         for m in range(nb):
             x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
 
@@ -123,8 +129,7 @@ def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg,
     """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
     the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
     s, nb = wy.SUB, CHUNK // wy.SUB
-    iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
-    g_last = jnp.sum(jnp.where(iota == s - 1, gcs[-1], 0.0))
+    g_last = wy.last(gcs[-1])
     bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
     bvs = [_masked(v_ref.at[pl.ds(m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
            enumerate(zip(valids, betas))]
@@ -168,12 +173,14 @@ def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg
     gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
     gc_ref[...] = gc
     aqk_ref[...], qg_ref[...] = wy.intra(q, k, gc, cfg, interpret)
-    w_ref[...], u_ref[...], kd_ref[...] = wy.wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret)
+    w_ref[...], u_ref[...], kd_ref[...] = wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg,
+                                                   interpret)
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
                   interpret):
-    """Fused design, sequential part: per chunk v_new = u - w S; o = qg S + Aqk v_new; S = exp(gc_last) S + kd^T v_new."""
+    """Fused design, sequential part: per chunk v_new = u - w S; o = qg S + Aqk v_new;
+    S = exp(gc_last) S + kd^T v_new."""
 
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
@@ -201,8 +208,7 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     `_wk_dtype`). Needs no q."""
     if cfg["inv"] == "tiled":
         ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
-        for i, gc in enumerate(gcs):
-            gc_ref[pl.ds(i * wy.SUB, wy.SUB)] = gc
+        _store_gc(gc_ref, gcs)
         _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
                         kd_ref, cfg, interpret)
         return
@@ -210,12 +216,12 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
-    _store_wy(w_ref, u_ref, kd_ref, wy.wy(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
+    _store_wy(w_ref, u_ref, kd_ref, wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
 
 
-def _store_wy(w_ref, u_ref, kd_ref, wy):
-    """Write (w, u, kd), w and kd in their refs' dtype (fp16 storage: `_wk_dtype`)."""
-    w, u, kd = wy
+def _store_wy(w_ref, u_ref, kd_ref, wuk):
+    """Write wuk = (w, u, kd), w and kd in their refs' dtype (fp16 storage: `_wk_dtype`)."""
+    w, u, kd = wuk
     w_ref[...] = w.astype(w_ref.dtype)
     u_ref[...] = u
     kd_ref[...] = kd.astype(kd_ref.dtype)

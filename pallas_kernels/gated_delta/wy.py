@@ -145,7 +145,8 @@ def diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
 
 
 def tiled_inverse(ks, gcs, betas, cfg, interpret):
-    """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i} (`_chunk_slices`' inputs).
+    """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i}, from the chunk's 16-row
+    slices (`chunk._chunk_slices`).
 
     Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution or by block merging (`cfg["diag"]`); then, block row
     by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
@@ -210,9 +211,10 @@ def inverse_fwd64(a):
 
 
 def last(x):
-    """x[C - 1] of a [C] vector, as a reduction Triton can lower (exact: one non-zero term)."""
-    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    return jnp.sum(jnp.where(iota == CHUNK - 1, x, 0.0))
+    """The last element of a 1-D vector, as a reduction Triton can lower (exact: one non-zero term)."""
+    n = x.shape[0]
+    iota = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    return jnp.sum(jnp.where(iota == n - 1, x, 0.0))
 
 
 def causal_decay(gc, strict):
@@ -223,14 +225,14 @@ def causal_decay(gc, strict):
     return lower, jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0))
 
 
-def wy(k, v, beta, gc, cfg, interpret):
+def wy_form(k, v, beta, gc, cfg, interpret):
     """WY/UT form of one chunk: X = (I + A)^-1 with A[i, j] = beta_i k_i . k_j exp(gc_i - gc_j) (j < i);
     returns w = X (beta exp(gc) k) [C, K], u = X (beta v) [C, V] and kd = k exp(gc_last - gc) [C, K]."""
     return apply_wy(wy_inverse(k, beta, gc, cfg, interpret), k, v, beta, gc, cfg, interpret)
 
 
 def wy_inverse(k, beta, gc, cfg, interpret):
-    """X = (I + A)^-1 [C, C] (see `wy`)."""
+    """X = (I + A)^-1 [C, C] (see `wy_form`)."""
     lower, decay = causal_decay(gc, strict=True)
     kk = dot(k * beta[:, None], k, cfg["p_kk"], interpret, trans_b=True)  # [C, C]
     a = jnp.where(lower, kk * decay, 0.0)
@@ -247,7 +249,7 @@ def wy_rhs(k, v, beta, gc):
 
 
 def apply_wy(x, k, v, beta, gc, cfg, interpret):
-    """(w, u, kd) of `wy` from the inverse X."""
+    """(w, u, kd) of `wy_form` from the inverse X."""
     bk, bv = wy_rhs(k, v, beta, gc)
     u = dot(x, bv, cfg["p_wu"], interpret)
     w = dot(x, bk, cfg["p_wu"], interpret)
