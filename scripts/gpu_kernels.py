@@ -221,15 +221,16 @@ def chunk_bitwise(config=None, tag="default"):
             oj, _ = call_chunk(x, sl=slice(start, start + j), s0=s_start, config=config)
             ok &= np.array_equal(oj, of[:, :j])
     check(f"[{tag}] chunk j<64 rows == full-chunk rows (j=1,2,7,33,63; at 0 and 256)", ok)
-    if config is None:  # the recurrence's launch follows the grid (chunk._recurrence_blocks): rows alone (B=1, HV=32:
-        # bv_small) == the same rows in a batch of 4 (bv), the Qwen3.5 head shape
+    if not {"bv", "stages_state"} & set(config or {}):  # the recurrence's launch follows the grid
+        # (chunk._recurrence_blocks): rows alone (B=1, HV=32: bv_small) == the same rows in a batch of 4 (bv), the
+        # Qwen3.5 head shape
         x = dev_inputs(random_gdn_inputs(rng, 4, 256, 16, 32, 128, 128, np.float32, beta_kind="mixed"))
         lengths = [256, 200, 64, 1]
-        ob, sb = call_chunk(x, lengths=lengths)
+        ob, sb = call_chunk(x, lengths=lengths, config=config)
         ok = True
         for b, n in enumerate(lengths):
             xb = {k_: (None if v_ is None else v_[b: b + 1]) for k_, v_ in x.items()}
-            oa, sa = call_chunk(xb, sl=slice(0, n))
+            oa, sa = call_chunk(xb, sl=slice(0, n), config=config)
             ok &= np.array_equal(oa[0], ob[b, :n]) and np.array_equal(sa[0], sb[b])
         check(f"[{tag}] chunk row alone (small-grid launch) == row in a batch of 4 (HV=32)", ok)
 
@@ -890,6 +891,8 @@ def main():
     ap.add_argument("--only", default="", help="comma list of sections to run (overrides --skip)")
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
+    ap.add_argument("--no-default-bitwise", action="store_true",
+                    help="run the bitwise checks only for the sweep's winner (the default's were run before)")
     ap.add_argument("--decode-configs", default="", help="comma list of decode configs besides the default "
                                                           "(default: all)")
     args = ap.parse_args()
@@ -951,6 +954,12 @@ def main():
         "wk32": dict(wk_dtype="float32"),
         # the diagonal tiles by loop-free block merging (run 26: accuracy only, it ran out of device time before timing)
         "merge": dict(diag="merge"),
+        # the fused design on the tiled prep (qg and Aqk written by the prep, w / kd / qg / Aqk in fp16): the output
+        # inside the recurrence, so neither the per-chunk states nor v_new go through memory
+        "fused_t": dict(design="fused"),
+        "fused_t_merge": dict(design="fused", diag="merge"),
+        "fused_t_w8": dict(design="fused", warps_state=8),
+        "fused_t_s2": dict(design="fused", stages_state=2),
         "bv128_w8": dict(bv=128, warps_state=8),
         "out_w8": dict(warps_out=8),
         "out_bv64": dict(bv_out=64),
@@ -979,7 +988,7 @@ def main():
     acc = None
     if "accuracy" not in skip:
         acc = chunk_accuracy(chunk_configs)
-    if "bitwise" not in skip:
+    if "bitwise" not in skip and not args.no_default_bitwise:
         chunk_bitwise()
     if "equality" not in skip and len(chunk_configs) > 1:
         config_equality(chunk_configs)

@@ -145,6 +145,32 @@ def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg,
         kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
 
 
+def _store_tiled_intra(q_ref, ks, gcs, valids, qg_ref, aqk_ref, *, scale, use_l2, cfg, interpret):
+    """The output side of one chunk (as `wy.intra`) 16 rows at a time: qg = scale q exp(gc) and the masked
+    Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i; exact zeros above, so rows stay causal), in their refs'
+    dtype."""
+    s, nb = wy.SUB, CHUNK // wy.SUB
+    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    on_or_below = r16 >= c16
+    zero = jnp.zeros((s, s), aqk_ref.dtype)
+    for i in range(nb):
+        sl = pl.ds(i * s, s)
+        q = _load_key(q_ref.at[sl], valids[i], use_l2) * scale  # padded rows exact zeros
+        qg_ref[sl, :] = (q * jnp.exp(gcs[i])[:, None]).astype(qg_ref.dtype)
+        for m in range(nb):
+            if m > i:
+                aqk_ref[sl, pl.ds(m * s, s)] = zero
+                continue
+            qk = wy.dot(q, ks[m], cfg["p_qk"], interpret, trans_b=True)
+            if m == i:
+                tile = jnp.where(on_or_below, qk * jnp.exp(jnp.where(on_or_below, gcs[i][:, None] - gcs[i][None, :],
+                                                                     0.0)), 0.0)
+            else:  # every entry strictly below the diagonal: gc_r - gc_c <= 0 for g <= 0
+                tile = qk * jnp.exp(gcs[i][:, None] - gcs[m][None, :])
+            aqk_ref[sl, pl.ds(m * s, s)] = tile.astype(aqk_ref.dtype)
+
+
 def _valid_rows(length):
     """[C] bool: which rows of this program's chunk (grid axis 0) are real tokens."""
     iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
@@ -166,15 +192,24 @@ def _masked(ref, valid):
 
 def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
                  scale, use_l2, cfg, interpret):
-    """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (written in fp32)."""
+    """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (u and gc in fp32; w, kd,
+    qg and Aqk in their refs' dtype, `_wk_dtype`)."""
+    if cfg["inv"] == "tiled":
+        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
+        _store_gc(gc_ref, gcs)
+        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
+                        kd_ref, cfg, interpret)
+        _store_tiled_intra(q_ref, ks, gcs, valids, qg_ref, aqk_ref, scale=scale, use_l2=use_l2, cfg=cfg,
+                           interpret=interpret)
+        return
     valid = _valid_rows(len_ref[0])
     q = _load_key(q_ref, valid, use_l2) * scale  # scale folded into q (padded rows stay exact zeros)
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
     gc_ref[...] = gc
-    aqk_ref[...], qg_ref[...] = wy.intra(q, k, gc, cfg, interpret)
-    w_ref[...], u_ref[...], kd_ref[...] = wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg,
-                                                   interpret)
+    aqk, qg = wy.intra(q, k, gc, cfg, interpret)
+    aqk_ref[...], qg_ref[...] = aqk.astype(aqk_ref.dtype), qg.astype(qg_ref.dtype)
+    _store_wy(w_ref, u_ref, kd_ref, wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
@@ -281,8 +316,6 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
     if cfg["inv"] not in ("tiled", "block16", "doubling", "fwd64"):
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'doubling' or 'fwd64'")
-    if cfg["inv"] == "tiled" and cfg["design"] != "split":
-        raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
     if cfg["diag"] not in ("merge", "subst"):
@@ -306,7 +339,7 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
     also checks a row alone against a batch across the switch). Not in interpret mode: there the dots are
     XLA:CPU's, whose rounding does depend on the block width (seen in the tests), and speed is not the point."""
     user = dict(config or ())
-    if interpret or cfg["design"] != "split" or "bv" in user or "stages_state" in user:
+    if interpret or "bv" in user or "stages_state" in user:
         return cfg
     if (V // min(cfg["bv"], V)) * HV * B > cfg["small_grid"]:
         return cfg
@@ -314,7 +347,8 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
 
 
 def _wk_dtype(cfg: dict, use_l2: bool, interpret: bool):
-    """Storage dtype of the split design's w and kd between the prep and the recurrence kernels.
+    """Storage dtype of w and kd between the prep and the recurrence kernels (and, in the fused design, of the
+    output side's qg and Aqk).
 
     "auto" (default): fp16 on the GPU when q/k are L2-normalised and the recurrence's dots that read w and kd
     (p_ws, p_kv) are TF32 or bf16, else fp32. With unit keys, beta in [0, 1] and log-decays g <= 0, every entry of
@@ -322,11 +356,14 @@ def _wk_dtype(cfg: dict, use_l2: bool, interpret: bool):
     carried through the chunk's earlier factors I - beta_j k_j k_j^T, each of norm <= 1), so fp16 cannot overflow,
     and its 10-bit mantissa is the TF32 mantissa those dots round them to anyway (below fp16's normal range, |x| <
     6e-5, it keeps fewer bits, an absolute error <= 3e-8): half the bytes of the recurrence's largest reads, the same
-    accuracy class (BENCHMARKS.md, run 25). In interpret mode "auto" keeps fp32, so the CPU tests' exact-fp32
+    accuracy class (BENCHMARKS.md, run 25). The fused design's qg = scale q exp(gc) and Aqk (entries scale q_i . k_j
+    exp(gc_i - gc_j), j <= i) are bounded by the scale the same way; it takes fp16 for all four only when its output
+    dots (p_qs, p_av) are TF32 or bf16 too. In interpret mode "auto" keeps fp32, so the CPU tests' exact-fp32
     tolerances hold; "float16" forces it (tested on CPU)."""
     choice = cfg["wk_dtype"]
     if choice == "auto":
-        tf32_dots = cfg["p_ws"] in ("tf32", "bf16") and cfg["p_kv"] in ("tf32", "bf16")
+        dots = ("p_ws", "p_kv") + (("p_qs", "p_av") if cfg["design"] == "fused" else ())
+        tf32_dots = all(cfg[p] in ("tf32", "bf16") for p in dots)
         return jnp.float16 if use_l2 and tf32_dots and not interpret else jnp.float32
     return jnp.float16 if choice == "float16" else jnp.float32
 
@@ -356,13 +393,15 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
     f32 = jnp.float32
 
     cg = _ChunkGrid(q, v)
+    wk = _wk_dtype(cfg, use_qk_l2norm, interpret)
     prep = pl.pallas_call(
         functools.partial(_prep_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(K), cg.rows(V), cg.rows(K), cg.rows(K), cg.rows(CHUNK), cg.gc],
         # w, u, q * scale * exp(gc), k * exp(gc_last - gc), masked intra-chunk attention, gc
-        out_shape=[cg.rows_out(K), cg.rows_out(V), cg.rows_out(K), cg.rows_out(K), cg.rows_out(CHUNK), cg.gc_out],
+        out_shape=[cg.rows_out(K, wk), cg.rows_out(V), cg.rows_out(K, wk), cg.rows_out(K, wk), cg.rows_out(CHUNK, wk),
+                   cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
