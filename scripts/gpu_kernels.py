@@ -960,6 +960,12 @@ def main():
         "fused_t_merge": dict(design="fused", diag="merge"),
         "fused_t_w8": dict(design="fused", warps_state=8),
         "fused_t_s2": dict(design="fused", stages_state=2),
+        # the output / prep kernel looping over several chunks per program, loads software-pipelined (same bits)
+        "out_c4_s2": dict(chunks_out=4, stages_out=2),
+        "out_c8_s2": dict(chunks_out=8, stages_out=2),
+        "out_c4_s3_bv64": dict(chunks_out=4, stages_out=3, bv_out=64),
+        "prep_c4_s2": dict(chunks_prep=4, stages_prep=2),
+        "loops_c4_s2": dict(chunks_prep=4, stages_prep=2, chunks_out=4, stages_out=2),
         "bv128_w8": dict(bv=128, warps_state=8),
         "out_w8": dict(warps_out=8),
         "out_bv64": dict(bv_out=64),

@@ -64,6 +64,8 @@ from .wy import CHUNK
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); diag: the tiled inverse's
 #   diagonal tiles by forward substitution ("subst") or loop-free block merging ("merge": not yet timed);
+#   chunks_out / chunks_prep: chunks per program of the split design's output / prep kernel (> 1: a loop Triton can
+#   pipeline with stages_out / stages_prep > 1; chunks_prep with prep_kernels=1 and inv="tiled" only);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -84,21 +86,22 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst",
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst", chunks_out=1, chunks_prep=1,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
 
-def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
+def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None, row0=0):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
-    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it)."""
+    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it).
+    start: the chunk's first token (default: the chunk of grid axis 0); row0: its first row in the refs."""
     s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
-        sl = pl.ds(b * s, s)
-        valid = (pl.program_id(0) * CHUNK + b * s + iota) < length
+        sl = pl.ds(row0 + b * s, s)
+        valid = ((pl.program_id(0) * CHUNK if start is None else start) + b * s + iota) < length
         valids.append(valid)
         ks.append(_load_key(k_ref.at[sl], valid, use_l2))
         gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
@@ -109,10 +112,10 @@ def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
     return ks, gcs, betas, valids
 
 
-def _store_gc(gc_ref, gcs):
-    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C]."""
+def _store_gc(gc_ref, gcs, row0=0):
+    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C] (from row row0)."""
     for i, gc in enumerate(gcs):
-        gc_ref[pl.ds(i * wy.SUB, wy.SUB)] = gc
+        gc_ref[pl.ds(row0 + i * wy.SUB, wy.SUB)] = gc
 
 
 def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
@@ -125,16 +128,17 @@ def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
             x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
 
 
-def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret):
+def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0):
     """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
-    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
+    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used).
+    The chunk starts at row row0 of the refs."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     g_last = wy.last(gcs[-1])
     bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
-    bvs = [_masked(v_ref.at[pl.ds(m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
+    bvs = [_masked(v_ref.at[pl.ds(row0 + m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
            enumerate(zip(valids, betas))]
     for i in range(nb):
-        sl = pl.ds(i * s, s)
+        sl = pl.ds(row0 + i * s, s)
         w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
         u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
         for m in range(1, i + 1):
@@ -242,16 +246,42 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     """Split design, parallel part 1: w, u, kd, gc of one chunk (u and gc in fp32; w and kd in their refs' dtype,
     `_wk_dtype`). Needs no q."""
     if cfg["inv"] == "tiled":
-        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
-        _store_gc(gc_ref, gcs)
-        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
-                        kd_ref, cfg, interpret)
+        _prep_tiled_chunk(len_ref[0], None, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref,
+                          use_l2=use_l2, cfg=cfg, interpret=interpret)
         return
     valid = _valid_rows(len_ref[0])
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
     _store_wy(w_ref, u_ref, kd_ref, wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
+
+
+def _prep_tiled_chunk(length, start, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
+                      interpret, row0=0):
+    """inv="tiled": w, u, kd and gc of the chunk at rows row0 ... row0 + C - 1 of the refs (start: its first token;
+    None: the chunk of grid axis 0)."""
+    ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start, row0)
+    _store_gc(gc_ref, gcs, row0)
+    _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
+                    kd_ref, cfg, interpret, row0)
+
+
+def _prep_loop_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, nt, per, use_l2, cfg,
+                      interpret):
+    """Split design's prep with chunks_prep = `per` > 1 (inv="tiled"): chunks per * p ... per * p + per - 1 of one
+    row and value head in a loop Triton can software-pipeline (stages_prep), as `_out_loop_kernel`; the refs hold the
+    whole time axis, and an index past the last chunk is clamped (the same bits redone)."""
+    length = len_ref[0]
+    first = pl.program_id(0) * per
+
+    def body(i, carry):
+        c = jnp.minimum(first + i, nt - 1)
+        start = pl.multiple_of(c * CHUNK, CHUNK)  # the chunk's first token and first row in the refs
+        _prep_tiled_chunk(length, start, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, use_l2=use_l2,
+                          cfg=cfg, interpret=interpret, row0=start)
+        return carry
+
+    lax.fori_loop(0, per, body, 0)
 
 
 def _store_wy(w_ref, u_ref, kd_ref, wuk):
@@ -299,12 +329,38 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
 
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
     """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
-    valid = _valid_rows(len_ref[0])
+    _out_chunk(_valid_rows(len_ref[0]), q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, scale=scale, use_l2=use_l2,
+               cfg=cfg, interpret=interpret)
+
+
+def _out_chunk(valid, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret, c=None):
+    """o = qg h + Aqk v_new of one chunk, from refs of its rows [C, ...] and its start state h_ref [K, BVO] (or
+    h_ref[c] of [NT, K, BVO])."""
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
     aqk, qg = wy.intra(q, k, gc_ref[...], cfg, interpret)
-    o = wy.dot(qg, h_ref[...], cfg["p_qs"], interpret) + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret)
+    h = h_ref[...] if c is None else h_ref[c]
+    o = wy.dot(qg, h, cfg["p_qs"], interpret) + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret)
     o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _out_loop_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, nt, per, scale, use_l2, cfg, interpret):
+    """Split design, parallel part 2 with chunks_out = `per` > 1: chunks per * p ... per * p + per - 1 of one row and
+    value head (p = program_id(0)), in a loop Triton can software-pipeline (stages_out: the next chunk's h, v_new,
+    q and k load while this one computes). The refs hold the whole time axis. A program past the last chunk redoes
+    it (the index is clamped): the same bits written to the same place. Each chunk's arithmetic is `_out_kernel`'s."""
+    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    length = len_ref[0]
+    start = pl.program_id(0) * per  # read outside the loop (interpret mode cannot lower it inside)
+
+    def body(i, carry):
+        c = jnp.minimum(start + i, nt - 1)
+        sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+        _out_chunk(c * CHUNK + iota < length, q_ref.at[sl], k_ref.at[sl], gc_ref.at[sl], h_ref, vn_ref.at[sl],
+                   o_ref.at[sl], scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret, c=c)
+        return carry
+
+    lax.fori_loop(0, per, body, 0)
 
 
 def _checked_config(config, V: int) -> dict:
@@ -318,6 +374,9 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'doubling' or 'fwd64'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
+    if cfg["chunks_prep"] > 1 and (cfg["design"] != "split" or cfg["prep_kernels"] != 1 or cfg["inv"] != "tiled"):
+        raise ValueError(f"chunks_prep={cfg['chunks_prep']}: only the split design's one prep kernel with "
+                         "inv='tiled' loops over chunks")
     if cfg["diag"] not in ("merge", "subst"):
         raise ValueError(f"diag={cfg['diag']!r}: expected 'merge' or 'subst'")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
@@ -450,21 +509,25 @@ class _ChunkGrid:
     """Grid (NT, HV, B) of the chunk-parallel kernels (prep, inverse, apply) and their operands' BlockSpecs, for
     inputs q/k [B, Tp, HK, K], v [B, Tp, HV, V], g/beta [B, Tp, HV] and per-chunk outputs [B, HV, Tp, n]."""
 
-    def __init__(self, q, v):
+    def __init__(self, q, v, chunks=1):
+        """chunks: chunks per block (nt: every block spans the time axis, for kernels that loop over chunks)."""
         self.B, self.tp, hk, self.K = q.shape
         self.HV, self.V = v.shape[2], v.shape[3]
         g = self.HV // hk
         self.grid = (self.tp // CHUNK, self.HV, self.B)
+        n = chunks * CHUNK
+        blk = (lambda c: c) if chunks == 1 else (lambda c: 0)
         self.lengths = pl.BlockSpec((1,), lambda c, h, b: (b,))
-        self.key = pl.BlockSpec((None, CHUNK, None, self.K), lambda c, h, b: (b, c, h // g, 0))
-        self.value = pl.BlockSpec((None, CHUNK, None, self.V), lambda c, h, b: (b, c, h, 0))
-        self.token = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
-        self.gc = pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c))
+        self.key = pl.BlockSpec((None, n, None, self.K), lambda c, h, b: (b, blk(c), h // g, 0))
+        self.value = pl.BlockSpec((None, n, None, self.V), lambda c, h, b: (b, blk(c), h, 0))
+        self.token = pl.BlockSpec((None, n, None), lambda c, h, b: (b, blk(c), h))
+        self.gc = pl.BlockSpec((None, None, n), lambda c, h, b: (b, h, blk(c)))
         self.gc_out = jax.ShapeDtypeStruct((self.B, self.HV, self.tp), jnp.float32)
+        self._n, self._blk = n, blk
 
     def rows(self, n):
         """BlockSpec of a per-chunk [B, HV, Tp, n] array."""
-        return pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))
+        return pl.BlockSpec((None, None, self._n, n), lambda c, h, b: (b, h, self._blk(c), 0))
 
     def rows_out(self, n, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), dtype)
@@ -487,8 +550,15 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     """The split design's prep kernel: (w, u, kd, gc)."""
     cg = _ChunkGrid(q, v)
     wk = _wk_dtype(cfg, use_l2, interpret)
+    nt = cg.grid[0]
+    per = min(cfg["chunks_prep"], nt)
+    kernel = _prep_split_kernel
+    if per > 1:  # `per` chunks per program, looped: the blocks span the time axis
+        cg = _ChunkGrid(q, v, chunks=nt)
+        cg.grid = (-(-nt // per),) + cg.grid[1:]
+        kernel = functools.partial(_prep_loop_kernel, nt=nt, per=per)
     return pl.pallas_call(
-        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        functools.partial(kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
@@ -565,18 +635,26 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     if cfg.get("stop_after") == "state":
         return h, vn, final
 
+    per = min(cfg["chunks_out"], nt)
+    if per == 1:  # one program per chunk
+        kernel, grid, rows, first = _out_kernel, (nt, HV, B, V // bvo), CHUNK, lambda c: c
+        h_spec = pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j))
+    else:  # `per` chunks per program, looped (`_out_loop_kernel`): the blocks span the time axis
+        kernel = functools.partial(_out_loop_kernel, nt=nt, per=per)
+        grid, rows, first = (-(-nt // per), HV, B, V // bvo), tp, lambda c: 0
+        h_spec = pl.BlockSpec((None, None, nt, K, bvo), lambda c, h, b, j: (b, h, 0, 0, j))
     o = pl.pallas_call(
-        functools.partial(_out_kernel, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret),
-        grid=(nt, HV, B, V // bvo),
+        functools.partial(kernel, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        grid=grid,
         in_specs=[
             pl.BlockSpec((1,), lambda c, h, b, j: (b,)),
-            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
-            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
-            pl.BlockSpec((None, None, CHUNK), lambda c, h, b, j: (b, h, c)),
-            pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j)),
-            pl.BlockSpec((None, None, CHUNK, bvo), lambda c, h, b, j: (b, h, c, j)),
+            pl.BlockSpec((None, rows, None, K), lambda c, h, b, j: (b, first(c), h // G, 0)),
+            pl.BlockSpec((None, rows, None, K), lambda c, h, b, j: (b, first(c), h // G, 0)),
+            pl.BlockSpec((None, None, rows), lambda c, h, b, j: (b, h, first(c))),
+            h_spec,
+            pl.BlockSpec((None, None, rows, bvo), lambda c, h, b, j: (b, h, first(c), j)),
         ],
-        out_specs=pl.BlockSpec((None, CHUNK, None, bvo), lambda c, h, b, j: (b, c, h, j)),
+        out_specs=pl.BlockSpec((None, rows, None, bvo), lambda c, h, b, j: (b, first(c), h, j)),
         out_shape=jax.ShapeDtypeStruct((B, tp, HV, V), v.dtype),
         compiler_params=_triton_params(cfg["warps_out"], cfg["stages_out"]),
         interpret=interpret,

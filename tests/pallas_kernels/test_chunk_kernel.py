@@ -48,6 +48,8 @@ def _design_config(design):
         return {"design": "split", "prep_kernels": 2, "inv": "block16"}
     if design == "split_merge":  # the tiled inverse's diagonal tiles by loop-free block merging
         return {"design": "split", "prep_kernels": 1, "diag": "merge"}
+    if design == "split_loops":  # prep and output kernels looping over 2 and 3 chunks per program (clamped tails)
+        return {"design": "split", "prep_kernels": 1, "chunks_prep": 2, "chunks_out": 3, "stages_out": 2}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
         return {"design": "split", "prep_kernels": 1, "wk_dtype": "float16"}
     return {"design": design, "prep_kernels": 1}
@@ -159,7 +161,8 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
-@pytest.fixture(params=["split", "fused", "fused_tiled", "split2", "split_wk16", "split_merge", "split_block16"])
+@pytest.fixture(params=["split", "fused", "fused_tiled", "split2", "split_wk16", "split_merge", "split_block16",
+                        "split_loops"])
 def design(request):
     """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
     the split design with its prep in two kernels ("split2": inverse, then w / u / kd), with w and kd stored in
@@ -281,12 +284,27 @@ def test_alternative_inverses(inv, design, diag):
                                           ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"),
                                           ({"wk_dtype": "bf16"}, "wk_dtype"), ({"diag": "loop"}, "diag"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
-                                          ({"prep_kernels": 2, "design": "fused"}, "prep_kernels")])
+                                          ({"prep_kernels": 2, "design": "fused"}, "prep_kernels"),
+                                          ({"chunks_prep": 2, "inv": "block16"}, "chunks_prep"),
+                                          ({"chunks_out": 0}, "chunks_out")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
     with pytest.raises(ValueError, match=match):
         chunk_gated_delta_rule_pallas(z, z, jnp.zeros((1, 64, 2, V)), jnp.zeros((1, 64, 2)), jnp.zeros((1, 64, 2)),
                                       interpret=True, config=config)
+
+
+@pytest.mark.parametrize("per", [2, 3, 4, 8])
+def test_chunk_loops_compute_the_same_bits(seq, per):
+    """chunks_prep / chunks_out > 1 (prep and output kernels looping over `per` chunks per program, the last program's
+    surplus iterations clamped to the last chunk) compute exactly the one-chunk-per-program kernels' bits: outputs,
+    final states and checkpoints, with rows of different lengths and a non-zero initial state (3 chunks here, so
+    per = 2 and 4 leave a clamped tail)."""
+    base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
+    for cfg in ({"chunks_prep": per}, {"chunks_out": per, "stages_out": 2}):
+        got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design=dict(cfg, prep_kernels=1))
+        for a, b in zip(got, base):
+            assert np.array_equal(a, b), cfg
 
 
 def test_lengths_are_clipped(seq):
