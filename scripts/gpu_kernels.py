@@ -966,6 +966,11 @@ def main():
         "out_c4_s3_bv64": dict(chunks_out=4, stages_out=3, bv_out=64),
         "prep_c4_s2": dict(chunks_prep=4, stages_prep=2),
         "loops_c4_s2": dict(chunks_prep=4, stages_prep=2, chunks_out=4, stages_out=2),
+        # two value heads (of one key head) per prep program: keys once, both heads' substitutions in one loop; _gram:
+        # the k k^T tiles shared too (other bits)
+        "heads2": dict(heads_prep=2),
+        "heads2_gram": dict(heads_prep=2, gram_prep=True),
+        "heads2_gram_w8": dict(heads_prep=2, gram_prep=True, warps_prep=8),
         "bv128_w8": dict(bv=128, warps_state=8),
         "out_w8": dict(warps_out=8),
         "out_bv64": dict(bv_out=64),

@@ -44,6 +44,7 @@ Every dot states its precision (an fp32 dot in Triton otherwise runs as TF32).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,8 @@ from .wy import CHUNK
 #   diagonal tiles by forward substitution ("subst") or loop-free block merging ("merge": not yet timed);
 #   chunks_out / chunks_prep: chunks per program of the split design's output / prep kernel (> 1: a loop Triton can
 #   pipeline with stages_out / stages_prep > 1; chunks_prep with prep_kernels=1 and inv="tiled" only);
+#   heads_prep: value heads per prep program (> 1: gcd(heads_prep, HV // HK) heads sharing a key head, their keys loaded once and their
+#   diagonal tiles in one substitution loop; gram_prep=True also shares the k k^T tiles, beta applied after the dot);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -87,35 +90,44 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst", chunks_out=1, chunks_prep=1,
+    heads_prep=1, gram_prep=False,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
 
-def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None, row0=0):
+def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None, row0=0, head=None, keys=None):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
     value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it).
-    start: the chunk's first token (default: the chunk of grid axis 0); row0: its first row in the refs."""
+    start: the chunk's first token (default: the chunk of grid axis 0); row0: its first row in the refs; head: the
+    value head's index in g / beta blocks of several heads [C, GP] (`_prep_heads_kernel`); keys: (ks, valids) of an
+    earlier call for another head of the same key head (not loaded again)."""
     s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
         sl = pl.ds(row0 + b * s, s)
-        valid = ((pl.program_id(0) * CHUNK if start is None else start) + b * s + iota) < length
-        valids.append(valid)
-        ks.append(_load_key(k_ref.at[sl], valid, use_l2))
-        gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
+        if keys is None:
+            valid = ((pl.program_id(0) * CHUNK if start is None else start) + b * s + iota) < length
+            valids.append(valid)
+            ks.append(_load_key(k_ref.at[sl], valid, use_l2))
+        else:
+            valid = keys[1][b]
+        at = sl if head is None else (sl, head)
+        gc = jnp.cumsum(jnp.where(valid, g_ref[at].astype(jnp.float32), 0.0))
         if gcs:
             gc = gc + wy.last(gcs[-1])
         gcs.append(gc)
-        betas.append(jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0))
-    return ks, gcs, betas, valids
+        betas.append(jnp.where(valid, beta_ref[at].astype(jnp.float32), 0.0))
+    return (ks, gcs, betas, valids) if keys is None else (keys[0], gcs, betas, keys[1])
 
 
-def _store_gc(gc_ref, gcs, row0=0):
-    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C] (from row row0)."""
+def _store_gc(gc_ref, gcs, row0=0, head=None):
+    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C] (from row row0; or gc_ref[head] of a
+    block of several heads [GP, C])."""
     for i, gc in enumerate(gcs):
-        gc_ref[pl.ds(row0 + i * wy.SUB, wy.SUB)] = gc
+        sl = pl.ds(row0 + i * wy.SUB, wy.SUB)
+        gc_ref[sl if head is None else (head, sl)] = gc
 
 
 def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
@@ -128,25 +140,31 @@ def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
             x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
 
 
-def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0):
+def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0, head=None):
     """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
     the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used).
-    The chunk starts at row row0 of the refs."""
+    The chunk starts at row row0 of the refs; head: the value head in blocks of several heads (v [C, GP, V] in,
+    w / u / kd [GP, C, n] out), or None."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     g_last = wy.last(gcs[-1])
     bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
-    bvs = [_masked(v_ref.at[pl.ds(row0 + m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
-           enumerate(zip(valids, betas))]
+    if head is None:
+        bvs = [_masked(v_ref.at[pl.ds(row0 + m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
+               enumerate(zip(valids, betas))]
+    else:
+        bvs = [jnp.where(valid[:, None], v_ref[pl.ds(row0 + m * s, s), head, :].astype(jnp.float32), 0.0)
+               * beta[:, None] for m, (valid, beta) in enumerate(zip(valids, betas))]
     for i in range(nb):
-        sl = pl.ds(row0 + i * s, s)
+        sl = (pl.ds(row0 + i * s, s), slice(None))
+        sl = sl if head is None else (head,) + sl
         w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
         u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
         for m in range(1, i + 1):
             w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
             u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
-        w_ref[sl, :] = w.astype(w_ref.dtype)
-        u_ref[sl, :] = u
-        kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
+        w_ref[sl] = w.astype(w_ref.dtype)
+        u_ref[sl] = u
+        kd_ref[sl] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
 
 
 def _store_tiled_intra(q_ref, ks, gcs, valids, qg_ref, aqk_ref, *, scale, use_l2, cfg, interpret):
@@ -266,6 +284,32 @@ def _prep_tiled_chunk(length, start, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
                     kd_ref, cfg, interpret, row0)
 
 
+def _prep_heads_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, gp, gram, use_l2,
+                       cfg, interpret):
+    """Split design's prep with heads_prep = `gp` > 1 (inv="tiled"): one chunk of `gp` value heads that share a key
+    head, the keys loaded and L2-normalised once, every head's diagonal tiles in one substitution loop (`gp` times
+    the independent chains, to hide its latency). gram=True also shares the k_i k_j^T tiles between the heads (beta
+    applied after the dot instead of before: other bits than one head per program). Blocks: v [C, GP, V], g / beta
+    [C, GP]; w / u / kd [GP, C, n], gc [GP, C]."""
+    nb = CHUNK // wy.SUB
+    first = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, head=0)
+    keys = (first[0], first[3])
+    heads = [first] + [_chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, head=j, keys=keys)
+                       for j in range(1, gp)]
+    ks = keys[0]
+    kk = ({(i, m): wy.dot(ks[i], ks[m], cfg["p_kk"], interpret, trans_b=True) for i in range(nb) for m in range(i + 1)}
+          if gram else None)
+    ts = None
+    if cfg["diag"] == "subst":
+        ts = wy.diag_tiles_by_substitution(ks * gp, [gc for h in heads for gc in h[1]], [b for h in heads for b in h[2]],
+                                           cfg, interpret, gram=None if kk is None else [kk[i, i] for i in range(nb)] * gp)
+    for j, (_, gcs, betas, valids) in enumerate(heads):
+        _store_gc(gc_ref, gcs, head=j)
+        x = wy.tiled_inverse(ks, gcs, betas, cfg, interpret, ts=None if ts is None else ts[j * nb:(j + 1) * nb],
+                             gram=kk)
+        _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, head=j)
+
+
 def _prep_loop_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, nt, per, use_l2, cfg,
                       interpret):
     """Split design's prep with chunks_prep = `per` > 1 (inv="tiled"): chunks per * p ... per * p + per - 1 of one
@@ -377,6 +421,10 @@ def _checked_config(config, V: int) -> dict:
     if cfg["chunks_prep"] > 1 and (cfg["design"] != "split" or cfg["prep_kernels"] != 1 or cfg["inv"] != "tiled"):
         raise ValueError(f"chunks_prep={cfg['chunks_prep']}: only the split design's one prep kernel with "
                          "inv='tiled' loops over chunks")
+    if cfg["heads_prep"] > 1 and (cfg["design"] != "split" or cfg["prep_kernels"] != 1 or cfg["inv"] != "tiled"
+                                  or cfg["chunks_prep"] > 1):
+        raise ValueError(f"heads_prep={cfg['heads_prep']}: only the split design's one prep kernel with inv='tiled' "
+                         "and chunks_prep=1 takes several value heads per program")
     if cfg["diag"] not in ("merge", "subst"):
         raise ValueError(f"diag={cfg['diag']!r}: expected 'merge' or 'subst'")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
@@ -553,6 +601,9 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     nt = cg.grid[0]
     per = min(cfg["chunks_prep"], nt)
     kernel = _prep_split_kernel
+    gp = math.gcd(cfg["heads_prep"], cg.HV // q.shape[2])  # heads of one key head only
+    if gp > 1:  # `gp` value heads per program (`_prep_heads_kernel`): blocks of gp heads
+        return _prep_heads_call(q, k, v, g, beta, lengths, gp=gp, wk=wk, use_l2=use_l2, interpret=interpret, cfg=cfg)
     if per > 1:  # `per` chunks per program, looped: the blocks span the time axis
         cg = _ChunkGrid(q, v, chunks=nt)
         cg.grid = (-(-nt // per),) + cg.grid[1:]
@@ -563,6 +614,30 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
         out_shape=[cg.rows_out(cg.K, wk), cg.rows_out(cg.V), cg.rows_out(cg.K, wk), cg.gc_out],
+        compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
+        interpret=interpret,
+        name="gdn_chunk_prep",
+    )(lengths, k, v, g, beta)
+
+
+def _prep_heads_call(q, k, v, g, beta, lengths, *, gp, wk, use_l2, interpret, cfg):
+    """heads_prep = gp > 1: the prep kernel on grid (NT, HV // gp, B), each program `gp` value heads of one key head."""
+    B, tp, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // HK
+    rows = lambda n: pl.BlockSpec((None, gp, CHUNK, n), lambda c, h, b: (b, h, c, 0))  # noqa: E731
+    out = lambda n, dt: jax.ShapeDtypeStruct((B, HV, tp, n), dt)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_prep_heads_kernel, gp=gp, gram=cfg["gram_prep"], use_l2=use_l2, cfg=cfg,
+                          interpret=interpret),
+        grid=(tp // CHUNK, HV // gp, B),
+        in_specs=[pl.BlockSpec((1,), lambda c, h, b: (b,)),
+                  pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h * gp // G, 0)),
+                  pl.BlockSpec((None, CHUNK, gp, V), lambda c, h, b: (b, c, h, 0)),
+                  pl.BlockSpec((None, CHUNK, gp), lambda c, h, b: (b, c, h)),
+                  pl.BlockSpec((None, CHUNK, gp), lambda c, h, b: (b, c, h))],
+        out_specs=[rows(K), rows(V), rows(K), pl.BlockSpec((None, gp, CHUNK), lambda c, h, b: (b, h, c))],
+        out_shape=[out(K, wk), out(V, jnp.float32), out(K, wk), jax.ShapeDtypeStruct((B, HV, tp), jnp.float32)],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",

@@ -50,6 +50,8 @@ def _design_config(design):
         return {"design": "split", "prep_kernels": 1, "diag": "merge"}
     if design == "split_loops":  # prep and output kernels looping over 2 and 3 chunks per program (clamped tails)
         return {"design": "split", "prep_kernels": 1, "chunks_prep": 2, "chunks_out": 3, "stages_out": 2}
+    if design == "split_heads":  # two value heads per prep program, sharing the k k^T tiles
+        return {"design": "split", "prep_kernels": 1, "heads_prep": 2, "gram_prep": True}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
         return {"design": "split", "prep_kernels": 1, "wk_dtype": "float16"}
     return {"design": design, "prep_kernels": 1}
@@ -57,6 +59,23 @@ def _design_config(design):
 
 def valid_rows(o, lengths):
     return [o[b, : int(n)] for b, n in enumerate(lengths)]
+
+
+def test_heads_per_prep_program_match_the_oracle():
+    """heads_prep = 2 and 4 at HV = 4 HK (their value heads share a key head), with and without the shared k k^T
+    tiles: within the oracle tolerances of the file; without the shared gram, the same bits as one head per program."""
+    rng = np.random.default_rng(23)
+    d = random_gdn_inputs(rng, 2, 150, 2, 8, K, V, np.float32, beta_kind="mixed")
+    lengths = [150, 90]
+    ro, rs = gated_delta_rule_oracle(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                     lengths=lengths)
+    base = run(d, lengths=lengths)
+    for gp in (2, 4):
+        for gram in (False, True):
+            o, s = run(d, lengths=lengths, design={"heads_prep": gp, "gram_prep": gram})
+            assert rel_err(s, rs) <= 2e-5 and max(rel_err(o[b, :n], ro[b, :n]) for b, n in enumerate(lengths)) <= 2e-5
+            if not gram:
+                assert np.array_equal(o, base[0]) and np.array_equal(s, base[1])
 
 
 @pytest.mark.parametrize(
@@ -162,7 +181,7 @@ def test_bf16_inputs_and_zero_initial_state():
 
 
 @pytest.fixture(params=["split", "fused", "fused_tiled", "split2", "split_wk16", "split_merge", "split_block16",
-                        "split_loops"])
+                        "split_loops", "split_heads"])
 def design(request):
     """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
     the split design with its prep in two kernels ("split2": inverse, then w / u / kd), with w and kd stored in
@@ -286,7 +305,8 @@ def test_alternative_inverses(inv, design, diag):
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
                                           ({"prep_kernels": 2, "design": "fused"}, "prep_kernels"),
                                           ({"chunks_prep": 2, "inv": "block16"}, "chunks_prep"),
-                                          ({"chunks_out": 0}, "chunks_out")])
+                                          ({"chunks_out": 0}, "chunks_out"),
+                                          ({"heads_prep": 2, "prep_kernels": 2}, "heads_prep")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
     with pytest.raises(ValueError, match=match):
@@ -297,11 +317,12 @@ def test_bad_config_is_refused(config, match):
 @pytest.mark.parametrize("per", [2, 3, 4, 8])
 def test_chunk_loops_compute_the_same_bits(seq, per):
     """chunks_prep / chunks_out > 1 (prep and output kernels looping over `per` chunks per program, the last program's
-    surplus iterations clamped to the last chunk) compute exactly the one-chunk-per-program kernels' bits: outputs,
-    final states and checkpoints, with rows of different lengths and a non-zero initial state (3 chunks here, so
-    per = 2 and 4 leave a clamped tail)."""
+    surplus iterations clamped to the last chunk) and heads_prep > 1 without the shared gram (HV = 2 HK here, so
+    heads_prep 2, 4 and 8 mean two value heads per prep program, 3 means one) compute exactly the
+    one-chunk-per-program kernels' bits: outputs, final states and checkpoints, with rows of different lengths and a
+    non-zero initial state (3 chunks here, so per = 2 and 4 leave a clamped tail)."""
     base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
-    for cfg in ({"chunks_prep": per}, {"chunks_out": per, "stages_out": 2}):
+    for cfg in ({"chunks_prep": per}, {"chunks_out": per, "stages_out": 2}, {"heads_prep": per}):
         got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design=dict(cfg, prep_kernels=1))
         for a, b in zip(got, base):
             assert np.array_equal(a, b), cfg
