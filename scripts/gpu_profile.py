@@ -1,0 +1,54 @@
+"""One call of a gated delta rule kernel, for Nsight Compute on the GPU machine.
+
+  # the token-by-token prefill kernel (`pallas_kernels.gated_delta.scan`)
+  PYTHONPATH=. ncu --kernel-name regex:scan --launch-skip 1 --launch-count 1 --set full \
+      python3 scripts/gpu_profile.py [--shape 1,2048,16,32] [--config '{"bv":16,"num_warps":1}']
+  # the chunked prefill's three kernels (`pallas_kernels.gated_delta.chunk`: prep, recurrence, output)
+  PYTHONPATH=. ncu --kernel-name regex:gdn_chunk --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      python3 scripts/gpu_profile.py --kernel chunk --shape 8,4096,16,32
+
+Runs the kernel(s) twice on random Qwen3.5-shaped inputs (the first call compiles and warms up; profile the second)
+and prints the wall time of a third call, so the profile can be matched to a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
+
+KERNELS = {"scan": fused_recurrent_gated_delta_rule_pallas, "chunk": chunk_gated_delta_rule_pallas}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=sorted(KERNELS), default="scan")
+    ap.add_argument("--shape", default="1,2048,16,32", help="B,T,HK,HV (K = V = 128)")
+    ap.add_argument("--config", default="", help="JSON launch configuration (the kernel module's DEFAULT_CONFIG keys)")
+    args = ap.parse_args()
+    B, T, HK, HV = (int(x) for x in args.shape.split(","))
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    q = jax.random.normal(ks[0], (B, T, HK, 128), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, HK, 128), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, HV, 128), jnp.bfloat16)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
+    config = json.loads(args.config) if args.config else None
+    kernel = KERNELS[args.kernel]
+    f = jax.jit(lambda *x: kernel(*x, config=config))
+    for _ in range(2):
+        jax.block_until_ready(f(q, k, v, g, beta))
+    t = time.perf_counter()
+    jax.block_until_ready(f(q, k, v, g, beta))
+    print(f"{args.kernel} {args.shape} config {config}: {(time.perf_counter() - t) * 1e3:.2f} ms (one call, host-timed)")
+
+
+if __name__ == "__main__":
+    main()
