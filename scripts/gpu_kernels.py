@@ -893,6 +893,8 @@ def main():
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     ap.add_argument("--no-default-bitwise", action="store_true",
                     help="run the bitwise checks only for the sweep's winner (the default's were run before)")
+    ap.add_argument("--pick", default="", help="time this prefill config in the prefill and breakdown sections "
+                                                "instead of the sweep's pick (e.g. when accuracy was not run)")
     ap.add_argument("--decode-configs", default="", help="comma list of decode configs besides the default "
                                                           "(default: all)")
     args = ap.parse_args()
@@ -971,6 +973,11 @@ def main():
         "heads2": dict(heads_prep=2),
         "heads2_gram": dict(heads_prep=2, gram_prep=True),
         "heads2_gram_w8": dict(heads_prep=2, gram_prep=True, warps_prep=8),
+        # the tiled prep with fewer live registers (Nsight Compute: 255 per thread and ~1.1 GB of spills at (8, 4096)):
+        # off-diagonal A tiles before the substitution, keys and values reloaded where w / u use them (same bits)
+        "lean": dict(lean_wy=True),
+        "lean_w8": dict(lean_wy=True, warps_prep=8),
+        "lean_heads2": dict(lean_wy=True, heads_prep=2),
         "bv128_w8": dict(bv=128, warps_state=8),
         "out_w8": dict(warps_out=8),
         "out_bv64": dict(bv_out=64),
@@ -1012,6 +1019,10 @@ def main():
         best = config_sweep(chunk_configs, acc) or "default"
         if best != "default" and "bitwise" not in skip:
             chunk_bitwise(chunk_configs[best], tag=best)
+    if args.pick:
+        if args.pick not in chunk_configs:
+            raise SystemExit(f"--pick {args.pick!r} is not among the configs: {sorted(chunk_configs)}")
+        best = args.pick
     if "prefill" not in skip:
         prefill_timing(best, chunk_configs[best], with_reference="reference" not in skip)
     if "decode" not in skip:

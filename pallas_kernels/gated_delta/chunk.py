@@ -69,6 +69,9 @@ from .wy import CHUNK
 #   pipeline with stages_out / stages_prep > 1; chunks_prep with prep_kernels=1 and inv="tiled" only);
 #   heads_prep: value heads per prep program (> 1: gcd(heads_prep, HV // HK) heads sharing a key head, their keys loaded once and their
 #   diagonal tiles in one substitution loop; gram_prep=True also shares the k k^T tiles, beta applied after the dot);
+#   lean_wy: the tiled prep builds the off-diagonal A tiles before the substitution loop and reloads each key / value
+#   slice where w and u use it, instead of holding all four slices through the kernel (fewer live registers; the
+#   same bits);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -90,7 +93,7 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst", chunks_out=1, chunks_prep=1,
-    heads_prep=1, gram_prep=False,
+    heads_prep=1, gram_prep=False, lean_wy=False,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -140,31 +143,50 @@ def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
             x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
 
 
-def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0, head=None):
+def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0, head=None,
+                    k_ref=None, use_l2=True):
     """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
     the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used).
     The chunk starts at row row0 of the refs; head: the value head in blocks of several heads (v [C, GP, V] in,
-    w / u / kd [GP, C, n] out), or None."""
+    w / u / kd [GP, C, n] out), or None. k_ref (cfg["lean_wy"]): each product's key and value slices are loaded
+    again where they are used (the same arithmetic on the same values, so the same bits), instead of all four
+    slices' beta exp(gc) k and beta v held in registers through the loop."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     g_last = wy.last(gcs[-1])
-    bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
-    if head is None:
-        bvs = [_masked(v_ref.at[pl.ds(row0 + m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
-               enumerate(zip(valids, betas))]
-    else:
-        bvs = [jnp.where(valid[:, None], v_ref[pl.ds(row0 + m * s, s), head, :].astype(jnp.float32), 0.0)
-               * beta[:, None] for m, (valid, beta) in enumerate(zip(valids, betas))]
+
+    def bv(m):
+        sl = pl.ds(row0 + m * s, s)
+        if head is None:
+            return _masked(v_ref.at[sl], valids[m]) * betas[m][:, None]
+        return jnp.where(valids[m][:, None], v_ref[sl, head, :].astype(jnp.float32), 0.0) * betas[m][:, None]
+
+    def key(m):
+        return ks[m] if k_ref is None else _load_key(k_ref.at[pl.ds(row0 + m * s, s)], valids[m], use_l2)
+
+    def bk(kb, m):
+        return kb * (betas[m] * jnp.exp(gcs[m]))[:, None]
+
+    if k_ref is None:
+        bks = [bk(ks[m], m) for m in range(nb)]
+        bvs = [bv(m) for m in range(nb)]
     for i in range(nb):
         sl = (pl.ds(row0 + i * s, s), slice(None))
         sl = sl if head is None else (head,) + sl
-        w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
-        u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
-        for m in range(1, i + 1):
-            w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
-            u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
+        w = u = k_i = None
+        for m in range(i + 1):
+            if k_ref is None:
+                bk_m, bv_m = bks[m], bvs[m]
+            else:
+                k_m = key(m)
+                k_i = k_m if m == i else k_i
+                bk_m, bv_m = bk(k_m, m), bv(m)
+            dw = wy.dot(x[i, m], bk_m, cfg["p_wu"], interpret)
+            w = dw if m == 0 else w + dw
+            du = wy.dot(x[i, m], bv_m, cfg["p_wu"], interpret)
+            u = du if m == 0 else u + du
         w_ref[sl] = w.astype(w_ref.dtype)
         u_ref[sl] = u
-        kd_ref[sl] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
+        kd_ref[sl] = ((ks[i] if k_ref is None else k_i) * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
 
 
 def _store_tiled_intra(q_ref, ks, gcs, valids, qg_ref, aqk_ref, *, scale, use_l2, cfg, interpret):
@@ -280,8 +302,9 @@ def _prep_tiled_chunk(length, start, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
     None: the chunk of grid axis 0)."""
     ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start, row0)
     _store_gc(gc_ref, gcs, row0)
-    _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
-                    kd_ref, cfg, interpret, row0)
+    lean = cfg["lean_wy"]
+    _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret, early=lean), ks, gcs, betas, valids, v_ref,
+                    w_ref, u_ref, kd_ref, cfg, interpret, row0, k_ref=k_ref if lean else None, use_l2=use_l2)
 
 
 def _prep_heads_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, gp, gram, use_l2,
@@ -306,8 +329,9 @@ def _prep_heads_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     for j, (_, gcs, betas, valids) in enumerate(heads):
         _store_gc(gc_ref, gcs, head=j)
         x = wy.tiled_inverse(ks, gcs, betas, cfg, interpret, ts=None if ts is None else ts[j * nb:(j + 1) * nb],
-                             gram=kk)
-        _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, head=j)
+                             gram=kk, early=cfg["lean_wy"])
+        _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, head=j,
+                        k_ref=k_ref if cfg["lean_wy"] else None, use_l2=use_l2)
 
 
 def _prep_loop_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, nt, per, use_l2, cfg,

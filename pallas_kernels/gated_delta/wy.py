@@ -146,7 +146,7 @@ def diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
     return ts
 
 
-def tiled_inverse(ks, gcs, betas, cfg, interpret, *, ts=None, gram=None):
+def tiled_inverse(ks, gcs, betas, cfg, interpret, *, ts=None, gram=None, early=False):
     """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i}, from the chunk's 16-row
     slices (`chunk._chunk_slices`).
 
@@ -155,17 +155,23 @@ def tiled_inverse(ks, gcs, betas, cfg, interpret, *, ts=None, gram=None):
     block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
     chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds.
     ts: the diagonal tiles, if already computed; gram: {(i, j): k_i k_j^T} shared between value heads (beta applied
-    after the dot), or None: A_ij from (beta k_i) k_j^T."""
+    after the dot), or None: A_ij from (beta k_i) k_j^T. early: the off-diagonal A_ij are built before the diagonal
+    tiles are inverted (the same values; the keys are then no longer needed during the substitution loop)."""
     nb = CHUNK // SUB
+
+    def off_diagonal(i):  # A_ij [16, 16], j < i: every entry strictly below the diagonal
+        bk = ks[i] * betas[i][:, None]
+        return {j: (dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) if gram is None
+                    else gram[i, j] * betas[i][:, None]) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
+                for j in range(i)}
+
+    offd = {i: off_diagonal(i) for i in range(1, nb)} if early else {}
     if ts is None:
         ts = (diag_tiles_by_merging if cfg["diag"] == "merge" else diag_tiles_by_substitution)(ks, gcs, betas, cfg,
                                                                                                interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
-        bk = ks[i] * betas[i][:, None]
-        a = {j: (dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) if gram is None
-                 else gram[i, j] * betas[i][:, None]) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
-             for j in range(i)}  # A_ij [16, 16], j < i: every entry strictly below the diagonal
+        a = offd[i] if early else off_diagonal(i)
         for m in range(i - 1, -1, -1):
             acc = dot(a[m], x[m, m], cfg["p_inv"], interpret)
             for j in range(m + 1, i):

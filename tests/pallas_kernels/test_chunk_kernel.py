@@ -50,8 +50,8 @@ def _design_config(design):
         return {"design": "split", "prep_kernels": 1, "diag": "merge"}
     if design == "split_loops":  # prep and output kernels looping over 2 and 3 chunks per program (clamped tails)
         return {"design": "split", "prep_kernels": 1, "chunks_prep": 2, "chunks_out": 3, "stages_out": 2}
-    if design == "split_heads":  # two value heads per prep program, sharing the k k^T tiles
-        return {"design": "split", "prep_kernels": 1, "heads_prep": 2, "gram_prep": True}
+    if design == "split_heads":  # two value heads per prep program, sharing the k k^T tiles; keys reloaded for w, u
+        return {"design": "split", "prep_kernels": 1, "heads_prep": 2, "gram_prep": True, "lean_wy": True}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
         return {"design": "split", "prep_kernels": 1, "wk_dtype": "float16"}
     return {"design": design, "prep_kernels": 1}
@@ -317,12 +317,14 @@ def test_bad_config_is_refused(config, match):
 @pytest.mark.parametrize("per", [2, 3, 4, 8])
 def test_chunk_loops_compute_the_same_bits(seq, per):
     """chunks_prep / chunks_out > 1 (prep and output kernels looping over `per` chunks per program, the last program's
-    surplus iterations clamped to the last chunk) and heads_prep > 1 without the shared gram (HV = 2 HK here, so
+    surplus iterations clamped to the last chunk), lean_wy (keys and values reloaded where w and u use them) and
+    heads_prep > 1 without the shared gram (HV = 2 HK here, so
     heads_prep 2, 4 and 8 mean two value heads per prep program, 3 means one) compute exactly the
     one-chunk-per-program kernels' bits: outputs, final states and checkpoints, with rows of different lengths and a
     non-zero initial state (3 chunks here, so per = 2 and 4 leave a clamped tail)."""
     base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
-    for cfg in ({"chunks_prep": per}, {"chunks_out": per, "stages_out": 2}, {"heads_prep": per}):
+    for cfg in ({"chunks_prep": per}, {"chunks_out": per, "stages_out": 2}, {"heads_prep": per},
+                {"lean_wy": True, "chunks_prep": per}):
         got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design=dict(cfg, prep_kernels=1))
         for a, b in zip(got, base):
             assert np.array_equal(a, b), cfg
