@@ -956,28 +956,8 @@ def main():
         "wk32": dict(wk_dtype="float32"),
         # the diagonal tiles by loop-free block merging (run 26: accuracy only, it ran out of device time before timing)
         "merge": dict(diag="merge"),
-        # the fused design on the tiled prep (qg and Aqk written by the prep, w / kd / qg / Aqk in fp16): the output
-        # inside the recurrence, so neither the per-chunk states nor v_new go through memory
-        "fused_t": dict(design="fused"),
-        "fused_t_merge": dict(design="fused", diag="merge"),
-        "fused_t_w8": dict(design="fused", warps_state=8),
-        "fused_t_s2": dict(design="fused", stages_state=2),
-        # the output / prep kernel looping over several chunks per program, loads software-pipelined (same bits)
-        "out_c4_s2": dict(chunks_out=4, stages_out=2),
-        "out_c8_s2": dict(chunks_out=8, stages_out=2),
-        "out_c4_s3_bv64": dict(chunks_out=4, stages_out=3, bv_out=64),
-        "prep_c4_s2": dict(chunks_prep=4, stages_prep=2),
-        "loops_c4_s2": dict(chunks_prep=4, stages_prep=2, chunks_out=4, stages_out=2),
-        # two value heads (of one key head) per prep program: keys once, both heads' substitutions in one loop; _gram:
-        # the k k^T tiles shared too (other bits)
-        "heads2": dict(heads_prep=2),
-        "heads2_gram": dict(heads_prep=2, gram_prep=True),
-        "heads2_gram_w8": dict(heads_prep=2, gram_prep=True, warps_prep=8),
-        # the tiled prep with fewer live registers (Nsight Compute: 255 per thread and ~1.1 GB of spills at (8, 4096)):
-        # off-diagonal A tiles before the substitution, keys and values reloaded where w / u use them (same bits)
-        "lean": dict(lean_wy=True),
-        "lean_w8": dict(lean_wy=True, warps_prep=8),
-        "lean_heads2": dict(lean_wy=True, heads_prep=2),
+        # runs 27-31 (2026-11-30; BENCHMARKS.md) timed fused_t*, out_c*/prep_c*/loops_c4_s2, heads2*, lean* at commits
+        # 8196e24-629a62b; all slower than the default, their kernel options were removed (commit after 629a62b)
         "bv128_w8": dict(bv=128, warps_state=8),
         "out_w8": dict(warps_out=8),
         "out_bv64": dict(bv_out=64),

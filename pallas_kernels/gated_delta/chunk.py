@@ -44,7 +44,6 @@ Every dot states its precision (an fp32 dot in Triton otherwise runs as TF32).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +64,6 @@ from .wy import CHUNK
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); diag: the tiled inverse's
 #   diagonal tiles by forward substitution ("subst") or loop-free block merging ("merge": not yet timed);
-#   chunks_out / chunks_prep: chunks per program of the split design's output / prep kernel (> 1: a loop Triton can
-#   pipeline with stages_out / stages_prep > 1; chunks_prep with prep_kernels=1 and inv="tiled" only);
-#   heads_prep: value heads per prep program (> 1: gcd(heads_prep, HV // HK) heads sharing a key head, their keys loaded once and their
-#   diagonal tiles in one substitution loop; gram_prep=True also shares the k k^T tiles, beta applied after the dot);
-#   lean_wy: the tiled prep builds the off-diagonal A tiles before the substitution loop and reloads each key / value
-#   slice where w and u use it, instead of holding all four slices through the kernel (fewer live registers; the
-#   same bits);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -92,45 +84,35 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst", chunks_out=1, chunks_prep=1,
-    heads_prep=1, gram_prep=False, lean_wy=False,
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", diag="subst",
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
 
-def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None, row0=0, head=None, keys=None):
+def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
-    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it).
-    start: the chunk's first token (default: the chunk of grid axis 0); row0: its first row in the refs; head: the
-    value head's index in g / beta blocks of several heads [C, GP] (`_prep_heads_kernel`); keys: (ks, valids) of an
-    earlier call for another head of the same key head (not loaded again)."""
+    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it)."""
     s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
-        sl = pl.ds(row0 + b * s, s)
-        if keys is None:
-            valid = ((pl.program_id(0) * CHUNK if start is None else start) + b * s + iota) < length
-            valids.append(valid)
-            ks.append(_load_key(k_ref.at[sl], valid, use_l2))
-        else:
-            valid = keys[1][b]
-        at = sl if head is None else (sl, head)
-        gc = jnp.cumsum(jnp.where(valid, g_ref[at].astype(jnp.float32), 0.0))
+        sl = pl.ds(b * s, s)
+        valid = (pl.program_id(0) * CHUNK + b * s + iota) < length
+        valids.append(valid)
+        ks.append(_load_key(k_ref.at[sl], valid, use_l2))
+        gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
         if gcs:
             gc = gc + wy.last(gcs[-1])
         gcs.append(gc)
-        betas.append(jnp.where(valid, beta_ref[at].astype(jnp.float32), 0.0))
-    return (ks, gcs, betas, valids) if keys is None else (keys[0], gcs, betas, keys[1])
+        betas.append(jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0))
+    return ks, gcs, betas, valids
 
 
-def _store_gc(gc_ref, gcs, row0=0, head=None):
-    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C] (from row row0; or gc_ref[head] of a
-    block of several heads [GP, C])."""
+def _store_gc(gc_ref, gcs):
+    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C]."""
     for i, gc in enumerate(gcs):
-        sl = pl.ds(row0 + i * wy.SUB, wy.SUB)
-        gc_ref[sl if head is None else (head, sl)] = gc
+        gc_ref[pl.ds(i * wy.SUB, wy.SUB)] = gc
 
 
 def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
@@ -143,76 +125,24 @@ def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
             x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
 
 
-def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0, head=None,
-                    k_ref=None, use_l2=True):
+def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret):
     """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
-    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used).
-    The chunk starts at row row0 of the refs; head: the value head in blocks of several heads (v [C, GP, V] in,
-    w / u / kd [GP, C, n] out), or None. k_ref (cfg["lean_wy"]): each product's key and value slices are loaded
-    again where they are used (the same arithmetic on the same values, so the same bits), instead of all four
-    slices' beta exp(gc) k and beta v held in registers through the loop."""
+    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     g_last = wy.last(gcs[-1])
-
-    def bv(m):
-        sl = pl.ds(row0 + m * s, s)
-        if head is None:
-            return _masked(v_ref.at[sl], valids[m]) * betas[m][:, None]
-        return jnp.where(valids[m][:, None], v_ref[sl, head, :].astype(jnp.float32), 0.0) * betas[m][:, None]
-
-    def key(m):
-        return ks[m] if k_ref is None else _load_key(k_ref.at[pl.ds(row0 + m * s, s)], valids[m], use_l2)
-
-    def bk(kb, m):
-        return kb * (betas[m] * jnp.exp(gcs[m]))[:, None]
-
-    if k_ref is None:
-        bks = [bk(ks[m], m) for m in range(nb)]
-        bvs = [bv(m) for m in range(nb)]
-    for i in range(nb):
-        sl = (pl.ds(row0 + i * s, s), slice(None))
-        sl = sl if head is None else (head,) + sl
-        w = u = k_i = None
-        for m in range(i + 1):
-            if k_ref is None:
-                bk_m, bv_m = bks[m], bvs[m]
-            else:
-                k_m = key(m)
-                k_i = k_m if m == i else k_i
-                bk_m, bv_m = bk(k_m, m), bv(m)
-            dw = wy.dot(x[i, m], bk_m, cfg["p_wu"], interpret)
-            w = dw if m == 0 else w + dw
-            du = wy.dot(x[i, m], bv_m, cfg["p_wu"], interpret)
-            u = du if m == 0 else u + du
-        w_ref[sl] = w.astype(w_ref.dtype)
-        u_ref[sl] = u
-        kd_ref[sl] = ((ks[i] if k_ref is None else k_i) * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
-
-
-def _store_tiled_intra(q_ref, ks, gcs, valids, qg_ref, aqk_ref, *, scale, use_l2, cfg, interpret):
-    """The output side of one chunk (as `wy.intra`) 16 rows at a time: qg = scale q exp(gc) and the masked
-    Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i; exact zeros above, so rows stay causal), in their refs'
-    dtype."""
-    s, nb = wy.SUB, CHUNK // wy.SUB
-    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    on_or_below = r16 >= c16
-    zero = jnp.zeros((s, s), aqk_ref.dtype)
+    bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
+    bvs = [_masked(v_ref.at[pl.ds(m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
+           enumerate(zip(valids, betas))]
     for i in range(nb):
         sl = pl.ds(i * s, s)
-        q = _load_key(q_ref.at[sl], valids[i], use_l2) * scale  # padded rows exact zeros
-        qg_ref[sl, :] = (q * jnp.exp(gcs[i])[:, None]).astype(qg_ref.dtype)
-        for m in range(nb):
-            if m > i:
-                aqk_ref[sl, pl.ds(m * s, s)] = zero
-                continue
-            qk = wy.dot(q, ks[m], cfg["p_qk"], interpret, trans_b=True)
-            if m == i:
-                tile = jnp.where(on_or_below, qk * jnp.exp(jnp.where(on_or_below, gcs[i][:, None] - gcs[i][None, :],
-                                                                     0.0)), 0.0)
-            else:  # every entry strictly below the diagonal: gc_r - gc_c <= 0 for g <= 0
-                tile = qk * jnp.exp(gcs[i][:, None] - gcs[m][None, :])
-            aqk_ref[sl, pl.ds(m * s, s)] = tile.astype(aqk_ref.dtype)
+        w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
+        u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
+        for m in range(1, i + 1):
+            w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
+            u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
+        w_ref[sl, :] = w.astype(w_ref.dtype)
+        u_ref[sl, :] = u
+        kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
 
 
 def _valid_rows(length):
@@ -236,24 +166,15 @@ def _masked(ref, valid):
 
 def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, *,
                  scale, use_l2, cfg, interpret):
-    """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (u and gc in fp32; w, kd,
-    qg and Aqk in their refs' dtype, `_wk_dtype`)."""
-    if cfg["inv"] == "tiled":
-        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
-        _store_gc(gc_ref, gcs)
-        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
-                        kd_ref, cfg, interpret)
-        _store_tiled_intra(q_ref, ks, gcs, valids, qg_ref, aqk_ref, scale=scale, use_l2=use_l2, cfg=cfg,
-                           interpret=interpret)
-        return
+    """Fused design, parallel part: w, u, kd, gc and the output-side qg, Aqk of one chunk (written in fp32)."""
     valid = _valid_rows(len_ref[0])
     q = _load_key(q_ref, valid, use_l2) * scale  # scale folded into q (padded rows stay exact zeros)
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))  # [C]; padded tokens add exact zeros
     gc_ref[...] = gc
-    aqk, qg = wy.intra(q, k, gc, cfg, interpret)
-    aqk_ref[...], qg_ref[...] = aqk.astype(aqk_ref.dtype), qg.astype(qg_ref.dtype)
-    _store_wy(w_ref, u_ref, kd_ref, wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
+    aqk_ref[...], qg_ref[...] = wy.intra(q, k, gc, cfg, interpret)
+    w_ref[...], u_ref[...], kd_ref[...] = wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg,
+                                                   interpret)
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, st_ref, *ck_refs, nt, per, nck, cfg,
@@ -286,70 +207,16 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     """Split design, parallel part 1: w, u, kd, gc of one chunk (u and gc in fp32; w and kd in their refs' dtype,
     `_wk_dtype`). Needs no q."""
     if cfg["inv"] == "tiled":
-        _prep_tiled_chunk(len_ref[0], None, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref,
-                          use_l2=use_l2, cfg=cfg, interpret=interpret)
+        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
+        _store_gc(gc_ref, gcs)
+        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
+                        kd_ref, cfg, interpret)
         return
     valid = _valid_rows(len_ref[0])
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
     _store_wy(w_ref, u_ref, kd_ref, wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
-
-
-def _prep_tiled_chunk(length, start, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
-                      interpret, row0=0):
-    """inv="tiled": w, u, kd and gc of the chunk at rows row0 ... row0 + C - 1 of the refs (start: its first token;
-    None: the chunk of grid axis 0)."""
-    ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start, row0)
-    _store_gc(gc_ref, gcs, row0)
-    lean = cfg["lean_wy"]
-    _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret, early=lean), ks, gcs, betas, valids, v_ref,
-                    w_ref, u_ref, kd_ref, cfg, interpret, row0, k_ref=k_ref if lean else None, use_l2=use_l2)
-
-
-def _prep_heads_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, gp, gram, use_l2,
-                       cfg, interpret):
-    """Split design's prep with heads_prep = `gp` > 1 (inv="tiled"): one chunk of `gp` value heads that share a key
-    head, the keys loaded and L2-normalised once, every head's diagonal tiles in one substitution loop (`gp` times
-    the independent chains, to hide its latency). gram=True also shares the k_i k_j^T tiles between the heads (beta
-    applied after the dot instead of before: other bits than one head per program). Blocks: v [C, GP, V], g / beta
-    [C, GP]; w / u / kd [GP, C, n], gc [GP, C]."""
-    nb = CHUNK // wy.SUB
-    first = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, head=0)
-    keys = (first[0], first[3])
-    heads = [first] + [_chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, head=j, keys=keys)
-                       for j in range(1, gp)]
-    ks = keys[0]
-    kk = ({(i, m): wy.dot(ks[i], ks[m], cfg["p_kk"], interpret, trans_b=True) for i in range(nb) for m in range(i + 1)}
-          if gram else None)
-    ts = None
-    if cfg["diag"] == "subst":
-        ts = wy.diag_tiles_by_substitution(ks * gp, [gc for h in heads for gc in h[1]], [b for h in heads for b in h[2]],
-                                           cfg, interpret, gram=None if kk is None else [kk[i, i] for i in range(nb)] * gp)
-    for j, (_, gcs, betas, valids) in enumerate(heads):
-        _store_gc(gc_ref, gcs, head=j)
-        x = wy.tiled_inverse(ks, gcs, betas, cfg, interpret, ts=None if ts is None else ts[j * nb:(j + 1) * nb],
-                             gram=kk, early=cfg["lean_wy"])
-        _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, head=j,
-                        k_ref=k_ref if cfg["lean_wy"] else None, use_l2=use_l2)
-
-
-def _prep_loop_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, nt, per, use_l2, cfg,
-                      interpret):
-    """Split design's prep with chunks_prep = `per` > 1 (inv="tiled"): chunks per * p ... per * p + per - 1 of one
-    row and value head in a loop Triton can software-pipeline (stages_prep), as `_out_loop_kernel`; the refs hold the
-    whole time axis, and an index past the last chunk is clamped (the same bits redone)."""
-    length = len_ref[0]
-    first = pl.program_id(0) * per
-
-    def body(i, carry):
-        c = jnp.minimum(first + i, nt - 1)
-        start = pl.multiple_of(c * CHUNK, CHUNK)  # the chunk's first token and first row in the refs
-        _prep_tiled_chunk(length, start, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, use_l2=use_l2,
-                          cfg=cfg, interpret=interpret, row0=start)
-        return carry
-
-    lax.fori_loop(0, per, body, 0)
 
 
 def _store_wy(w_ref, u_ref, kd_ref, wuk):
@@ -397,38 +264,12 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
 
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
     """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
-    _out_chunk(_valid_rows(len_ref[0]), q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, scale=scale, use_l2=use_l2,
-               cfg=cfg, interpret=interpret)
-
-
-def _out_chunk(valid, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret, c=None):
-    """o = qg h + Aqk v_new of one chunk, from refs of its rows [C, ...] and its start state h_ref [K, BVO] (or
-    h_ref[c] of [NT, K, BVO])."""
+    valid = _valid_rows(len_ref[0])
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
     aqk, qg = wy.intra(q, k, gc_ref[...], cfg, interpret)
-    h = h_ref[...] if c is None else h_ref[c]
-    o = wy.dot(qg, h, cfg["p_qs"], interpret) + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret)
+    o = wy.dot(qg, h_ref[...], cfg["p_qs"], interpret) + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret)
     o_ref[...] = o.astype(o_ref.dtype)
-
-
-def _out_loop_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, nt, per, scale, use_l2, cfg, interpret):
-    """Split design, parallel part 2 with chunks_out = `per` > 1: chunks per * p ... per * p + per - 1 of one row and
-    value head (p = program_id(0)), in a loop Triton can software-pipeline (stages_out: the next chunk's h, v_new,
-    q and k load while this one computes). The refs hold the whole time axis. A program past the last chunk redoes
-    it (the index is clamped): the same bits written to the same place. Each chunk's arithmetic is `_out_kernel`'s."""
-    iota = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    length = len_ref[0]
-    start = pl.program_id(0) * per  # read outside the loop (interpret mode cannot lower it inside)
-
-    def body(i, carry):
-        c = jnp.minimum(start + i, nt - 1)
-        sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        _out_chunk(c * CHUNK + iota < length, q_ref.at[sl], k_ref.at[sl], gc_ref.at[sl], h_ref, vn_ref.at[sl],
-                   o_ref.at[sl], scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret, c=c)
-        return carry
-
-    lax.fori_loop(0, per, body, 0)
 
 
 def _checked_config(config, V: int) -> dict:
@@ -440,15 +281,10 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
     if cfg["inv"] not in ("tiled", "block16", "doubling", "fwd64"):
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'doubling' or 'fwd64'")
+    if cfg["inv"] == "tiled" and cfg["design"] != "split":
+        raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
-    if cfg["chunks_prep"] > 1 and (cfg["design"] != "split" or cfg["prep_kernels"] != 1 or cfg["inv"] != "tiled"):
-        raise ValueError(f"chunks_prep={cfg['chunks_prep']}: only the split design's one prep kernel with "
-                         "inv='tiled' loops over chunks")
-    if cfg["heads_prep"] > 1 and (cfg["design"] != "split" or cfg["prep_kernels"] != 1 or cfg["inv"] != "tiled"
-                                  or cfg["chunks_prep"] > 1):
-        raise ValueError(f"heads_prep={cfg['heads_prep']}: only the split design's one prep kernel with inv='tiled' "
-                         "and chunks_prep=1 takes several value heads per program")
     if cfg["diag"] not in ("merge", "subst"):
         raise ValueError(f"diag={cfg['diag']!r}: expected 'merge' or 'subst'")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
@@ -470,7 +306,7 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
     also checks a row alone against a batch across the switch). Not in interpret mode: there the dots are
     XLA:CPU's, whose rounding does depend on the block width (seen in the tests), and speed is not the point."""
     user = dict(config or ())
-    if interpret or "bv" in user or "stages_state" in user:
+    if interpret or cfg["design"] != "split" or "bv" in user or "stages_state" in user:
         return cfg
     if (V // min(cfg["bv"], V)) * HV * B > cfg["small_grid"]:
         return cfg
@@ -478,8 +314,7 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
 
 
 def _wk_dtype(cfg: dict, use_l2: bool, interpret: bool):
-    """Storage dtype of w and kd between the prep and the recurrence kernels (and, in the fused design, of the
-    output side's qg and Aqk).
+    """Storage dtype of the split design's w and kd between the prep and the recurrence kernels.
 
     "auto" (default): fp16 on the GPU when q/k are L2-normalised and the recurrence's dots that read w and kd
     (p_ws, p_kv) are TF32 or bf16, else fp32. With unit keys, beta in [0, 1] and log-decays g <= 0, every entry of
@@ -487,14 +322,11 @@ def _wk_dtype(cfg: dict, use_l2: bool, interpret: bool):
     carried through the chunk's earlier factors I - beta_j k_j k_j^T, each of norm <= 1), so fp16 cannot overflow,
     and its 10-bit mantissa is the TF32 mantissa those dots round them to anyway (below fp16's normal range, |x| <
     6e-5, it keeps fewer bits, an absolute error <= 3e-8): half the bytes of the recurrence's largest reads, the same
-    accuracy class (BENCHMARKS.md, run 25). The fused design's qg = scale q exp(gc) and Aqk (entries scale q_i . k_j
-    exp(gc_i - gc_j), j <= i) are bounded by the scale the same way; it takes fp16 for all four only when its output
-    dots (p_qs, p_av) are TF32 or bf16 too. In interpret mode "auto" keeps fp32, so the CPU tests' exact-fp32
+    accuracy class (BENCHMARKS.md, run 25). In interpret mode "auto" keeps fp32, so the CPU tests' exact-fp32
     tolerances hold; "float16" forces it (tested on CPU)."""
     choice = cfg["wk_dtype"]
     if choice == "auto":
-        dots = ("p_ws", "p_kv") + (("p_qs", "p_av") if cfg["design"] == "fused" else ())
-        tf32_dots = all(cfg[p] in ("tf32", "bf16") for p in dots)
+        tf32_dots = cfg["p_ws"] in ("tf32", "bf16") and cfg["p_kv"] in ("tf32", "bf16")
         return jnp.float16 if use_l2 and tf32_dots and not interpret else jnp.float32
     return jnp.float16 if choice == "float16" else jnp.float32
 
@@ -524,15 +356,13 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
     f32 = jnp.float32
 
     cg = _ChunkGrid(q, v)
-    wk = _wk_dtype(cfg, use_qk_l2norm, interpret)
     prep = pl.pallas_call(
         functools.partial(_prep_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(K), cg.rows(V), cg.rows(K), cg.rows(K), cg.rows(CHUNK), cg.gc],
         # w, u, q * scale * exp(gc), k * exp(gc_last - gc), masked intra-chunk attention, gc
-        out_shape=[cg.rows_out(K, wk), cg.rows_out(V), cg.rows_out(K, wk), cg.rows_out(K, wk), cg.rows_out(CHUNK, wk),
-                   cg.gc_out],
+        out_shape=[cg.rows_out(K), cg.rows_out(V), cg.rows_out(K), cg.rows_out(K), cg.rows_out(CHUNK), cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
@@ -581,25 +411,21 @@ class _ChunkGrid:
     """Grid (NT, HV, B) of the chunk-parallel kernels (prep, inverse, apply) and their operands' BlockSpecs, for
     inputs q/k [B, Tp, HK, K], v [B, Tp, HV, V], g/beta [B, Tp, HV] and per-chunk outputs [B, HV, Tp, n]."""
 
-    def __init__(self, q, v, chunks=1):
-        """chunks: chunks per block (nt: every block spans the time axis, for kernels that loop over chunks)."""
+    def __init__(self, q, v):
         self.B, self.tp, hk, self.K = q.shape
         self.HV, self.V = v.shape[2], v.shape[3]
         g = self.HV // hk
         self.grid = (self.tp // CHUNK, self.HV, self.B)
-        n = chunks * CHUNK
-        blk = (lambda c: c) if chunks == 1 else (lambda c: 0)
         self.lengths = pl.BlockSpec((1,), lambda c, h, b: (b,))
-        self.key = pl.BlockSpec((None, n, None, self.K), lambda c, h, b: (b, blk(c), h // g, 0))
-        self.value = pl.BlockSpec((None, n, None, self.V), lambda c, h, b: (b, blk(c), h, 0))
-        self.token = pl.BlockSpec((None, n, None), lambda c, h, b: (b, blk(c), h))
-        self.gc = pl.BlockSpec((None, None, n), lambda c, h, b: (b, h, blk(c)))
+        self.key = pl.BlockSpec((None, CHUNK, None, self.K), lambda c, h, b: (b, c, h // g, 0))
+        self.value = pl.BlockSpec((None, CHUNK, None, self.V), lambda c, h, b: (b, c, h, 0))
+        self.token = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
+        self.gc = pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c))
         self.gc_out = jax.ShapeDtypeStruct((self.B, self.HV, self.tp), jnp.float32)
-        self._n, self._blk = n, blk
 
     def rows(self, n):
         """BlockSpec of a per-chunk [B, HV, Tp, n] array."""
-        return pl.BlockSpec((None, None, self._n, n), lambda c, h, b: (b, h, self._blk(c), 0))
+        return pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))
 
     def rows_out(self, n, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), dtype)
@@ -622,46 +448,12 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
     """The split design's prep kernel: (w, u, kd, gc)."""
     cg = _ChunkGrid(q, v)
     wk = _wk_dtype(cfg, use_l2, interpret)
-    nt = cg.grid[0]
-    per = min(cfg["chunks_prep"], nt)
-    kernel = _prep_split_kernel
-    gp = math.gcd(cfg["heads_prep"], cg.HV // q.shape[2])  # heads of one key head only
-    if gp > 1:  # `gp` value heads per program (`_prep_heads_kernel`): blocks of gp heads
-        return _prep_heads_call(q, k, v, g, beta, lengths, gp=gp, wk=wk, use_l2=use_l2, interpret=interpret, cfg=cfg)
-    if per > 1:  # `per` chunks per program, looped: the blocks span the time axis
-        cg = _ChunkGrid(q, v, chunks=nt)
-        cg.grid = (-(-nt // per),) + cg.grid[1:]
-        kernel = functools.partial(_prep_loop_kernel, nt=nt, per=per)
     return pl.pallas_call(
-        functools.partial(kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
         out_shape=[cg.rows_out(cg.K, wk), cg.rows_out(cg.V), cg.rows_out(cg.K, wk), cg.gc_out],
-        compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
-        interpret=interpret,
-        name="gdn_chunk_prep",
-    )(lengths, k, v, g, beta)
-
-
-def _prep_heads_call(q, k, v, g, beta, lengths, *, gp, wk, use_l2, interpret, cfg):
-    """heads_prep = gp > 1: the prep kernel on grid (NT, HV // gp, B), each program `gp` value heads of one key head."""
-    B, tp, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    G = HV // HK
-    rows = lambda n: pl.BlockSpec((None, gp, CHUNK, n), lambda c, h, b: (b, h, c, 0))  # noqa: E731
-    out = lambda n, dt: jax.ShapeDtypeStruct((B, HV, tp, n), dt)  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_prep_heads_kernel, gp=gp, gram=cfg["gram_prep"], use_l2=use_l2, cfg=cfg,
-                          interpret=interpret),
-        grid=(tp // CHUNK, HV // gp, B),
-        in_specs=[pl.BlockSpec((1,), lambda c, h, b: (b,)),
-                  pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b: (b, c, h * gp // G, 0)),
-                  pl.BlockSpec((None, CHUNK, gp, V), lambda c, h, b: (b, c, h, 0)),
-                  pl.BlockSpec((None, CHUNK, gp), lambda c, h, b: (b, c, h)),
-                  pl.BlockSpec((None, CHUNK, gp), lambda c, h, b: (b, c, h))],
-        out_specs=[rows(K), rows(V), rows(K), pl.BlockSpec((None, gp, CHUNK), lambda c, h, b: (b, h, c))],
-        out_shape=[out(K, wk), out(V, jnp.float32), out(K, wk), jax.ShapeDtypeStruct((B, HV, tp), jnp.float32)],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
@@ -734,26 +526,18 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     if cfg.get("stop_after") == "state":
         return h, vn, final
 
-    per = min(cfg["chunks_out"], nt)
-    if per == 1:  # one program per chunk
-        kernel, grid, rows, first = _out_kernel, (nt, HV, B, V // bvo), CHUNK, lambda c: c
-        h_spec = pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j))
-    else:  # `per` chunks per program, looped (`_out_loop_kernel`): the blocks span the time axis
-        kernel = functools.partial(_out_loop_kernel, nt=nt, per=per)
-        grid, rows, first = (-(-nt // per), HV, B, V // bvo), tp, lambda c: 0
-        h_spec = pl.BlockSpec((None, None, nt, K, bvo), lambda c, h, b, j: (b, h, 0, 0, j))
     o = pl.pallas_call(
-        functools.partial(kernel, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret),
-        grid=grid,
+        functools.partial(_out_kernel, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        grid=(nt, HV, B, V // bvo),
         in_specs=[
             pl.BlockSpec((1,), lambda c, h, b, j: (b,)),
-            pl.BlockSpec((None, rows, None, K), lambda c, h, b, j: (b, first(c), h // G, 0)),
-            pl.BlockSpec((None, rows, None, K), lambda c, h, b, j: (b, first(c), h // G, 0)),
-            pl.BlockSpec((None, None, rows), lambda c, h, b, j: (b, h, first(c))),
-            h_spec,
-            pl.BlockSpec((None, None, rows, bvo), lambda c, h, b, j: (b, h, first(c), j)),
+            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
+            pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
+            pl.BlockSpec((None, None, CHUNK), lambda c, h, b, j: (b, h, c)),
+            pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j)),
+            pl.BlockSpec((None, None, CHUNK, bvo), lambda c, h, b, j: (b, h, c, j)),
         ],
-        out_specs=pl.BlockSpec((None, rows, None, bvo), lambda c, h, b, j: (b, first(c), h, j)),
+        out_specs=pl.BlockSpec((None, CHUNK, None, bvo), lambda c, h, b, j: (b, c, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, tp, HV, V), v.dtype),
         compiler_params=_triton_params(cfg["warps_out"], cfg["stages_out"]),
         interpret=interpret,

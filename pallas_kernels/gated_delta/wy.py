@@ -94,19 +94,17 @@ def merge_block_inverse(a, di, prec, interpret):
     return dot(p, di, prec, interpret)
 
 
-def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret, gram=None):
-    """diag="subst": T_i = (I + A_ii)^-1 of the diagonal tiles (one per entry of ks / gcs / betas: several heads' tiles
-    can share the loop) by exact fp32 forward substitution (15 dependent steps; A_ii built transposed, so a row of
-    A_ii is a reduction along the tile's second axis and the loop never re-lays-out a vector). gram: the tiles'
-    k_i k_i^T (symmetric), shared between value heads, beta applied after the dot; None: (k_i) (beta k_i)^T."""
+def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
+    """diag="subst": T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
+    steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the loop never
+    re-lays-out a vector)."""
     s = SUB
     r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
     c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
     upper = r16 < c16
     ats = []
-    for n, (kb, gc, beta) in enumerate(zip(ks, gcs, betas)):  # A_ii^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r), r < c
-        kk_t = (dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True) if gram is None
-                else gram[n] * beta[None, :])
+    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r), r < c
+        kk_t = dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)
         ats.append(jnp.where(upper, kk_t * jnp.exp(jnp.where(upper, gc[None, :] - gc[:, None], 0.0)), 0.0))
     eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
 
@@ -146,32 +144,22 @@ def diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
     return ts
 
 
-def tiled_inverse(ks, gcs, betas, cfg, interpret, *, ts=None, gram=None, early=False):
+def tiled_inverse(ks, gcs, betas, cfg, interpret):
     """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i}, from the chunk's 16-row
     slices (`chunk._chunk_slices`).
 
     Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution or by block merging (`cfg["diag"]`); then, block row
     by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
     block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
-    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds.
-    ts: the diagonal tiles, if already computed; gram: {(i, j): k_i k_j^T} shared between value heads (beta applied
-    after the dot), or None: A_ij from (beta k_i) k_j^T. early: the off-diagonal A_ij are built before the diagonal
-    tiles are inverted (the same values; the keys are then no longer needed during the substitution loop)."""
+    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
     nb = CHUNK // SUB
-
-    def off_diagonal(i):  # A_ij [16, 16], j < i: every entry strictly below the diagonal
-        bk = ks[i] * betas[i][:, None]
-        return {j: (dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) if gram is None
-                    else gram[i, j] * betas[i][:, None]) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
-                for j in range(i)}
-
-    offd = {i: off_diagonal(i) for i in range(1, nb)} if early else {}
-    if ts is None:
-        ts = (diag_tiles_by_merging if cfg["diag"] == "merge" else diag_tiles_by_substitution)(ks, gcs, betas, cfg,
-                                                                                               interpret)
+    ts = (diag_tiles_by_merging if cfg["diag"] == "merge" else diag_tiles_by_substitution)(ks, gcs, betas, cfg,
+                                                                                           interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
-        a = offd[i] if early else off_diagonal(i)
+        bk = ks[i] * betas[i][:, None]
+        a = {j: dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
+             for j in range(i)}  # A_ij [16, 16], j < i: every entry strictly below the diagonal
         for m in range(i - 1, -1, -1):
             acc = dot(a[m], x[m, m], cfg["p_inv"], interpret)
             for j in range(m + 1, i):

@@ -36,22 +36,16 @@ def run(d, *, lengths=None, initial_state="from_inputs", checkpoint_stride=None,
 
 
 def _design_config(design):
-    if design is None or isinstance(design, dict):
-        return design
+    if design is None:
+        return None
     if design == "split2":  # the tiled inverse in its own kernel, X through memory, then w / u / kd
         return {"design": "split", "prep_kernels": 2}
     if design == "fused":  # the fused design with the block-Neumann inverse on [64, 64] tiles
         return {"design": "fused", "prep_kernels": 1, "inv": "block16"}
-    if design == "fused_tiled":  # the fused design with the tiled prep, its four stored operands in fp16 as on the GPU
-        return {"design": "fused", "prep_kernels": 1, "wk_dtype": "float16"}
     if design == "split_block16":  # the default up to run 23: the [64, 64] block-Neumann inverse, X through memory
         return {"design": "split", "prep_kernels": 2, "inv": "block16"}
     if design == "split_merge":  # the tiled inverse's diagonal tiles by loop-free block merging
         return {"design": "split", "prep_kernels": 1, "diag": "merge"}
-    if design == "split_loops":  # prep and output kernels looping over 2 and 3 chunks per program (clamped tails)
-        return {"design": "split", "prep_kernels": 1, "chunks_prep": 2, "chunks_out": 3, "stages_out": 2}
-    if design == "split_heads":  # two value heads per prep program, sharing the k k^T tiles; keys reloaded for w, u
-        return {"design": "split", "prep_kernels": 1, "heads_prep": 2, "gram_prep": True, "lean_wy": True}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
         return {"design": "split", "prep_kernels": 1, "wk_dtype": "float16"}
     return {"design": design, "prep_kernels": 1}
@@ -59,23 +53,6 @@ def _design_config(design):
 
 def valid_rows(o, lengths):
     return [o[b, : int(n)] for b, n in enumerate(lengths)]
-
-
-def test_heads_per_prep_program_match_the_oracle():
-    """heads_prep = 2 and 4 at HV = 4 HK (their value heads share a key head), with and without the shared k k^T
-    tiles: within the oracle tolerances of the file; without the shared gram, the same bits as one head per program."""
-    rng = np.random.default_rng(23)
-    d = random_gdn_inputs(rng, 2, 150, 2, 8, K, V, np.float32, beta_kind="mixed")
-    lengths = [150, 90]
-    ro, rs = gated_delta_rule_oracle(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
-                                     lengths=lengths)
-    base = run(d, lengths=lengths)
-    for gp in (2, 4):
-        for gram in (False, True):
-            o, s = run(d, lengths=lengths, design={"heads_prep": gp, "gram_prep": gram})
-            assert rel_err(s, rs) <= 2e-5 and max(rel_err(o[b, :n], ro[b, :n]) for b, n in enumerate(lengths)) <= 2e-5
-            if not gram:
-                assert np.array_equal(o, base[0]) and np.array_equal(s, base[1])
 
 
 @pytest.mark.parametrize(
@@ -89,7 +66,6 @@ def test_heads_per_prep_program_match_the_oracle():
         (2, 65, 2, 4, "very_negative", "realistic", [65, 30], "fused"),
         (3, 130, 1, 2, "realistic", "mixed", [130, 64, 1], "fused"),
         (2, 65, 2, 4, "very_negative", "mixed", [65, 30], "split2"),
-        (2, 130, 2, 4, "realistic", "mixed", [130, 70], {"design": "fused", "prep_kernels": 1}),
     ],
 )
 def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths, design):
@@ -112,15 +88,15 @@ def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths, 
     assert rel_err(s, np.asarray(js)) <= 1e-4, "state vs reference"
 
 
-@pytest.mark.parametrize("design,prep_kernels", [("split", 1), ("split", 2), ("fused", 1)])
-def test_fp16_w_and_kd_storage(design, prep_kernels):
+@pytest.mark.parametrize("prep_kernels", [1, 2])
+def test_fp16_w_and_kd_storage(prep_kernels):
     """wk_dtype="float16" (the GPU default with L2-normalised keys; `chunk._wk_dtype`), forced in interpret mode,
-    where every dot is otherwise exact fp32: the fp16 rounding of w and kd (and, in the fused design, of qg and Aqk)
-    (2^-11 relative, the TF32 rounding the GPU's dots apply to them anyway) is the only added error. Seen: states
-    1.7e-4 - 1e-3 of the oracle (the most on identical keys with beta = 1, g ~ 0); bar 2e-3 for states, 1e-3 for
-    outputs; all finite, including g very negative (kd down in fp16's subnormals)."""
+    where every dot is otherwise exact fp32: the fp16 rounding of w and kd (2^-11 relative, the TF32 rounding the GPU's
+    dots apply to them anyway) is the only added error. Seen: states 1.7e-4 - 1e-3 of the oracle (the most on identical
+    keys with beta = 1, g ~ 0); bar 2e-3 for states, 1e-3 for outputs; all finite, including g very negative (kd
+    down in fp16's subnormals)."""
     rng = np.random.default_rng(5 + prep_kernels)
-    cfg = {"wk_dtype": "float16", "prep_kernels": prep_kernels, "design": design}
+    cfg = {"wk_dtype": "float16", "prep_kernels": prep_kernels}
     for g_kind, beta_kind, same_keys in [("realistic", "mixed", False), ("near_zero", "one", True),
                                          ("very_negative", "realistic", False)]:
         d = random_gdn_inputs(rng, 2, 150, 1, 2, K, V, np.float32, g_kind=g_kind, beta_kind=beta_kind)
@@ -136,9 +112,8 @@ def test_fp16_w_and_kd_storage(design, prep_kernels):
         assert rel_err(s, rs) <= 2e-3, g_kind
         assert max(rel_err(o[b, :n], ro[b, :n]) for b, n in enumerate(lengths)) <= 1e-3, g_kind
     args = [jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")]  # the option takes effect:
-    prep = chunk_gated_delta_rule_pallas(*args, interpret=True, config=dict(cfg, stop_after="prep"))
-    stored = prep[0:1] + prep[2:5] if design == "fused" else (prep[0], prep[2])  # w, (qg,) kd, (Aqk)
-    assert [x.dtype for x in stored] == [jnp.float16] * len(stored) and prep[1].dtype == jnp.float32  # u in fp32
+    w, _, kd, _ = chunk_gated_delta_rule_pallas(*args, interpret=True, config=dict(cfg, stop_after="prep"))
+    assert w.dtype == kd.dtype == jnp.float16
     s32 = chunk_gated_delta_rule_pallas(*args, interpret=True, config=dict(cfg, wk_dtype="float32"))[1]
     assert not np.array_equal(np.asarray(s32), np.asarray(chunk_gated_delta_rule_pallas(*args, interpret=True,
                                                                                          config=cfg)[1]))
@@ -180,8 +155,7 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
-@pytest.fixture(params=["split", "fused", "fused_tiled", "split2", "split_wk16", "split_merge", "split_block16",
-                        "split_loops", "split_heads"])
+@pytest.fixture(params=["split", "fused", "split2", "split_wk16", "split_merge", "split_block16"])
 def design(request):
     """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
     the split design with its prep in two kernels ("split2": inverse, then w / u / kd), with w and kd stored in
@@ -303,31 +277,12 @@ def test_alternative_inverses(inv, design, diag):
                                           ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"),
                                           ({"wk_dtype": "bf16"}, "wk_dtype"), ({"diag": "loop"}, "diag"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
-                                          ({"prep_kernels": 2, "design": "fused"}, "prep_kernels"),
-                                          ({"chunks_prep": 2, "inv": "block16"}, "chunks_prep"),
-                                          ({"chunks_out": 0}, "chunks_out"),
-                                          ({"heads_prep": 2, "prep_kernels": 2}, "heads_prep")])
+                                          ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
     with pytest.raises(ValueError, match=match):
         chunk_gated_delta_rule_pallas(z, z, jnp.zeros((1, 64, 2, V)), jnp.zeros((1, 64, 2)), jnp.zeros((1, 64, 2)),
                                       interpret=True, config=config)
-
-
-@pytest.mark.parametrize("per", [2, 3, 4, 8])
-def test_chunk_loops_compute_the_same_bits(seq, per):
-    """chunks_prep / chunks_out > 1 (prep and output kernels looping over `per` chunks per program, the last program's
-    surplus iterations clamped to the last chunk), lean_wy (keys and values reloaded where w and u use them) and
-    heads_prep > 1 without the shared gram (HV = 2 HK here, so
-    heads_prep 2, 4 and 8 mean two value heads per prep program, 3 means one) compute exactly the
-    one-chunk-per-program kernels' bits: outputs, final states and checkpoints, with rows of different lengths and a
-    non-zero initial state (3 chunks here, so per = 2 and 4 leave a clamped tail)."""
-    base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
-    for cfg in ({"chunks_prep": per}, {"chunks_out": per, "stages_out": 2}, {"heads_prep": per},
-                {"lean_wy": True, "chunks_prep": per}):
-        got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design=dict(cfg, prep_kernels=1))
-        for a, b in zip(got, base):
-            assert np.array_equal(a, b), cfg
 
 
 def test_lengths_are_clipped(seq):
@@ -343,7 +298,7 @@ def test_lengths_are_clipped(seq):
 def test_small_grid_launch_rule():
     """The recurrence takes V blocks of `bv_small` (and `stages_small`) on a grid of at most `small_grid` programs
     (DEFAULT_CONFIG) — the GPU script checks that its bits equal the default's on the H200 — unless the caller sets
-    bv or stages_state (either design), or in interpret mode (XLA:CPU's dots round differently per block
+    bv or stages_state, with the fused design, or in interpret mode (XLA:CPU's dots round differently per block
     width, so a row alone and the same row in a batch would differ: the row-alone tests here cover that)."""
     from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG, _recurrence_blocks
 
@@ -353,5 +308,5 @@ def test_small_grid_launch_rule():
     assert launch(1) == (32, 2) and launch(2) == (32, 2)  # 64 and 128 programs of bv 64: at most 132
     assert launch(3) == (64, 1) and launch(8) == (64, 1)
     assert launch(1, {"bv": 64}) == (64, 1) and launch(1, {"stages_state": 1}) == (64, 1)
-    assert launch(1, interpret=True) == (64, 1) and launch(1, design="fused") == (32, 2)
+    assert launch(1, interpret=True) == (64, 1) and launch(1, design="fused") == (64, 1)
     assert launch(4, {"small_grid": 1000}) == (32, 2)
