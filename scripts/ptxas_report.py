@@ -1,0 +1,90 @@
+"""Registers, spills and shared memory of the chunked prefill's kernels for the H200, on a CPU machine.
+
+  .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
+  PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
+
+Each kernel is lowered to Triton IR for an abstract H200 (as `tests/pallas_kernels/test_cuda_lowering.py` does),
+compiled for sm_90a by PyPI's Triton with the kernel's num_warps / num_stages, and its PTX assembled by `ptxas -v`.
+A screen before spending GPU time, not the GPU's numbers: XLA compiles the same IR with its own Triton build. Here
+against Nsight Compute on the H200 (2026-11-30, default configuration, (8, 4096, 16, 32), here / there): registers
+per thread 255 / 255 (prep), 255 / 236 (recurrence), 255 / 255 (output); shared memory 74 / 16 KiB, 48 / 32 KiB,
+96 / 96 KiB. The spill bytes it gave four prep variants ranked them as their measured times did (BENCHMARKS.md,
+runs 27-31).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta import chunk
+from tests.pallas_kernels.test_cuda_lowering import chunk_args, lower_for_h200
+
+
+def launch(cfg: dict) -> dict:
+    """(num_warps, num_stages) of each chunked-prefill kernel, by the name its pallas_call gives it."""
+    return {"gdn_chunk_prep": (cfg["warps_prep"], cfg["stages_prep"]),
+            "gdn_chunk_inverse": (cfg["warps_prep"], cfg["stages_prep"]),
+            "gdn_chunk_apply": (cfg["warps_apply"], 1),
+            "gdn_chunk_state": (cfg["warps_state"], cfg["stages_state"]),
+            "gdn_chunk_out": (cfg["warps_out"], cfg["stages_out"])}
+
+
+def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
+    """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures and Triton's shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "kernel.ttir")
+        with open(src, "w") as fh:
+            fh.write(ttir)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        ptx = k.asm["ptx"]
+        arch = re.search(r"\.target (\S+)", ptx).group(1)
+        with open(os.path.join(d, "kernel.ptx"), "w") as fh:
+            fh.write(ptx)
+        run = subprocess.run([ptxas, f"-arch={arch}", "-v", os.path.join(d, "kernel.ptx"), "-o",
+                              os.path.join(d, "kernel.cubin")], capture_output=True, text=True, check=True)
+    text = run.stderr
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
+    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"),
+                shared_bytes=k.metadata.shared)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8,4096,16,32", help="B,T,HK,HV (K = V = 128, bf16 inputs)")
+    ap.add_argument("--config", default="", help="JSON: chunk.DEFAULT_CONFIG keys to override")
+    args = ap.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise SystemExit("needs Triton's compiler: .venv/bin/pip install triton==3.6.0")
+    B, T, HK, HV = (int(x) for x in args.shape.split(","))
+    config = json.loads(args.config) if args.config else None
+    cfg = chunk._recurrence_blocks(chunk._checked_config(config, 128), config, B, HV, 128, False)
+    f = lambda q, k, v, g, b, s0, n: chunk.chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0,  # noqa: E731
+                                                                         lengths=n, config=config)
+    _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, 128, 128, jnp.bfloat16))
+    print(f"shape {args.shape}, config {config or 'default'}")
+    for module in modules:
+        name = module.operation.attributes["sym_name"].value
+        warps, stages = launch(cfg)[name]
+        r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages)
+        print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
+              f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, "
+              f"shared {r['shared_bytes'] / 1024:.1f} KiB")
+
+
+if __name__ == "__main__":
+    main()
