@@ -954,8 +954,7 @@ def main():
         "tiled1_w8": f32(warps_prep=8),
         # run 25 candidates, against the default
         "wk32": dict(wk_dtype="float32"),
-        # the diagonal tiles by loop-free block merging (run 26: accuracy only, it ran out of device time before timing)
-        "merge": dict(diag="merge"),
+        # (run 27 timed `merge`, the diagonal tiles by loop-free block merging, at commit 8196e24: slower, removed)
         # runs 27-31 (2026-11-30; BENCHMARKS.md) timed fused_t*, out_c*/prep_c*/loops_c4_s2, heads2*, lean* at commits
         # 8196e24-629a62b; all slower than the default, their kernel options were removed (commit after 629a62b)
         "bv128_w8": dict(bv=128, warps_state=8),

@@ -95,7 +95,7 @@ def merge_block_inverse(a, di, prec, interpret):
 
 
 def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
-    """diag="subst": T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
+    """T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
     steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the loop never
     re-lays-out a vector)."""
     s = SUB
@@ -119,42 +119,16 @@ def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
     return lax.fori_loop(1, s, body, (eye16,) * len(ks))
 
 
-def diag_tiles_by_merging(ks, gcs, betas, cfg, interpret):
-    """diag="merge" (a candidate, not yet timed on the GPU: run 26 ran out of device time after its accuracy checks,
-    which matched "subst" to three digits): T_i = (I + A_ii)^-1 without a loop, by block forward substitution on
-    blocks of 2, 4, 8, 16 rows. With D the inverse of I plus A's within-block part at one size, and E A's part inside
-    blocks of twice that size but across their two halves, D E is nilpotent of order 2, so (I + A)^-1 at the doubled
-    size is D - D E D. Blocks of 2 start exact (D = I - E, a sign flip), then three levels of two [16, 16] dots
-    (p_inv). Every factor is lower triangular with exact zeros, so row r depends only on rows <= r (the j < 64 row
-    property)."""
-    s = SUB
-    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    lower = r16 > c16
-    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
-    ts = []
-    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii[r, c] = beta_r k_r . k_c exp(gc_r - gc_c), r > c
-        kk = dot(kb * beta[:, None], kb, cfg["p_kk"], interpret, trans_b=True)
-        a = jnp.where(lower, kk * jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        d = eye16 - jnp.where(r16 // 2 == c16 // 2, a, 0.0)
-        for half in (2, 4, 8):
-            e = jnp.where((r16 // (2 * half) == c16 // (2 * half)) & (r16 // half != c16 // half), a, 0.0)
-            d = d - dot(d, dot(e, d, cfg["p_inv"], interpret), cfg["p_inv"], interpret)
-        ts.append(d)
-    return ts
-
-
 def tiled_inverse(ks, gcs, betas, cfg, interpret):
     """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i}, from the chunk's 16-row
     slices (`chunk._chunk_slices`).
 
-    Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution or by block merging (`cfg["diag"]`); then, block row
+    Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution (`diag_tiles_by_substitution`); then, block row
     by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
     block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
     chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
     nb = CHUNK // SUB
-    ts = (diag_tiles_by_merging if cfg["diag"] == "merge" else diag_tiles_by_substitution)(ks, gcs, betas, cfg,
-                                                                                           interpret)
+    ts = diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
         bk = ks[i] * betas[i][:, None]
