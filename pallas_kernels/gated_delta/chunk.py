@@ -62,7 +62,11 @@ from .wy import CHUNK
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
-#   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`);
+#   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
+#   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
+#   second operands in the K-major order TF32 wgmma needs instead of transposing them through shared memory (run 30:
+#   that kernel is bound by shared memory, 204 M bank conflicts at (8, 4096)); the same arithmetic (the same bits in
+#   interpret mode); not yet timed on the GPU;
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -83,7 +87,7 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto",
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=False,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -250,11 +254,19 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     """Split design, sequential part: only the state recurrence (two dots per chunk). Writes the fp32 state at the
     start of every chunk (h) and v_new = u - w S; the output needs nothing else from the recurrence."""
 
+    t = cfg["states_t"]
+
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        h_ref[c] = s
+        if t:
+            h_ref[c] = s.T
+        else:
+            h_ref[c] = s
         v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
-        vn_ref[sl, :] = v_new
+        if t:
+            vn_ref[:, sl] = v_new.T
+        else:
+            vn_ref[sl, :] = v_new
         kd = kd_ref[sl, :].astype(jnp.float32)
         return s * jnp.exp(wy.last(gc_ref[sl])) + wy.dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
 
@@ -267,7 +279,9 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
     aqk, qg = wy.intra(q, k, gc_ref[...], cfg, interpret)
-    o = wy.dot(qg, h_ref[...], cfg["p_qs"], interpret) + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret)
+    t = cfg["states_t"]  # h and v_new stored transposed: the dots' second operands in the K-major order TF32 needs
+    o = (wy.dot(qg, h_ref[...], cfg["p_qs"], interpret, trans_b=t)
+         + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret, trans_b=t))
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -496,6 +510,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     bv = min(cfg["bv"], V)
     bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
+    t = cfg["states_t"]  # h [.., nt, V, K] and v_new [.., V, Tp] transposed (else [.., nt, K, V] and [.., Tp, V])
     h, vn, final = pl.pallas_call(
         functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
@@ -507,13 +522,15 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
         ],
         out_specs=[
+            pl.BlockSpec((None, None, nt, bv, K), lambda j, h, b: (b, h, 0, j, 0)) if t else
             pl.BlockSpec((None, None, nt, K, bv), lambda j, h, b: (b, h, 0, 0, j)),
+            pl.BlockSpec((None, None, bv, tp), lambda j, h, b: (b, h, j, 0)) if t else
             pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
             pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, HV, nt, K, V), f32),  # state at the start of every chunk
-            jax.ShapeDtypeStruct((B, HV, tp, V), f32),  # v_new
+            jax.ShapeDtypeStruct((B, HV, nt) + ((V, K) if t else (K, V)), f32),  # state at the start of every chunk
+            jax.ShapeDtypeStruct((B, HV) + ((V, tp) if t else (tp, V)), f32),  # v_new
             jax.ShapeDtypeStruct((B, HV, K, V), f32),  # final state
         ],
         compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
@@ -531,7 +548,9 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
             pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
             pl.BlockSpec((None, None, CHUNK), lambda c, h, b, j: (b, h, c)),
+            pl.BlockSpec((None, None, None, bvo, K), lambda c, h, b, j: (b, h, c, j, 0)) if t else
             pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j)),
+            pl.BlockSpec((None, None, bvo, CHUNK), lambda c, h, b, j: (b, h, j, c)) if t else
             pl.BlockSpec((None, None, CHUNK, bvo), lambda c, h, b, j: (b, h, c, j)),
         ],
         out_specs=pl.BlockSpec((None, CHUNK, None, bvo), lambda c, h, b, j: (b, c, h, j)),
@@ -546,7 +565,8 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
     per = checkpoint_stride // CHUNK
     idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
-    parts = [h[:, :, i] for i in idx if i < nt] + [final for i in idx if i >= nt]
+    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if t else h[:, :, i]) for i in idx if i < nt]
+    parts += [final for i in idx if i >= nt]
     ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
     return o, final, ck
 
