@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the chunked prefill's kernels for the H200, on a CPU machine.
+"""Registers, spills, shared memory and transposed shared-memory copies of the chunked prefill's kernels for the
+H200, on a CPU machine.
 
   .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
@@ -37,7 +38,9 @@ def launch(cfg: dict) -> dict:
 
 
 def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
-    """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures and Triton's shared memory."""
+    """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures, Triton's shared memory, and how
+    many tensors the kernel writes into shared memory transposed (`transposed = true` layouts: a dot operand stored in
+    the other major order than its MMA reads it, the output kernel's bank conflicts in run 30)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -49,6 +52,10 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=num_warps, num_stages=num_stages))
         ptx = k.asm["ptx"]
+        ttgir = k.asm["ttgir"]
+        transposed = {m.group(1) for m in re.finditer(r"^(#shared\d*) = .*transposed = true", ttgir, re.M)}
+        t_allocs = sum(1 for line in ttgir.splitlines() if "ttg.local_alloc" in line
+                       and any(re.search(rf"{re.escape(t)}\b", line) for t in transposed))
         arch = re.search(r"\.target (\S+)", ptx).group(1)
         with open(os.path.join(d, "kernel.ptx"), "w") as fh:
             fh.write(ptx)
@@ -58,7 +65,7 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
     return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
                 spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"),
-                shared_bytes=k.metadata.shared)
+                shared_bytes=k.metadata.shared, transposed_allocs=t_allocs)
 
 
 def main():
@@ -83,7 +90,7 @@ def main():
         r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages)
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
               f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, "
-              f"shared {r['shared_bytes'] / 1024:.1f} KiB")
+              f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies")
 
 
 if __name__ == "__main__":
