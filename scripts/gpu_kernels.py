@@ -892,7 +892,8 @@ def main():
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     ap.add_argument("--no-default-bitwise", action="store_true",
-                    help="run the bitwise checks only for the sweep's winner (the default's were run before)")
+                    help="run the bitwise checks only for the sweep's winner and --pick (the default's were run "
+                         "before); none run when the default wins and nothing is picked")
     ap.add_argument("--pick", default="", help="time this prefill config in the prefill and breakdown sections "
                                                 "instead of the sweep's pick (e.g. when accuracy was not run)")
     ap.add_argument("--decode-configs", default="", help="comma list of decode configs besides the default "
@@ -954,9 +955,10 @@ def main():
         "tiled1_w8": f32(warps_prep=8),
         # run 25 candidates, against the default
         "wk32": dict(wk_dtype="float32"),
-        # (run 27 timed `merge`, the diagonal tiles by loop-free block merging, at commit 8196e24: slower, removed)
+        # (run 27 timed `merge`, the diagonal tiles by loop-free block merging, at commit 8196e24: slower, removed
+        # in 075cc1f)
         # runs 27-31 (2026-11-30; BENCHMARKS.md) timed fused_t*, out_c*/prep_c*/loops_c4_s2, heads2*, lean* at commits
-        # 8196e24-629a62b; all slower than the default, their kernel options were removed (commit after 629a62b)
+        # 8196e24-629a62b; all slower than the default, their kernel options were removed (27e4073)
         # h and v_new written transposed for the output kernel's TF32 dots (run 30: that kernel is bound by shared
         # memory; offline, its operands no longer go through transposed shared-memory layouts); not yet timed
         "states_t": dict(states_t=True),
@@ -973,6 +975,8 @@ def main():
         if unknown:
             raise SystemExit(f"unknown prefill configs {sorted(unknown)}; known: {sorted(chunk_configs)}")
         chunk_configs = {n: chunk_configs[n] for n in ["default"] + args.configs.split(",")}
+    if args.pick and args.pick not in chunk_configs:
+        raise SystemExit(f"--pick {args.pick!r} is not among the configs: {sorted(chunk_configs)}")
     decode_configs = {
         "old_arith": dict(kslices=1, fma=False), "k1_fma": dict(kslices=1), "k8": dict(kslices=8),
         "bv32_w4": dict(bv=32, num_warps=4), "bv16_w2": dict(bv=16, num_warps=2), "bv32_w2": dict(bv=32, num_warps=2),
@@ -1003,8 +1007,8 @@ def main():
         if best != "default" and "bitwise" not in skip:
             chunk_bitwise(chunk_configs[best], tag=best)
     if args.pick:
-        if args.pick not in chunk_configs:
-            raise SystemExit(f"--pick {args.pick!r} is not among the configs: {sorted(chunk_configs)}")
+        if args.pick != best and "bitwise" not in skip:
+            chunk_bitwise(chunk_configs[args.pick], tag=args.pick)
         best = args.pick
     if "prefill" not in skip:
         prefill_timing(best, chunk_configs[best], with_reference="reference" not in skip)

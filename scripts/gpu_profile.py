@@ -8,6 +8,7 @@
       --section LaunchStats --section Occupancy --section WarpStateStats \
       python3 scripts/gpu_profile.py --kernel chunk --shape 8,4096,16,32
 
+(--launch-skip / --launch-count 3: the default's three kernels; prep_kernels=2 launches four, the fused design two.)
 Runs the kernel(s) twice on random Qwen3.5-shaped inputs (the first call compiles and warms up; profile the second)
 and prints the wall time of a third call, so the profile can be matched to a timing.
 """

@@ -9,8 +9,9 @@ compiled for sm_90a by PyPI's Triton with the kernel's num_warps / num_stages, a
 A screen before spending GPU time, not the GPU's numbers: XLA compiles the same IR with its own Triton build. Here
 against Nsight Compute on the H200 (2026-11-30, default configuration, (8, 4096, 16, 32), here / there): registers
 per thread 255 / 255 (prep), 255 / 236 (recurrence), 255 / 255 (output); shared memory 74 / 16 KiB, 48 / 32 KiB,
-96 / 96 KiB. The spill bytes it gave four prep variants ranked them as their measured times did (BENCHMARKS.md,
-runs 27-31).
+96 / 96 KiB. Its spill bytes separated the prep variants that spilled and were slow (two value heads per program,
+the fused design's prep, the loop-free diagonal inverse, 2 warps) from the default; a variant slow for other reasons
+(`lean`, whose reloads cost more than its 100 B of spills) it does not flag (BENCHMARKS.md, runs 27-31).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
         with open(os.path.join(d, "kernel.ptx"), "w") as fh:
             fh.write(ptx)
         run = subprocess.run([ptxas, f"-arch={arch}", "-v", os.path.join(d, "kernel.ptx"), "-o",
-                              os.path.join(d, "kernel.cubin")], capture_output=True, text=True, check=True)
+                              os.path.join(d, "kernel.cubin")], capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"ptxas failed ({run.returncode}):\n{run.stderr}")
     text = run.stderr
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
     return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),

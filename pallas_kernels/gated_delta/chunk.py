@@ -77,7 +77,7 @@ from .wy import CHUNK
 # default), as accurate (states <= 8e-4 of the oracle).
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="inverse" (prep_kernels=2) returns after the inverse kernel; stop_after="state" (split design) returns
-# after the recurrence kernel.
+# after the recurrence kernel (h, v_new, final state; with states_t, h and v_new in their transposed layouts).
 # Small grids (split design): when the recurrence's grid (V // bv, HV, B) has at most `small_grid` programs (132:
 # one per SM of the H200), it runs with V blocks of `bv_small` and `stages_small` load stages instead — twice the
 # programs, loads pipelined — unless the caller's config sets bv or stages_state. Runs 21-22: (1, 8192, 16, 32)
@@ -298,6 +298,8 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
+    if not isinstance(cfg["states_t"], bool) or (cfg["states_t"] and cfg["design"] != "split"):
+        raise ValueError(f"states_t={cfg['states_t']!r}: True or False; True only with the split design")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     for name, p in cfg.items():

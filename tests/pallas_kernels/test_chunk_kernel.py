@@ -272,6 +272,8 @@ def test_alternative_inverses(inv, design):
                                           ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
                                           ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"),
                                           ({"wk_dtype": "bf16"}, "wk_dtype"), ({"diag": "merge"}, "unknown config"),
+                                          ({"states_t": 1}, "states_t"),
+                                          ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
