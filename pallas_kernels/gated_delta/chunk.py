@@ -254,16 +254,13 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     """Split design, sequential part: only the state recurrence (two dots per chunk). Writes the fp32 state at the
     start of every chunk (h) and v_new = u - w S; the output needs nothing else from the recurrence."""
 
-    t = cfg["states_t"]
+    t = cfg["states_t"]  # h and v_new written transposed (`_recurrence_and_output`)
 
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        if t:
-            h_ref[c] = s.T
-        else:
-            h_ref[c] = s
+        h_ref[c] = s.T if t else s
         v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
-        if t:
+        if t:  # [BV, C] of [BV, Tp]
             vn_ref[:, sl] = v_new.T
         else:
             vn_ref[sl, :] = v_new
