@@ -955,18 +955,17 @@ def main():
         "tiled1_w8": f32(warps_prep=8),
         # run 25 candidates, against the default
         "wk32": dict(wk_dtype="float32"),
-        # (run 27 timed `merge`, the diagonal tiles by loop-free block merging, at commit 8196e24: slower, removed
-        # in 075cc1f)
-        # runs 27-31 (2026-11-30; BENCHMARKS.md) timed fused_t*, out_c*/prep_c*/loops_c4_s2, heads2*, lean* at commits
-        # 8196e24-629a62b; all slower than the default, their kernel options were removed (27e4073)
-        # h and v_new written transposed for the output kernel's TF32 dots (run 30: that kernel is bound by shared
-        # memory; offline, its operands no longer go through transposed shared-memory layouts); not yet timed
-        "states_t": dict(states_t=True),
-        "states_t_out_bv64": dict(states_t=True, bv_out=64),
         "bv128_w8": dict(bv=128, warps_state=8),
         "out_w8": dict(warps_out=8),
         "out_bv64": dict(bv_out=64),
         "out_bv64_w2": dict(bv_out=64, warps_out=2),
+        # runs 27-31 (2026-11-30; BENCHMARKS.md) timed merge (the loop-free diagonal tiles, removed in 075cc1f) and
+        # fused_t*, out_c*/prep_c*/loops_c4_s2, heads2*, lean* at commits 8196e24-629a62b: all slower than the
+        # default, their kernel options removed (27e4073).
+        # h and v_new written transposed for the output kernel's TF32 dots (run 30: that kernel is bound by shared
+        # memory; offline, its operands no longer go through transposed shared-memory layouts); not yet timed
+        "states_t": dict(states_t=True),
+        "states_t_out_bv64": dict(states_t=True, bv_out=64),
     }
     if args.quick:
         chunk_configs = {"default": None}

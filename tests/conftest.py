@@ -7,7 +7,6 @@ checkpoints have equal (hashable) configs and therefore share compiled programs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
@@ -15,23 +14,9 @@ import numpy as np
 import pytest
 
 import jaxgdn
+from tests.xla_cache import use_persistent_cache_if_asked
 
-# Most of this suite's time is XLA compilation, and many programs recur across modules and xdist workers (same
-# tiny configs, same shapes). JAX's persistent compilation cache can share them, but it is opt-in: set
-# JAXGDN_TEST_XLA_CACHE to a directory. Off by default because reading an executable back crashed an xdist worker
-# in 2 of 4 full runs from fresh clones sharing one warm cache on 2026-11-30 (SIGSEGV, and SIGABRT with other test
-# processes beside it, inside `get_executable_and_time` while deserialising an XLA:CPU executable of test_replay's
-# interpret-mode programs; both tests passed on rerun).
-# Without it the suite takes ~10.5 min on 2 cores against ~3 with a warm cache. Keys hash the program, so a changed
-# model never reuses a stale executable.
-_CACHE = os.environ.get("JAXGDN_TEST_XLA_CACHE", "")
-if _CACHE:
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    # A size limit turns on the cache's file lock (JAX locks only when it may evict), so an xdist worker never
-    # reads an entry another worker is still writing.
-    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+use_persistent_cache_if_asked()  # opt-in: JAXGDN_TEST_XLA_CACHE=DIR (tests/xla_cache.py says why)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_NAMES = ("qwen3_5_tiny", "qwen3_next_tiny")

@@ -53,12 +53,9 @@ def _worker() -> dict:
     from jaxgdn.state import GDNLayerState
 
     assert len(jax.devices()) == 8, jax.devices()
-    # the suite's opt-in persistent compilation cache (tests/conftest.py says why it is off by default)
-    if os.environ.get("JAXGDN_TEST_XLA_CACHE"):
-        jax.config.update("jax_compilation_cache_dir", os.environ["JAXGDN_TEST_XLA_CACHE"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from tests.xla_cache import use_persistent_cache_if_asked
+
+    use_persistent_cache_if_asked()  # the suite's opt-in persistent compilation cache
     fixtures = ROOT / "tests" / "fixtures"
     hooks = {"loader": "mesh" in inspect.signature(jaxgdn.load_pretrained).parameters,
              "layout": S._GROUPED_LAYOUT, "kernels": hasattr(pallas_kernels.api, "TP_AXIS"),
