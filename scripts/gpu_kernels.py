@@ -591,7 +591,37 @@ def prefill_breakdown(cfg):
         row["total_ms"] = prev * 1e3
         RESULTS.setdefault("breakdown", []).append(row)
         log(f"{str(shp):>22s} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")))
+        fla_kernel_times(shp, q, k, v, g, beta)
         del q, k, v, g, beta
+
+
+def fla_kernel_times(shp, q, k, v, g, beta, calls=10):
+    """fla's chunk_gated_delta_rule per CUDA kernel (torch.profiler, device time per call), beside our breakdown:
+    where its time goes. Skipped when fla is not installed."""
+    try:
+        run = fla_prefill_fn(q, k, v, g, beta)
+        run()
+    except ImportError:
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                run()
+            torch.cuda.synchronize()
+    except Exception as e:  # the profiler is a diagnostic: its failure must not fail the breakdown
+        log(f"  fla breakdown skipped: {type(e).__name__}: {e}")
+        return
+    times = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.key and not e.key.startswith(("cudaLaunch", "cudaDevice", "Memcpy", "Memset")):
+            times[e.key[:60]] = times.get(e.key[:60], 0.0) + t / calls / 1e3
+    RESULTS.setdefault("fla_breakdown", []).append(dict(shape=shp, kernels_ms=times))
+    log(f"{'fla ' + str(shp):>26s} " + ", ".join(f"{n} {t:.3f}" for n, t in sorted(times.items(), key=lambda x: -x[1])
+                                                 if t >= 0.005) + f"; total {sum(times.values()):.3f}")
 
 
 @section
@@ -962,10 +992,13 @@ def main():
         # runs 27-31 (2026-11-30; BENCHMARKS.md) timed merge (the loop-free diagonal tiles, removed in 075cc1f) and
         # fused_t*, out_c*/prep_c*/loops_c4_s2, heads2*, lean* at commits 8196e24-629a62b: all slower than the
         # default, their kernel options removed (27e4073).
-        # h and v_new written transposed for the output kernel's TF32 dots (run 30: that kernel is bound by shared
-        # memory; offline, its operands no longer go through transposed shared-memory layouts); not yet timed
-        "states_t": dict(states_t=True),
-        "states_t_out_bv64": dict(states_t=True, bv_out=64),
+        # run 32: h and v_new written transposed for the output kernel's TF32 dots (states_t, now the default); the
+        # layout before it
+        "states_v": dict(states_t=False),
+        # the recurrence on the transposed state as well (rec_t; u and kd written transposed by the prep): offline no
+        # transposed shared-memory copy and no spill left in it; at bv 32 (small grids) its dots become mma.sync
+        "rec_t": dict(rec_t=True),
+        "rec_t_bv64s": dict(rec_t=True, bv_small=64),
     }
     if args.quick:
         chunk_configs = {"default": None}

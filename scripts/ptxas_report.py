@@ -41,7 +41,9 @@ def launch(cfg: dict) -> dict:
 def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
     """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures, Triton's shared memory, and how
     many tensors the kernel writes into shared memory transposed (`transposed = true` layouts: a dot operand stored in
-    the other major order than its MMA reads it, the output kernel's bank conflicts in run 30)."""
+    the other major order than its MMA reads it, the output kernel's bank conflicts in run 30), and how many dots
+    became Hopper wgmma (`ttng.warp_group_dot`) or mma.sync (`tt.dot`: an MMA of fewer than 64 rows per warp group):
+    the two are different instructions, so a dot that changes kind between configurations may change its bits."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -57,6 +59,8 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
         transposed = {m.group(1) for m in re.finditer(r"^(#shared\d*) = .*transposed = true", ttgir, re.M)}
         t_allocs = sum(1 for line in ttgir.splitlines() if "ttg.local_alloc" in line
                        and any(re.search(rf"{re.escape(t)}\b", line) for t in transposed))
+        wgmma = len(re.findall(r"ttng\.warp_group_dot ", ttgir))
+        mma = len(re.findall(r"= tt\.dot ", ttgir))
         arch = re.search(r"\.target (\S+)", ptx).group(1)
         with open(os.path.join(d, "kernel.ptx"), "w") as fh:
             fh.write(ptx)
@@ -68,7 +72,7 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
     return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
                 spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"),
-                shared_bytes=k.metadata.shared, transposed_allocs=t_allocs)
+                shared_bytes=k.metadata.shared, transposed_allocs=t_allocs, wgmma=wgmma, mma=mma)
 
 
 def main():
@@ -93,7 +97,7 @@ def main():
         r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages)
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
               f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, "
-              f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies")
+              f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies, dots: {r['wgmma']} wgmma + {r['mma']} mma.sync")
 
 
 if __name__ == "__main__":

@@ -284,11 +284,11 @@ def test_bad_config_is_refused(config, match):
 
 
 def test_transposed_states_compute_the_same_bits(seq):
-    """states_t=True (h and v_new written transposed between the recurrence and the output kernel) computes the
-    default's outputs, final states and checkpoints bit for bit: the same dots on the same values; the checkpoints are
-    transposed back to [HV, K, V]."""
-    base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
-    got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design={"states_t": True})
+    """states_t=True (the default: h and v_new written transposed between the recurrence and the output kernel)
+    computes the outputs, final states and checkpoints of states_t=False (both stored [K, V] / [T, V]) bit for bit:
+    the same dots on the same values; the checkpoints are transposed back to [HV, K, V]."""
+    base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design={"states_t": False})
+    got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
     for a, b in zip(got, base):
         assert a.shape == b.shape and np.array_equal(a, b)
 

@@ -107,8 +107,8 @@ def test_chunk_lowers_for_h200(B, T, HK, HV, K, V, dtype, stride):
                                     {"bv": 32, "bv_out": 64, "stages_state": 2, "warps_out": 8},
                                     {"prep_kernels": 2}, {"prep_kernels": 2, "inv": "block16"},
                                     {"prep_kernels": 2, "warps_apply": 8}, {"warps_prep": 8},
-                                    {"wk_dtype": "float32"}, {"states_t": True, "bv_out": 64},
-                                    {"states_t": True, "bv": 64}])
+                                    {"wk_dtype": "float32"}, {"states_t": False, "bv_out": 64},
+                                    {"states_t": False, "bv": 64}])
 def test_chunk_configs_lower(config):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    config=config)
