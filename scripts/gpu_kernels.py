@@ -995,10 +995,8 @@ def main():
         # run 32: h and v_new written transposed for the output kernel's TF32 dots (states_t, now the default); the
         # layout before it
         "states_v": dict(states_t=False),
-        # the recurrence on the transposed state as well (rec_t; u and kd written transposed by the prep): offline no
-        # transposed shared-memory copy and no spill left in it; at bv 32 (small grids) its dots become mma.sync
-        "rec_t": dict(rec_t=True),
-        "rec_t_bv64s": dict(rec_t=True, bv_small=64),
+        # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
+        # other bits than the default, mma.sync dots at bv 32, not faster — removed
     }
     if args.quick:
         chunk_configs = {"default": None}

@@ -68,10 +68,6 @@ from .wy import CHUNK
 #   that kernel was bound by shared memory, 204 M bank conflicts at (8, 4096)); the same arithmetic, the same bits
 #   (interpret mode and the H200, run 32); default since run 32: the output kernel 1.60 -> 0.79 ms at (8, 4096);
 #   with design="fused" it does not apply (the default is ignored there; an explicit True is refused);
-#   rec_t (candidate, needs states_t, inv="tiled", prep_kernels=1): the recurrence also holds its state transposed,
-#   S^T [BV, K], with the prep writing u and kd transposed ([V, Tp], [K, Tp]): v_new^T = u^T - S^T w^T and
-#   S^T <- exp(gc_last) S^T + v_new^T kd, so both dots take the state and v_new as first operands and read w and kd
-#   K-major straight from memory (no transposed shared-memory copies on the sequential path);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -92,7 +88,7 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, rec_t=False,
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True,
     p_kk="tf32", p_inv="tf32x3", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -149,13 +145,8 @@ def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg,
             w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
             u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
         w_ref[sl, :] = w.astype(w_ref.dtype)
-        kd = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
-        if cfg["rec_t"]:  # u^T [V, C] and kd^T [K, C] blocks
-            u_ref[:, sl] = u.T
-            kd_ref[:, sl] = kd.T
-        else:
-            u_ref[sl, :] = u
-            kd_ref[sl, :] = kd
+        u_ref[sl, :] = u
+        kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
 
 
 def _valid_rows(length):
@@ -265,10 +256,6 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     start of every chunk (h) and v_new = u - w S; the output needs nothing else from the recurrence."""
 
     t = cfg["states_t"]  # h and v_new written transposed (`_recurrence_and_output`)
-    if cfg["rec_t"]:
-        _state_split_kernel_t(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, nt=nt, cfg=cfg,
-                              interpret=interpret)
-        return
 
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
@@ -282,22 +269,6 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
         return s * jnp.exp(wy.last(gc_ref[sl])) + wy.dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
 
     st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
-
-
-def _state_split_kernel_t(w_ref, ut_ref, kdt_ref, gc_ref, s0_ref, h_ref, vn_ref, st_ref, *, nt, cfg, interpret):
-    """rec_t: `_state_split_kernel` on the transposed state S^T [BV, K], from u^T [BV, Tp] and kd^T [K, Tp]:
-    v_new^T = u^T - S^T w^T, S^T <- exp(gc_last) S^T + v_new^T kd (each element the same products as the untransposed
-    form). h and v_new are written in states_t's layouts without a transpose; the final state is transposed once."""
-
-    def body(c, st):
-        sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        h_ref[c] = st
-        vt = ut_ref[:, sl] - wy.dot(st, w_ref[sl, :].astype(jnp.float32), cfg["p_ws"], interpret, trans_b=True)
-        vn_ref[:, sl] = vt  # [BV, C]
-        kdt = kdt_ref[:, sl].astype(jnp.float32)  # [K, C]
-        return st * jnp.exp(wy.last(gc_ref[sl])) + wy.dot(vt, kdt, cfg["p_kv"], interpret, trans_b=True)
-
-    st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32).T).T
 
 
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
@@ -329,10 +300,6 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"states_t={cfg['states_t']!r}: True or False; True only with the split design")
     if cfg["design"] != "split":
         cfg["states_t"] = False  # the default's True concerns the split design's recurrence -> output hand-over
-    if not isinstance(cfg["rec_t"], bool) or (cfg["rec_t"] and not (
-            cfg["states_t"] and cfg["inv"] == "tiled" and cfg["prep_kernels"] == 1)):
-        raise ValueError(f"rec_t={cfg['rec_t']!r}: True or False; True only with states_t, inv='tiled' and "
-                         "prep_kernels=1")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     for name, p in cfg.items():
@@ -476,13 +443,6 @@ class _ChunkGrid:
     def rows_out(self, n, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), dtype)
 
-    def cols(self, n):
-        """BlockSpec of a per-chunk [B, HV, n, Tp] array (transposed rows: rec_t)."""
-        return pl.BlockSpec((None, None, n, CHUNK), lambda c, h, b: (b, h, 0, c))
-
-    def cols_out(self, n, dtype=jnp.float32):
-        return jax.ShapeDtypeStruct((self.B, self.HV, n, self.tp), dtype)
-
 
 def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
     """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
@@ -498,19 +458,15 @@ def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, 
 
 
 def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """The split design's prep kernel: (w, u, kd, gc); with rec_t, u and kd transposed ([.., V, Tp], [.., K, Tp])."""
+    """The split design's prep kernel: (w, u, kd, gc)."""
     cg = _ChunkGrid(q, v)
-    t = cfg["rec_t"]
     wk = _wk_dtype(cfg, use_l2, interpret)
     return pl.pallas_call(
         functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
-        out_specs=[cg.rows(cg.K)] + ([cg.cols(cg.V), cg.cols(cg.K)] if t else [cg.rows(cg.V), cg.rows(cg.K)])
-        + [cg.gc],
-        out_shape=[cg.rows_out(cg.K, wk)]
-        + ([cg.cols_out(cg.V), cg.cols_out(cg.K, wk)] if t else [cg.rows_out(cg.V), cg.rows_out(cg.K, wk)])
-        + [cg.gc_out],
+        out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
+        out_shape=[cg.rows_out(cg.K, wk), cg.rows_out(cg.V), cg.rows_out(cg.K, wk), cg.gc_out],
         compiler_params=_triton_params(cfg["warps_prep"], cfg["stages_prep"]),
         interpret=interpret,
         name="gdn_chunk_prep",
@@ -557,15 +513,12 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
     t = cfg["states_t"]  # h [.., nt, V, K] and v_new [.., V, Tp] transposed (else [.., nt, K, V] and [.., Tp, V])
-    rt = cfg["rec_t"]  # u [.., V, Tp] and kd [.., K, Tp] from the prep
     h, vn, final = pl.pallas_call(
         functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
         in_specs=[
             pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, bv, tp), lambda j, h, b: (b, h, j, 0)) if rt else
             pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
-            pl.BlockSpec((None, None, K, tp), lambda j, h, b: (b, h, 0, 0)) if rt else
             pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
             pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0)),
             pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
