@@ -147,6 +147,26 @@ def kernel_times(trace_dir: str, top: int = 15) -> list[tuple[str, float, int]]:
     return sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
+def stage_prefill_profile(model, T: int, tag: str, top: int = 25):
+    """Where a prefill's device time goes (B=1, T tokens, last-token logits): one call under the profiler, kernels by
+    device time. Beside the deterministic model's, it says which kernels make the two modes differ."""
+    import tempfile
+    state = model.init_state(1, T)
+    toks = jax.random.randint(jax.random.key(1), (1, T), 0, model.config.vocab_size, jnp.int32)
+    f = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))
+    lengths = jnp.array([T], jnp.int32)
+    jax.block_until_ready(f(model, state, toks, lengths))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(f(model, state, toks, lengths))
+        rows = kernel_times(d, top=top)
+    RESULTS[f"prefill_profile_{tag}"] = [dict(name=n[:200], us=t, count=c) for n, t, c in rows]
+    log(f"prefill_profile[{tag}] T={T}: device time by kernel (top {len(rows)}), total of these "
+        f"{sum(t for _, t, _ in rows) / 1e3:.1f} ms")
+    for n, t, c in rows:
+        log(f"  {t:9.1f} us  x{c:<4d} {n[:110]}")
+
+
 def decode_setup(model, B: int, context: int, steps: int):
     """(compiled loop of `steps` greedy decode steps, state after a `context`-token prefill, first tokens)."""
     cfg = model.config
@@ -327,7 +347,8 @@ def main():
     ap.add_argument("--bitwise-lengths", default="512,4096")
     ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
-                    help="comma list, run in this order; also 'profile' (decode kernel times, normal and deterministic)")
+                    help="comma list, run in this order; also 'profile' (decode kernel times, normal and "
+                         "deterministic) and 'prefill_profile' (the same for a prefill)")
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
     ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
                     "(the deterministic mode's matmul tiling policy) for this run")
@@ -359,6 +380,9 @@ def main():
         ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
                              for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"))),
+        ("prefill_profile", lambda: (stage_prefill_profile(model, args.prefill_tokens, "normal"),
+                                     stage_prefill_profile(model.with_deterministic(), args.prefill_tokens,
+                                                           "deterministic"))),
         ("profile", lambda: (stage_profile(model, args.decode_batch, args.context, "normal"),
                              stage_profile(model.with_deterministic(), args.decode_batch, args.context,
                                            "deterministic"))),
