@@ -14,6 +14,7 @@ Stages (comma-separated `--stages`; each writes into DIR/sharding_bench.json as 
   decode     B=--decode-batch (256; also --decode-batch2, 64), KV capacity for --context (1024): step time inside a
              compiled loop of 16 steps, 1 GPU vs the mesh; the bar: mesh throughput >= 1.6x one GPU at B=256
   det        deterministic mode: prefill and decode as above, 1 GPU vs the mesh (the cost of batch invariance there)
+  profile    decode at B=--decode-batch, 1 GPU and the mesh: device time per step by kernel (collectives included)
   bitwise    deterministic mode on the mesh, 9B-shaped: the same call twice, a row alone == inside batches of
              2/8/64 (first, middle, last), a prompt split on the 64 grid == one call, a decode step alone == in a
              batch; plus one GPU vs the mesh (expected: close, not bitwise)
@@ -57,7 +58,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gpu_model_bench import apply_matmul_config, build as build_shared, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from gpu_model_bench import apply_matmul_config, build as build_shared, kernel_times, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
 from jaxgdn.generate import greedy_decode  # noqa: E402
@@ -317,6 +318,33 @@ def stage_throughput(model, mesh, args, tag: str, kinds=("prefill", "decode")):
     del sm
 
 
+def stage_profile(model, mesh, B: int, context: int, steps: int = 16, top: int = 20):
+    """Where a decode step's device time goes, on 1 GPU and on the mesh: one call of the compiled `steps`-step loop
+    under the profiler, kernels by device time per step (on the mesh: summed over the devices, then / devices)."""
+    import tempfile
+    n = mesh.shape[S.TP]
+    f = MODEL_JIT(functools.partial(greedy_decode, steps=steps), donate_argnums=1)
+    tok = jnp.zeros((B,), jnp.int32)
+    for tag, m, msh, ndev in (("1", model, None, 1), (str(n), S.shard_model(model, mesh), mesh, n)):
+        with on_mesh(msh):
+            state = fresh_state(m, B, context + steps + 64, context)
+            state, _ = f(m, state, tok)  # compile + warm
+            jax.block_until_ready(state)
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d, create_perfetto_trace=True):
+                    state, t_out = f(m, state, tok)
+                    jax.block_until_ready(t_out)
+                rows = kernel_times(d, top=top)
+        del state
+        per = [(name, t / steps / ndev, c // steps // ndev) for name, t, c in rows]
+        RESULTS.setdefault("profile", {})[f"decode_B{B}_{tag}dev"] = [
+            dict(name=name[:200], us_per_step=t, count=c) for name, t, c in per]
+        log(f"profile decode B={B} on {tag} device(s): device time per step and device by kernel (top {len(per)}), "
+            f"these sum to {sum(t for _, t, _ in per) / 1e3:.2f} ms")
+        for name, t, c in per:
+            log(f"  {t:9.1f} us  x{c:<4d} {name[:110]}")
+
+
 # ---- stage: bitwise on the mesh (deterministic mode) -------------------------------------------------------------
 
 def stage_bitwise(model, mesh, max_len: int, batches=(2, 8, 64)):
@@ -429,6 +457,7 @@ def main():
         "decode": lambda: stage_throughput(big(), mesh, args, "normal", ("decode",)),
         "det": lambda: stage_throughput(big().with_deterministic(), mesh, args, "deterministic"),
         "bitwise": lambda: [stage_bitwise(big(), mesh, int(n)) for n in args.bitwise_lengths.split(",")],
+        "profile": lambda: stage_profile(big(), mesh, args.decode_batch, args.context),
     }
     for name in stages:
         t1 = time.time()
