@@ -334,15 +334,19 @@ def stage_profile(model, mesh, B: int, context: int, steps: int = 16, top: int =
                 with jax.profiler.trace(d, create_perfetto_trace=True):
                     state, t_out = f(m, state, tok)
                     jax.block_until_ready(t_out)
-                rows = kernel_times(d, top=top)
+                rows = kernel_times(d, top=100000)
         del state
-        per = [(name, t / steps / ndev, c // steps // ndev) for name, t, c in rows]
-        RESULTS.setdefault("profile", {})[f"decode_B{B}_{tag}dev"] = [
-            dict(name=name[:200], us_per_step=t, count=c) for name, t, c in per]
-        log(f"profile decode B={B} on {tag} device(s): device time per step and device by kernel (top {len(per)}), "
-            f"these sum to {sum(t for _, t, _ in per) / 1e3:.2f} ms")
-        for name, t, c in per:
-            log(f"  {t:9.1f} us  x{c:<4d} {name[:110]}")
+        per = [(name, t / steps / ndev, c / steps / ndev) for name, t, c in rows]
+        total = sum(t for _, t, _ in per)
+        coll = [(name, t, c) for name, t, c in per if re.search(r"all.?reduce|all.?gather|nccl", name, re.I)]
+        RESULTS.setdefault("profile", {})[f"decode_B{B}_{tag}dev"] = dict(
+            total_us=total, collectives_us=sum(t for _, t, _ in coll), collective_kernels=sum(c for *_, c in coll),
+            kernels=[dict(name=name[:200], us_per_step=t, count=c) for name, t, c in per[:top]])
+        log(f"profile decode B={B} on {tag} device(s): device time per step and device, {total / 1e3:.2f} ms over "
+            f"{len(per)} kernel names; collectives {sum(t for _, t, _ in coll):.0f} us in "
+            f"{sum(c for *_, c in coll):.0f} kernels; the {top} largest:")
+        for name, t, c in per[:top]:
+            log(f"  {t:9.1f} us  x{c:<5.1f} {name[:110]}")
 
 
 # ---- stage: bitwise on the mesh (deterministic mode) -------------------------------------------------------------
