@@ -122,8 +122,13 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
                                                      lengths=lens, checkpoint_stride=stride, backend=backend)
 
     ckpt_states = None
-    if stride is None and width <= 2 * CHUNK:
-        # Short calls (decode): one pass; the new boundary is the in-call state at the last boundary crossed.
+    if stride is None and width == CHUNK:
+        # One-token calls (decode): one pass over the open chunk; the chunk's final state is the new boundary when
+        # this token fills it (the in-call checkpoint at 64 would be that same array), else the boundary is kept.
+        o_all, final = rule(qkv_all, gates_all, state.recurrent, total, None)
+        recurrent = jnp.where((n_full > 0)[:, None, None, None], final, state.recurrent)
+    elif stride is None and width <= 2 * CHUNK:
+        # Short calls: one pass; the new boundary is the in-call state at the last boundary crossed.
         o_all, _, boundaries = rule(qkv_all, gates_all, state.recurrent, total, CHUNK)  # [B, W/64, HV, K, V]
         newest = jnp.take_along_axis(boundaries, jnp.maximum(n_full - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
         recurrent = jnp.where((n_full > 0)[:, None, None, None], newest, state.recurrent)
