@@ -1,5 +1,5 @@
-"""Registers, spills, shared memory and transposed shared-memory copies of the chunked prefill's kernels for the
-H200, on a CPU machine.
+"""Registers, spills, shared memory, transposed shared-memory copies and dot instructions (wgmma or not) of the
+chunked prefill's kernels for the H200, on a CPU machine.
 
   .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
@@ -42,8 +42,9 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
     """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures, Triton's shared memory, and how
     many tensors the kernel writes into shared memory transposed (`transposed = true` layouts: a dot operand stored in
     the other major order than its MMA reads it, the output kernel's bank conflicts in run 30), and how many dots
-    became Hopper wgmma (`ttng.warp_group_dot`) or mma.sync (`tt.dot`: an MMA of fewer than 64 rows per warp group):
-    the two are different instructions, so a dot that changes kind between configurations may change its bits."""
+    became Hopper wgmma (`ttng.warp_group_dot`) or stayed `tt.dot` (mma.sync — an MMA of fewer than 64 rows per warp
+    group — or, for ieee-precision dots, FMA loops): different instructions, so a dot that changes kind between
+    configurations changes its bits (run 33: mma.sync and wgmma disagree)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -97,7 +98,8 @@ def main():
         r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages)
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
               f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, "
-              f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies, dots: {r['wgmma']} wgmma + {r['mma']} mma.sync")
+              f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies, "
+              f"dots: {r['wgmma']} wgmma + {r['mma']} other (mma.sync or FMA)")
 
 
 if __name__ == "__main__":

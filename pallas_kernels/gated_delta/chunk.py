@@ -66,8 +66,10 @@ from .wy import CHUNK
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
 #   second operands in the K-major order TF32 wgmma needs instead of transposing them through shared memory (run 30:
 #   that kernel was bound by shared memory, 204 M bank conflicts at (8, 4096)); the same arithmetic, the same bits
-#   (interpret mode and the H200, run 32); default since run 32: the output kernel 1.60 -> 0.79 ms at (8, 4096);
-#   with design="fused" it does not apply (the default is ignored there; an explicit True is refused);
+#   (interpret mode and the H200, run 32); default since run 32: the output kernel 1.60 -> 0.79 ms at (8, 4096),
+#   while the recurrence's transposed stores cost it 3% there and 14-15% on small grids (B=1: bv 32, 2 stages);
+#   "h" or "v_new" transposes only that one (candidates to split the two effects, same bits, not yet timed);
+#   with design="fused" it does not apply (the default is ignored there; any other explicit value is refused);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
@@ -255,13 +257,13 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     """Split design, sequential part: only the state recurrence (two dots per chunk). Writes the fp32 state at the
     start of every chunk (h) and v_new = u - w S; the output needs nothing else from the recurrence."""
 
-    t = cfg["states_t"]  # h and v_new written transposed (`_recurrence_and_output`)
+    ht, vt = _transposed(cfg)  # h / v_new written transposed (`_recurrence_and_output`)
 
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
-        h_ref[c] = s.T if t else s
+        h_ref[c] = s.T if ht else s
         v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
-        if t:  # [BV, C] of [BV, Tp]
+        if vt:  # [BV, C] of [BV, Tp]
             vn_ref[:, sl] = v_new.T
         else:
             vn_ref[sl, :] = v_new
@@ -277,10 +279,16 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
     aqk, qg = wy.intra(q, k, gc_ref[...], cfg, interpret)
-    t = cfg["states_t"]  # h and v_new stored transposed: the dots' second operands in the K-major order TF32 needs
-    o = (wy.dot(qg, h_ref[...], cfg["p_qs"], interpret, trans_b=t)
-         + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret, trans_b=t))
+    ht, vt = _transposed(cfg)  # stored transposed: the dots' second operands in the K-major order TF32 needs
+    o = (wy.dot(qg, h_ref[...], cfg["p_qs"], interpret, trans_b=ht)
+         + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret, trans_b=vt))
     o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _transposed(cfg) -> tuple[bool, bool]:
+    """(h transposed, v_new transposed) for cfg["states_t"]: True, False, "h" or "v_new" (only that one)."""
+    t = cfg["states_t"]
+    return t in (True, "h"), t in (True, "v_new")
 
 
 def _checked_config(config, V: int) -> dict:
@@ -296,8 +304,10 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
-    if not isinstance(cfg["states_t"], bool) or (dict(config or ()).get("states_t") and cfg["design"] != "split"):
-        raise ValueError(f"states_t={cfg['states_t']!r}: True or False; True only with the split design")
+    t = cfg["states_t"]
+    if not (isinstance(t, bool) or t in ("h", "v_new")) or (dict(config or ()).get("states_t")
+                                                             and cfg["design"] != "split"):
+        raise ValueError(f"states_t={t!r}: True, False, 'h' or 'v_new'; other than False only with the split design")
     if cfg["design"] != "split":
         cfg["states_t"] = False  # the default's True concerns the split design's recurrence -> output hand-over
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
@@ -512,7 +522,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     bv = min(cfg["bv"], V)
     bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
-    t = cfg["states_t"]  # h [.., nt, V, K] and v_new [.., V, Tp] transposed (else [.., nt, K, V] and [.., Tp, V])
+    ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     h, vn, final = pl.pallas_call(
         functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
@@ -524,15 +534,15 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, nt, bv, K), lambda j, h, b: (b, h, 0, j, 0)) if t else
+            pl.BlockSpec((None, None, nt, bv, K), lambda j, h, b: (b, h, 0, j, 0)) if ht else
             pl.BlockSpec((None, None, nt, K, bv), lambda j, h, b: (b, h, 0, 0, j)),
-            pl.BlockSpec((None, None, bv, tp), lambda j, h, b: (b, h, j, 0)) if t else
+            pl.BlockSpec((None, None, bv, tp), lambda j, h, b: (b, h, j, 0)) if vt else
             pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
             pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, HV, nt) + ((V, K) if t else (K, V)), f32),  # state at the start of every chunk
-            jax.ShapeDtypeStruct((B, HV) + ((V, tp) if t else (tp, V)), f32),  # v_new
+            jax.ShapeDtypeStruct((B, HV, nt) + ((V, K) if ht else (K, V)), f32),  # state at the start of every chunk
+            jax.ShapeDtypeStruct((B, HV) + ((V, tp) if vt else (tp, V)), f32),  # v_new
             jax.ShapeDtypeStruct((B, HV, K, V), f32),  # final state
         ],
         compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
@@ -550,9 +560,9 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
             pl.BlockSpec((None, CHUNK, None, K), lambda c, h, b, j: (b, c, h // G, 0)),
             pl.BlockSpec((None, None, CHUNK), lambda c, h, b, j: (b, h, c)),
-            pl.BlockSpec((None, None, None, bvo, K), lambda c, h, b, j: (b, h, c, j, 0)) if t else
+            pl.BlockSpec((None, None, None, bvo, K), lambda c, h, b, j: (b, h, c, j, 0)) if ht else
             pl.BlockSpec((None, None, None, K, bvo), lambda c, h, b, j: (b, h, c, 0, j)),
-            pl.BlockSpec((None, None, bvo, CHUNK), lambda c, h, b, j: (b, h, j, c)) if t else
+            pl.BlockSpec((None, None, bvo, CHUNK), lambda c, h, b, j: (b, h, j, c)) if vt else
             pl.BlockSpec((None, None, CHUNK, bvo), lambda c, h, b, j: (b, h, c, j)),
         ],
         out_specs=pl.BlockSpec((None, CHUNK, None, bvo), lambda c, h, b, j: (b, c, h, j)),
@@ -567,7 +577,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
     per = checkpoint_stride // CHUNK
     idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
-    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if t else h[:, :, i]) for i in idx if i < nt]
+    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]) for i in idx if i < nt]
     parts += [final for i in idx if i >= nt]
     ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
     return o, final, ck

@@ -272,7 +272,8 @@ def test_alternative_inverses(inv, design):
                                           ({"inv": "tile16"}, "unknown inv"), ({"design": "fast"}, "unknown design"),
                                           ({"p_ws": "fp64"}, "p_ws"), ({"bvv": 32}, "unknown config keys"),
                                           ({"wk_dtype": "bf16"}, "wk_dtype"), ({"diag": "merge"}, "unknown config"),
-                                          ({"states_t": 1}, "states_t"),
+                                          ({"states_t": 1}, "states_t"), ({"states_t": "k"}, "states_t"),
+                                          ({"states_t": "h", "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
@@ -283,12 +284,15 @@ def test_bad_config_is_refused(config, match):
                                       interpret=True, config=config)
 
 
-def test_transposed_states_compute_the_same_bits(seq):
-    """states_t=True (the default: h and v_new written transposed between the recurrence and the output kernel)
-    computes the outputs, final states and checkpoints of states_t=False (both stored [K, V] / [T, V]) bit for bit:
-    the same dots on the same values; the checkpoints are transposed back to [HV, K, V]."""
+@pytest.mark.parametrize("states_t", [None, "h", "v_new"])
+def test_transposed_states_compute_the_same_bits(seq, states_t):
+    """states_t=True (the default: h and v_new written transposed between the recurrence and the output kernel), or
+    only h / only v_new transposed, computes the outputs, final states and checkpoints of states_t=False (both stored
+    [K, V] / [T, V]) bit for bit: the same dots on the same values; the checkpoints are transposed back to
+    [HV, K, V]."""
     base = run(seq, lengths=[192, 100, 37], checkpoint_stride=64, design={"states_t": False})
-    got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64)
+    got = run(seq, lengths=[192, 100, 37], checkpoint_stride=64,
+              design=None if states_t is None else {"states_t": states_t})
     for a, b in zip(got, base):
         assert a.shape == b.shape and np.array_equal(a, b)
 
