@@ -165,7 +165,7 @@ def chunk_accuracy(configs):
         lens = lengths or [shp["T"]] * shp["B"]
         for cname, cfg in configs.items():
             if cname != "default" and ci not in (0, 4, 5):
-                continue  # other configs: two cases only (compile time)
+                continue  # other configs: three cases only (compile time)
             try:
                 o, s = call_chunk(x, lengths=lengths, config=cfg)
             except Exception as e:
