@@ -1,5 +1,5 @@
-"""Registers, spills, shared memory, transposed shared-memory copies and dot instructions (wgmma or not) of the
-chunked prefill's kernels for the H200, on a CPU machine.
+"""Registers, spills, shared memory, transposed shared-memory copies, dot instructions (wgmma or not) and layout
+conversions of the chunked prefill's kernels for the H200, on a CPU machine.
 
   .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
@@ -62,6 +62,7 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
                        and any(re.search(rf"{re.escape(t)}\b", line) for t in transposed))
         wgmma = len(re.findall(r"ttng\.warp_group_dot ", ttgir))
         mma = len(re.findall(r"= tt\.dot ", ttgir))
+        converts = len(re.findall(r"ttg\.convert_layout ", ttgir))
         arch = re.search(r"\.target (\S+)", ptx).group(1)
         with open(os.path.join(d, "kernel.ptx"), "w") as fh:
             fh.write(ptx)
@@ -73,7 +74,8 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
     return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
                 spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"),
-                shared_bytes=k.metadata.shared, transposed_allocs=t_allocs, wgmma=wgmma, mma=mma)
+                shared_bytes=k.metadata.shared, transposed_allocs=t_allocs, wgmma=wgmma, mma=mma,
+                converts=converts)
 
 
 def main():
@@ -99,7 +101,7 @@ def main():
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
               f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, "
               f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies, "
-              f"dots: {r['wgmma']} wgmma + {r['mma']} other (mma.sync or FMA)")
+              f"dots: {r['wgmma']} wgmma + {r['mma']} other (mma.sync or FMA), {r['converts']} layout conversions")
 
 
 if __name__ == "__main__":
