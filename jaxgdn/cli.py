@@ -1,10 +1,12 @@
 """Command line `jaxgdn`: demo, generate, score, compare-states, check-determinism, bench.
 
-Every command takes `--model DIR|tiny|tiny-next` (a Hugging Face checkpoint directory, or an embedded random
-preset) and `--help`. Text goes in and out through the checkpoint's tokenizer.json (UTF-8 bytes for the presets,
-whose vocabulary is 256); `--tokens 1,2,3` passes token ids directly. Bad input ends with one line on stderr
-(`jaxgdn: error: ...`) and exit code 2; `check-determinism` exits 1 when a check fails. Output files are written
-to temporary files and renamed into place only when the command succeeds, so a failed run leaves none behind.
+Every command but `demo` (which takes `--preset`) takes `--model DIR|tiny|tiny-next` (a Hugging Face checkpoint
+directory, or an embedded random preset), and every command `--help`. Text goes in and out through the checkpoint's
+tokenizer.json (UTF-8 bytes for the presets, whose vocabulary is 256); `--tokens 1,2,3` passes token ids directly. Bad
+input exits 2: jaxgdn's own checks print one line on stderr (`jaxgdn: error: ...`), argparse's its usage and an error
+line. `check-determinism` exits 1 when a check fails and still writes its report. Output files are written to temporary
+files and renamed into place only when the command returns (a report of a failed check included), so an error leaves
+none behind.
 """
 
 from __future__ import annotations

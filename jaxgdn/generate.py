@@ -6,8 +6,9 @@ one compiled program. Sampling draws each request's randomness from its own seed
 (`fold_in(key(seed), position)`), never from its batch slot.
 
 With `cache=`, each prompt is looked up first and only the uncached suffix is prefilled; the prefill's grid
-checkpoints (taken inside the one call) are inserted, and — when the cache is not deterministic — so are
-decode checkpoints at the grid boundaries the decode crossed.
+checkpoints (taken inside the one call) are inserted, and — when the cache is not deterministic, or the model
+decodes in replay mode (its decoded states are prefill-produced) — so are decode checkpoints at the grid boundaries
+the decode crossed.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import jax
 
 
 class GDNParams(NamedTuple):
-    in_proj_qkv: jax.Array  # [D, C]  channels ordered q (HK*K), k (HK*K), v (HV*V)
+    in_proj_qkv: jax.Array  # [D, C]  channels q (HK*K), k (HK*K), v (HV*V); grouped per shard when gdn_qkv_groups > 1
     in_proj_z: jax.Array  # [D, HV*V]  output gate of the gated norm
     in_proj_b: jax.Array  # [D, HV]  -> beta = sigmoid(b)
     in_proj_a: jax.Array  # [D, HV]  -> g = -exp(A_log) * softplus(a + dt_bias)

@@ -1,13 +1,14 @@
-"""Causal depthwise conv1d + SiLU: a Pallas-Triton kernel for the one-token update (decode), to be measured against
-the XLA path in `jaxgdn.layers.conv` (which stays the default until a GPU run shows this kernel winning).
+"""Causal depthwise conv1d + SiLU: a Pallas-Triton kernel for the one-token update (decode), measured against the
+XLA path in `jaxgdn.layers.conv` (BENCHMARKS.md, conv1d): slower than XLA's inside compiled decode loops, so XLA
+stays the default and this kernel is an option.
 
 Convention (as `jaxgdn.layers.conv`): taps `weight` [KC, C], oldest first; `conv_state` [B, KC-1, C] holds the last
 KC-1 pre-conv inputs, oldest first; y = silu(sum_j w[j] * full[j]) with full = concat(conv_state, x) in x.dtype,
 accumulated in fp32 in the order j = 0, 1, ..., KC-1 (the same order as the XLA prefill and step).
 
-Prefill conv has no kernel here: XLA fuses the shifted multiply-adds, the SiLU and the cast into one pass over x
-(read once, y written once), which is the memory roofline a kernel could reach at best; `scripts/gpu_kernels.py`
-measures that pass against the copy bandwidth.
+Prefill conv has no kernel here. XLA fuses the shifted multiply-adds, the SiLU and the cast, but over
+concat(conv_state, x), which it builds and reads back: BENCHMARKS.md measured that pass at ~14% of the copy
+bandwidth, so a prefill kernel is worth writing (not done); `scripts/gpu_kernels.py` measures it.
 
 Grid (C // BC, B); the state is updated in place (`input_output_aliases`; callers donate it).
 """

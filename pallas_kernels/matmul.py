@@ -1,10 +1,11 @@
-"""Batch-invariant matmul for deterministic mode: a Pallas-Triton kernel with one fixed tiling per weight.
+"""Batch-invariant matmul for deterministic mode: a Pallas-Triton kernel whose rows' bits never depend on M.
 
 XLA's GEMMs choose their algorithm (tile sizes, split-K) by the problem's M, so a row of `x @ w` changes in the low
 bits with the number of rows that share the call. This kernel computes every output tile [BM, BN] the same way
-whatever M is: the K axis is reduced in BK-wide steps in a fixed order with an fp32 accumulator, and the tiling
-(BM, BN, BK, warps, stages) depends only on the weight's shape, never on M. A row's result therefore depends on that
-row and the weight alone: the same compiled program code runs it, only the grid's length changes.
+whatever M is: the K axis is reduced in BK-wide steps in a fixed order with an fp32 accumulator, and the few-row
+tiling (BM, BN, BK, warps, stages) depends only on the weight's shape. A row's result therefore depends on that row
+and the weight alone. From `wide_m` rows on, a many-row tiling (below) takes over with the same per-element
+reduction order, so the bits do not change with it (checked on the H200, BENCHMARKS.md run 20).
 
 Grid (ceil(M / BM), ceil(N / BN), S). At decode (M <= BM: one row of tiles) a weight with few column tiles would
 leave the GPU nearly idle, so BN is narrowed towards `target_programs` column tiles and, for the rest — and for

@@ -3,8 +3,8 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
-      [--skip accuracy,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,invariant,
-              replay,scan] [--only SECTIONS] [--configs NAMES]
+      [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
+              invariant,replay,scan] [--only SECTIONS] [--configs NAMES]
 (replay: the model's recompute-per-step replay at the kernel level; scan: the token-by-token prefill kernel,
  bitwise against the decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
@@ -934,9 +934,12 @@ def main():
                                                           "(default: all)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
+             "breakdown", "conv1d", "invariant", "replay", "reference", "scan"}
+    named = skip | set(filter(None, args.only.split(",")))
+    if named - every:  # a typo must not silently skip a section
+        raise SystemExit(f"unknown sections {sorted(named - every)}; known: {sorted(every)}")
     if args.only:
-        every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
-                 "breakdown", "conv1d", "invariant", "replay", "reference", "scan"}
         skip = every - set(args.only.split(","))
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

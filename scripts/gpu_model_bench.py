@@ -9,7 +9,8 @@ chunked GDN prefill (stage `replay`) and the token-by-token one (`scan`, `scan_b
   PYTHONPATH=. python3 scripts/gpu_model_bench.py [--preset qwen3.5-9b] [--layers N] [--out DIR] [--stages ...]
 
 On a CPU it runs end to end with `--preset tiny` (small shapes), which is how it is tested before a GPU run.
-Prints a table per stage and writes results.json into --out.
+Prints a table per stage and writes model_bench.json into --out. The ceilings are measured in every run
+(`ceilings` in --stages is accepted and changes nothing); an unknown stage name is an error.
 """
 
 from __future__ import annotations
@@ -165,6 +166,10 @@ def stage_prefill_profile(model, T: int, tag: str, top: int = 25):
         f"{sum(t for _, t, _ in rows) / 1e3:.1f} ms")
     for n, t, c in rows:
         log(f"  {t:9.1f} us  x{c:<4d} {n[:110]}")
+
+
+STAGES = ("prefill", "decode", "det", "replay", "scan", "scan_bitwise", "bitwise", "replay_bitwise", "prefill_profile",
+          "profile")
 
 
 def decode_setup(model, B: int, context: int, steps: int):
@@ -354,6 +359,9 @@ def main():
                     "(the deterministic mode's matmul tiling policy) for this run")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    unknown = set(args.stages.split(",")) - set(STAGES) - {"ceilings"}  # ceilings: always measured
+    if unknown:  # before any device work: a typo must not cost a model build
+        raise SystemExit(f"unknown stages {sorted(unknown)}; known: ceilings, {', '.join(STAGES)}")
     small = args.preset.startswith("tiny")
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
         RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
@@ -387,6 +395,7 @@ def main():
                              stage_profile(model.with_deterministic(), args.decode_batch, args.context,
                                            "deterministic"))),
     ])
+    assert set(named) == set(STAGES), "STAGES must list the stages defined here"
     for name, fn in [(n, named[n]) for n in args.stages.split(",") if n in named]:  # in the order given
         t1 = time.time()
         try:

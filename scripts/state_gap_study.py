@@ -7,8 +7,8 @@ gap in the logits at position L - 1. Writes PREFIX.csv and PREFIX.png.
     .venv/bin/python scripts/state_gap_study.py                         # tiny model, L = 64 .. 1024
     .venv/bin/python scripts/state_gap_study.py --model path/to/Qwen3.5-9B --lengths 256,1024,4096 --dtype bfloat16
 
-Only the public API is used (model.prefill_chunk, model.decode_step, jaxgdn.compare.diff_arrays): a template
-for other numerical studies.
+It uses the public API (model.prefill_chunk, model.decode_step, jaxgdn.compare.diff_arrays) and
+jaxgdn.model.gdn_states (the GDN layers' states of a model state): a template for other numerical studies.
 """
 
 from __future__ import annotations

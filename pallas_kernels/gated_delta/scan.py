@@ -35,16 +35,16 @@ from ..config import merged_config
 from .recurrent import DEFAULT_CONFIG as _DECODE_CONFIG
 from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slices, token_update
 
-# Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline.
-# A prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow
-# the layout), so the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs 10, 12, 14, 17 and 18;
-# HK=16 HV=32): bv=16 with one warp, with the per-token arithmetic on 4 state slices with FMAs, takes 5.8-5.9 /
-# 7.0 / 22.5 ms on (1, 8192) / (8, 4096) / (1, 32768) tokens (the previous arithmetic 6.3-6.4 / 8.1-8.2 / 24.8-24.9;
-# the chunked kernels 2.2 / 6.1 / 8.4) and a one-token call 1.27-1.54x the decode kernel at B=64, 1.33-1.37x at
-# B=256 (issue 7's bar: <= 1.5x; at B=64 runs 17, 18 and 22 read 1.54, 1.27 and 1.37, the old arithmetic 1.26-1.45x).
-# With the previous arithmetic bv=8 was faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one token (with the
-# current one: 10.7 ms at B=1); bv=32 with 2 warps was 1.12-1.18x at one token but 8.2 ms at B=1. The kernel is
-# bound by instruction issue (Nsight Compute, previous arithmetic: ~690 per token and warp).
+# Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline. A
+# prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow the
+# layout), so the model uses this one for both. Chosen on the H200 (BENCHMARKS.md, runs 10, 12, 14, 17 and 18; HK=16
+# HV=32): bv=16 with one warp, with the per-token arithmetic on 4 state slices with FMAs, takes 5.8-5.9 / 7.0 / 22.5 ms
+# on (1, 8192) / (8, 4096) / (1, 32768) tokens (the previous arithmetic 6.3-6.4 / 8.1-8.2 / 24.8-24.9; the chunked
+# kernels 2.2 / 6.1 / 8.4 then, 1.16 / 3.63 / 4.39 since run 32) and a one-token call 1.27-1.54x the decode kernel at
+# B=64, 1.33-1.37x at B=256 (issue 7's bar: <= 1.5x; at B=64 runs 17, 18 and 22 read 1.54, 1.27 and 1.37, the old
+# arithmetic 1.26-1.45x). With the previous arithmetic bv=8 was faster at B=1 (5.7 ms) but slower at B=8 and 1.7x at one
+# token (with the current one: 10.7 ms at B=1); bv=32 with 2 warps was 1.12-1.18x at one token but 8.2 ms at B=1. The
+# kernel is bound by instruction issue (Nsight Compute, previous arithmetic: ~690 per token and warp).
 # ahead: how many tokens ahead inputs are loaded (1..8; 1 costs 55%; 4, with the loads carried unconverted, 21-25%
 # at bv=16; carrying them unconverted alone changed nothing beyond 3% and was dropped, run 14). It moves the loads,
 # not the arithmetic.
