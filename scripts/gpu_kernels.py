@@ -1005,6 +1005,10 @@ def main():
         # only one of the two transposed (the recurrence's cost on small grids: run 32, 14-15% at B=1)
         "h_t": dict(states_t="h"),
         "v_new_t": dict(states_t="v_new"),
+        # the prep's gram tiles in bf16, the inverse's merge in TF32 (precision_screen: both within the 2e-3 bar;
+        # offline the prep's spills 16 -> 0 B and its dots 78 -> 46); not yet timed
+        "kk_bf16": dict(p_kk="bf16"),
+        "kk_bf16_inv_tf32": dict(p_kk="bf16", p_inv="tf32"),
         # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
         # other bits than the default, mma.sync dots at bv 32, not faster — removed
     }
