@@ -80,7 +80,7 @@ from .wy import CHUNK
 # default), as accurate (states <= 8e-4 of the oracle).
 # Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="inverse" (prep_kernels=2) returns after the inverse kernel; stop_after="state" (split design) returns
-# after the recurrence kernel (h, v_new, final state; with states_t, h and v_new in their transposed layouts).
+# after the recurrence kernel (h, v_new, final state; with states_t, h and / or v_new in their transposed layouts).
 # Small grids (split design): when the recurrence's grid (V // bv, HV, B) has at most `small_grid` programs (132:
 # one per SM of the H200), it runs with V blocks of `bv_small` and `stages_small` load stages instead — twice the
 # programs, loads pipelined — unless the caller's config sets bv or stages_state. Runs 21-22: (1, 8192, 16, 32)
