@@ -1,0 +1,51 @@
+"""The GPU scripts' plumbing on CPU, so that a device call is not spent on a script bug: name checks happen before
+any device work, and the profiling stages added for the H200 runs write what BENCHMARKS.md reads from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path, extra_env=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {}))
+    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("script,flag,bad,known", [
+    ("gpu_kernels.py", "--only", "accuracy,bitwse", "unknown sections ['bitwse']"),
+    ("gpu_kernels.py", "--skip", "sweeep", "unknown sections ['sweeep']"),
+    ("gpu_model_bench.py", "--stages", "prefill,prefil", "unknown stages ['prefil']"),
+])
+def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
+    r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)
+    assert r.returncode != 0 and known in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "model_bench.json").exists() and not (tmp_path / "results.json").exists()
+
+
+def test_model_bench_prefill_profile_stage(tmp_path):
+    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,prefill_profile",
+              "--prefill-tokens", "128", "--out", str(tmp_path)], tmp_path)
+    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "model_bench.json").read_text())
+    for tag in ("normal", "deterministic"):
+        rows = res[f"prefill_profile_{tag}"]
+        assert rows and all(row["us"] >= 0 and row["count"] >= 1 for row in rows)
+
+
+def test_sharding_bench_profile_stage(tmp_path):
+    r = _run([str(ROOT / "scripts" / "gpu_sharding_bench.py"), "--cpu-smoke", "--stages", "profile", "--out",
+              str(tmp_path)], tmp_path, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    prof = json.loads((tmp_path / "sharding_bench.json").read_text())["profile"]
+    one, two = prof["decode_B8_1dev"], prof["decode_B8_2dev"]
+    assert one["total_us"] > 0 and two["total_us"] > 0 and one["kernels"] and two["kernels"]
+    assert one["collectives_us"] == 0 and two["collective_kernels"] > 0  # the mesh's step has collectives
