@@ -114,14 +114,18 @@ def prefill_flops(cfg, T: int) -> float:
     return f + 2 * D * cfg.vocab_size  # lm_head for the last token only
 
 
-def stage_prefill(model, T: int, rate: float, tag: str):
-    cfg = model.config
+def prefill_setup(model, T: int):
+    """(compiled B=1 prefill of T random tokens returning the last token's logits, as a server does; its arguments)."""
     state = model.init_state(1, T)
-    toks = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size, jnp.int32)
-    f = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))  # last-token logits, as a server
-    lengths = jnp.array([T], jnp.int32)
-    t = timed(f, model, state, toks, lengths, reps=3)
-    flops = prefill_flops(cfg, T)
+    toks = jax.random.randint(jax.random.key(1), (1, T), 0, model.config.vocab_size, jnp.int32)
+    f = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))
+    return f, (model, state, toks, jnp.array([T], jnp.int32))
+
+
+def stage_prefill(model, T: int, rate: float, tag: str):
+    f, call_args = prefill_setup(model, T)
+    t = timed(f, *call_args, reps=3)
+    flops = prefill_flops(model.config, T)
     out = {"T": T, "seconds": t, "tokens_per_s": T / t, "flops": flops, "compute_roofline_s": flops / rate}
     RESULTS[f"prefill_{tag}"] = out
     log(f"prefill[{tag}] T={T}: {t * 1e3:.1f} ms, {T / t:,.0f} tok/s; compute roofline {flops / rate * 1e3:.1f} ms "
@@ -148,28 +152,26 @@ def kernel_times(trace_dir: str, top: int = 15) -> list[tuple[str, float, int]]:
     return sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
+def profiled_kernels(run, top: int) -> list[tuple[str, float, int]]:
+    """`kernel_times` of one call of `run()` (compiled and warmed by a first call; what it returns is waited on)."""
+    import tempfile
+    jax.block_until_ready(run())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        return kernel_times(d, top=top)
+
+
 def stage_prefill_profile(model, T: int, tag: str, top: int = 25):
     """Where a prefill's device time goes (B=1, T tokens, last-token logits): one call under the profiler, kernels by
     device time. Beside the deterministic model's, it says which kernels make the two modes differ."""
-    import tempfile
-    state = model.init_state(1, T)
-    toks = jax.random.randint(jax.random.key(1), (1, T), 0, model.config.vocab_size, jnp.int32)
-    f = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))
-    lengths = jnp.array([T], jnp.int32)
-    jax.block_until_ready(f(model, state, toks, lengths))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(f(model, state, toks, lengths))
-        rows = kernel_times(d, top=top)
+    f, call_args = prefill_setup(model, T)
+    rows = profiled_kernels(lambda: f(*call_args), top)
     RESULTS[f"prefill_profile_{tag}"] = [dict(name=n[:200], us=t, count=c) for n, t, c in rows]
     log(f"prefill_profile[{tag}] T={T}: device time by kernel (top {len(rows)}), total of these "
         f"{sum(t for _, t, _ in rows) / 1e3:.1f} ms")
     for n, t, c in rows:
         log(f"  {t:9.1f} us  x{c:<4d} {n[:110]}")
-
-
-STAGES = ("prefill", "decode", "det", "replay", "scan", "scan_bitwise", "bitwise", "replay_bitwise", "prefill_profile",
-          "profile")
 
 
 def decode_setup(model, B: int, context: int, steps: int):
@@ -186,13 +188,8 @@ def decode_setup(model, B: int, context: int, steps: int):
 
 def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
     """Where a decode step's device time goes: one compiled loop of `steps` decode steps under the profiler."""
-    import tempfile
     f, state, tok0 = decode_setup(model, B, context, steps)
-    jax.block_until_ready(f(model, state, tok0))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(f(model, state, tok0))
-        rows = kernel_times(d)
+    rows = profiled_kernels(lambda: f(model, state, tok0), top=15)
     RESULTS[f"profile_{tag}"] = [dict(name=n[:200], us_per_step=t / steps, count=c // steps) for n, t, c in rows]
     log(f"profile[{tag}] B={B}: device time per decode step by kernel (top {len(rows)})")
     for n, t, c in rows:
@@ -359,19 +356,7 @@ def main():
                     "(the deterministic mode's matmul tiling policy) for this run")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    unknown = set(args.stages.split(",")) - set(STAGES) - {"ceilings"}  # ceilings: always measured
-    if unknown:  # before any device work: a typo must not cost a model build
-        raise SystemExit(f"unknown stages {sorted(unknown)}; known: ceilings, {', '.join(STAGES)}")
-    small = args.preset.startswith("tiny")
-    if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
-        RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
-    RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
-                   host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
-    log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")
-    bw, rate = ceilings(small)
-    t0 = time.time()
-    model = build(args.preset, args.layers, distinct=args.distinct_layers)
-    log(f"built {param_bytes(model.params) / 1e9:.2f} GB of bf16 parameters in {time.time() - t0:.1f}s")
+    model = bw = rate = None  # set below, after the stage names are checked; the stages read them when they run
     named = dict([
         ("prefill", lambda: stage_prefill(model, args.prefill_tokens, rate, "normal")),
         ("decode", lambda: stage_decode(model, args.decode_batch, args.context, bw, "normal")),
@@ -395,7 +380,19 @@ def main():
                              stage_profile(model.with_deterministic(), args.decode_batch, args.context,
                                            "deterministic"))),
     ])
-    assert set(named) == set(STAGES), "STAGES must list the stages defined here"
+    unknown = set(args.stages.split(",")) - set(named) - {"ceilings"}  # ceilings: always measured
+    if unknown:  # before any device work: a typo must not cost a model build
+        raise SystemExit(f"unknown stages {sorted(unknown)}; known: ceilings, {', '.join(named)}")
+    small = args.preset.startswith("tiny")
+    if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
+        RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
+    RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
+                   host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
+    log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")
+    bw, rate = ceilings(small)
+    t0 = time.time()
+    model = build(args.preset, args.layers, distinct=args.distinct_layers)
+    log(f"built {param_bytes(model.params) / 1e9:.2f} GB of bf16 parameters in {time.time() - t0:.1f}s")
     for name, fn in [(n, named[n]) for n in args.stages.split(",") if n in named]:  # in the order given
         t1 = time.time()
         try:

@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gpu_model_bench import apply_matmul_config, build as build_shared, kernel_times, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from gpu_model_bench import apply_matmul_config, build as build_shared, profiled_kernels, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
 from jaxgdn.generate import greedy_decode  # noqa: E402
@@ -321,21 +321,19 @@ def stage_throughput(model, mesh, args, tag: str, kinds=("prefill", "decode")):
 def stage_profile(model, mesh, B: int, context: int, steps: int = 16, top: int = 20):
     """Where a decode step's device time goes, on 1 GPU and on the mesh: one call of the compiled `steps`-step loop
     under the profiler, kernels by device time per step (on the mesh: summed over the devices, then / devices)."""
-    import tempfile
     n = mesh.shape[S.TP]
     f = MODEL_JIT(functools.partial(greedy_decode, steps=steps), donate_argnums=1)
     tok = jnp.zeros((B,), jnp.int32)
     for tag, m, msh, ndev in (("1", model, None, 1), (str(n), S.shard_model(model, mesh), mesh, n)):
         with on_mesh(msh):
-            state = fresh_state(m, B, context + steps + 64, context)
-            state, _ = f(m, state, tok)  # compile + warm
-            jax.block_until_ready(state)
-            with tempfile.TemporaryDirectory() as d:
-                with jax.profiler.trace(d, create_perfetto_trace=True):
-                    state, t_out = f(m, state, tok)
-                    jax.block_until_ready(t_out)
-                rows = kernel_times(d, top=100000)
-        del state
+            held = [fresh_state(m, B, context + steps + 64, context)]  # donated: each call takes the last one's output
+
+            def run():
+                held[0], tokens = f(m, held[0], tok)
+                return tokens
+
+            rows = profiled_kernels(run, top=100000)
+            held.clear()
         per = [(name, t / steps / ndev, c / steps / ndev) for name, t, c in rows]
         total = sum(t for _, t, _ in per)
         coll = [(name, t, c) for name, t, c in per if re.search(r"all.?reduce|all.?gather|nccl", name, re.I)]

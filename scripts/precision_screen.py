@@ -47,15 +47,17 @@ def tf32(x):
     return lax.bitcast_convert_type(b, jnp.float32)
 
 
+_FP32_DOT = wy.dot  # in interpret mode: an fp32 dot (HIGHEST precision) whatever the precision named
+
+
 def emulated_dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     """`wy.dot` with the operands rounded as the tensor cores take them for `prec`, fp32 products and sums."""
-    dn = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if prec == "bf16":
         a, b = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (a, b))
     elif prec == "tf32":
         a, b = tf32(a), tf32(b)
-    return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return _FP32_DOT(a, b, prec, True, trans_a=trans_a, trans_b=trans_b)
 
 
 def main():

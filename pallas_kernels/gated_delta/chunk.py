@@ -308,8 +308,6 @@ def _checked_config(config, V: int) -> dict:
     if not (isinstance(t, bool) or t in ("h", "v_new")) or (dict(config or ()).get("states_t")
                                                              and cfg["design"] != "split"):
         raise ValueError(f"states_t={t!r}: True, False, 'h' or 'v_new'; other than False only with the split design")
-    if cfg["design"] != "split":
-        cfg["states_t"] = False  # the default's True concerns the split design's recurrence -> output hand-over
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     for name, p in cfg.items():
