@@ -962,8 +962,9 @@ def main():
 
     # Earlier rounds' candidates keep their meaning: measured against the one-kernel prep with the block-Neumann
     # inverse (`old`) or against the two-kernel prep (`old2`, the default up to run 23); w and kd in fp32 then
-    # (`f32`: up to run 24).
-    f32 = lambda **kw: dict(dict(wk_dtype="float32"), **kw)  # noqa: E731
+    # (`f32`: up to run 24); and the prep's dot precisions before run 34 (`pre34`: gram tiles TF32, merge TF32x3).
+    pre34 = lambda **kw: dict(dict(p_kk="tf32", p_inv="tf32x3"), **kw)  # noqa: E731
+    f32 = lambda **kw: pre34(**dict(dict(wk_dtype="float32"), **kw))  # noqa: E731
     old = lambda **kw: f32(**dict(dict(prep_kernels=1, inv="block16"), **kw))  # noqa: E731
     old2 = lambda **kw: f32(**dict(dict(prep_kernels=2, inv="block16"), **kw))  # noqa: E731
     chunk_configs = {  # "default" is DEFAULT_CONFIG (split design: one prep kernel with the tiled inverse, recurrence,
@@ -1002,13 +1003,14 @@ def main():
         # run 32: h and v_new written transposed for the output kernel's TF32 dots (states_t, now the default); the
         # layout before it
         "states_v": dict(states_t=False),
-        # only one of the two transposed (the recurrence's cost on small grids: run 32, 14-15% at B=1)
+        # only one of the two transposed (the recurrence's cost on small grids: run 32, 14-15% at B=1); run 34: the
+        # same bits, slower than both transposed (h_t 5.03, v_new_t 5.42 against 4.79 ms over the two shapes)
         "h_t": dict(states_t="h"),
         "v_new_t": dict(states_t="v_new"),
-        # the prep's gram tiles in bf16, the inverse's merge in TF32 (precision_screen: both within the 2e-3 bar;
-        # offline the prep's spills 16 -> 0 B and its dots 78 -> 46); not yet timed
-        "kk_bf16": dict(p_kk="bf16"),
-        "kk_bf16_inv_tf32": dict(p_kk="bf16", p_inv="tf32"),
+        # run 34: the prep's gram tiles in bf16 alone (4.39 ms) and with the inverse's merge in TF32 (4.27 ms, the
+        # default since); "pre34" is the default before it (4.79 ms)
+        "kk_bf16": pre34(p_kk="bf16"),
+        "pre34": pre34(),
         # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
         # other bits than the default, mma.sync dots at bv 32, not faster — removed
     }

@@ -389,6 +389,7 @@ def main():
     RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
                    host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
     log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")
+    os.makedirs(args.out, exist_ok=True)
     bw, rate = ceilings(small)
     t0 = time.time()
     model = build(args.preset, args.layers, distinct=args.distinct_layers)
