@@ -198,7 +198,9 @@ def _gdn_state_specs(pl: TPPlan, replay: bool, lead: tuple = (None,)) -> GDNLaye
     ch = _s(pl.gdn_heads, *lead, None, TP)  # [.., KC-1, C] / [.., 64, C]
     return GDNLayerState(conv=ch, recurrent=_s(pl.gdn_heads, *lead, TP),
                          open_qkv=ch if replay else None,
-                         open_gates=_s(pl.gdn_heads, *lead, None, None, TP) if replay else None)
+                         open_gates=_s(pl.gdn_heads, *lead, None, None, TP) if replay else None,
+                         open_x=_s(pl.gdn_heads, *lead, TP) if replay else None,
+                         open_vnew=_s(pl.gdn_heads, *lead, TP) if replay else None)
 
 
 def state_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False) -> ModelState:

@@ -9,7 +9,7 @@ from typing import NamedTuple, Union
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import CHUNK
+from pallas_kernels import CHUNK, replay_caches
 from pallas_kernels.attention import DEFAULT_CONFIG as _ATTENTION_CONFIG
 
 from .config import LINEAR, ModelConfig
@@ -38,6 +38,12 @@ class GDNLayerState(NamedTuple):
     # the gates g, beta [B, 64, 2, HV] fp32
     open_qkv: jax.Array | None = None
     open_gates: jax.Array | None = None
+    # With them, fp32, what the open chunk's tokens computed that a replay step reuses (`pallas_kernels.
+    # chunk_replay_step`; zeros on the reference backend, which recomputes the open chunk): the tiled WY inverse's
+    # complete 16-row block rows [B, HV, 64, 64 * V // 64] (a copy per 64-wide V block) and their v_new = u - w S
+    # rows [B, HV, 64, V]
+    open_x: jax.Array | None = None
+    open_vnew: jax.Array | None = None
 
 
 class AttentionLayerState(NamedTuple):
@@ -93,12 +99,20 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
                 recurrent=jnp.zeros((batch_size, hv, config.linear_key_head_dim, config.linear_value_head_dim),
                                     jnp.float32),
                 open_qkv=jnp.zeros((batch_size, CHUNK, config.gdn_conv_dim), dtype) if replay else None,
-                open_gates=jnp.zeros((batch_size, CHUNK, 2, hv), jnp.float32) if replay else None))
+                open_gates=jnp.zeros((batch_size, CHUNK, 2, hv), jnp.float32) if replay else None,
+                **_replay_caches(batch_size, hv, config.linear_value_head_dim, replay)))
         else:
             shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
             layers.append(AttentionLayerState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype)))
     return ModelState(layers=tuple(layers), position=jnp.zeros((batch_size,), jnp.int32),
                       provenance=jnp.zeros((batch_size,), jnp.int32))
+
+
+def _replay_caches(B: int, HV: int, V: int, replay: bool) -> dict:
+    if not replay:
+        return {}
+    open_x, open_vnew = replay_caches(B, HV, V)
+    return dict(open_x=open_x, open_vnew=open_vnew)
 
 
 def select_rows(state: ModelState, rows) -> ModelState:

@@ -272,3 +272,60 @@ def _attention_pallas(q, keys, values, pos, decode: bool, backend: str, fallback
     if not _att.supports(q.shape[2], keys.shape[2], q.shape[3], rows):
         return fallback(q, keys, values, pos)
     return _att.attention_invariant_pallas(q, keys, values, pos, rows=rows, interpret=backend == "interpret")
+
+
+def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale=None, use_qk_l2norm=True,
+                      backend: str | None = None):
+    """One replay decode step per row over the chunked prefill: the new token's output computed with the chunked
+    prefill's arithmetic on the open chunk (`gated_delta.replay`).
+
+    q, k: [B,64,HK,K], v: [B,64,HV,V], g, beta: [B,64,HV]: the open chunk since the last grid boundary with the new
+    token last, lengths[b] (1..64) tokens valid; state: fp32 [B,HV,K,V] at that boundary; x_cache [B,HV,64,64] and
+    vn_cache [B,HV,64,V] (fp32): what the open chunk's earlier tokens computed (`chunk_replay_prime` after a
+    prefill). Returns (o [B,HV,V] of the new token; the state, the new boundary state where lengths == 64; the
+    caches). On the reference backend the step runs the reference chunked rule over the open chunk and the caches
+    pass through unused. The output row and states are bitwise what the same backend's chunked prefill computes.
+    """
+    backend = resolve_backend(backend)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if backend == "reference":
+        o_all, final = _ref.chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=state,
+                                                             use_qk_l2norm=use_qk_l2norm, lengths=lengths)
+        o = jnp.take_along_axis(o_all, jnp.maximum(lengths - 1, 0)[:, None, None, None], axis=1)[:, 0]
+        return o, jnp.where((lengths == q.shape[1])[:, None, None, None], final, state), x_cache, vn_cache
+    from .gated_delta.replay import chunk_replay_step_pallas
+
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
+    mesh = _tp_mesh(q.shape[2])
+    args = (q, k, v, g, beta, state, x_cache, vn_cache, lengths)
+    if mesh is None:
+        return chunk_replay_step_pallas(*args, **kw)
+    t, h = P(None, None, TP_AXIS), P(None, TP_AXIS)  # [B, 64, H, ...] and [B, H, ...]
+    return _per_shard(lambda *a: chunk_replay_step_pallas(*a, **kw), mesh, args, (t,) * 5 + (h,) * 3 + (P(),),
+                      (h,) * 4)
+
+
+def chunk_replay_prime(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l2norm=True,
+                       backend: str | None = None):
+    """The caches of `chunk_replay_step` for open chunks a prefill left: lengths[b] (0..63) tokens of q, k, v, g, beta
+    ([B,64,...]) after the boundary `state`. Returns (x_cache, vn_cache); zeros on the reference backend."""
+    backend = resolve_backend(backend)
+    from .gated_delta.replay import chunk_replay_prime_pallas
+
+    if backend == "reference":
+        return replay_caches(v.shape[0], v.shape[2], v.shape[3])
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
+    lengths = jnp.asarray(lengths, jnp.int32)
+    mesh = _tp_mesh(q.shape[2])
+    args = (q, k, v, g, beta, state, lengths)
+    if mesh is None:
+        return chunk_replay_prime_pallas(*args, **kw)
+    t, h = P(None, None, TP_AXIS), P(None, TP_AXIS)
+    return _per_shard(lambda *a: chunk_replay_prime_pallas(*a, **kw), mesh, args, (t,) * 5 + (h, P()), (h, h))
+
+
+def replay_caches(B: int, HV: int, V: int):
+    """Empty caches of `chunk_replay_step` (x_cache, vn_cache: fp32 zeros) for B rows, HV value heads of width V."""
+    from .gated_delta.replay import replay_caches as empty
+
+    return empty(B, HV, V)

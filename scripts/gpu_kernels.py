@@ -763,6 +763,105 @@ def replay_timing():
         RESULTS.setdefault("replay_kernel", []).append(row)
 
 
+def _open_window(x, start, n):
+    """Rows start[b] .. start[b] + 63 of x [B, T, ...] per row, zero from n[b] on (the replay step's open chunk)."""
+    idx = start[:, None] + jnp.arange(64)[None, :]
+    valid = jnp.arange(64)[None, :] < n[:, None]
+    idx = jnp.clip(idx, 0, x.shape[1] - 1).reshape(idx.shape + (1,) * (x.ndim - 2))
+    out = jnp.take_along_axis(x, idx, axis=1)
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), out, jnp.zeros((), x.dtype))
+
+
+def replay_decode_run(x, prompt, steps, rows=None):
+    """Prefill each row to prompt[b] (chunked kernels to the last grid boundary, `prime` on the rest), then `steps`
+    replay steps. Returns (outputs [B, steps, HV, V], {(row, position): state at every boundary crossed})."""
+    from pallas_kernels.gated_delta import replay as rp
+
+    rows = slice(None) if rows is None else rows
+    q, k, v, g, beta = (x[n][rows] for n in ("q", "k", "v", "g", "beta"))
+    prompt = jnp.asarray(prompt, jnp.int32)
+    bnd = (prompt // 64) * 64
+    _, s = chunk_gated_delta_rule_pallas(q, k, v, g, beta, lengths=bnd)
+    win = jax.jit(lambda start, n: tuple(_open_window(a, start, n) for a in (q, k, v, g, beta)))
+    xc, vc = rp.chunk_replay_prime_pallas(*win(bnd, prompt - bnd), s, prompt - bnd)
+    step = jax.jit(rp.chunk_replay_step_pallas, donate_argnums=(5, 6, 7))
+    outs, crossed, pos = [], {}, np.asarray(prompt)
+    for _ in range(steps):
+        start = (pos // 64) * 64
+        n = pos - start + 1
+        o, s, xc, vc = step(*win(jnp.asarray(start), jnp.asarray(n)), s, xc, vc, jnp.asarray(n, jnp.int32))
+        outs.append(np.asarray(o))
+        for b in np.flatnonzero(n == 64):
+            crossed[b, int(pos[b]) + 1] = np.asarray(s[b])
+        pos = pos + 1
+    return np.stack(outs, axis=1), crossed
+
+
+@section
+def replay_step_checks():
+    """The replay step (`gated_delta/replay.py`) against the chunked prefill, bitwise, at HK=16 HV=32 K=V=128: rows
+    prefilled to 70 / 37 / 128 / 5 tokens then 140 steps each (every row crosses two boundaries); each step's output
+    row == the same row of one prefill of prompt + 140 tokens; the state at every boundary crossed == that prefill's
+    in-call checkpoint there; and row 0 decoded alone (a small grid) == row 0 in the batch."""
+    prompt, steps = np.array([70, 37, 128, 5]), 140
+    B, T = len(prompt), int(prompt.max()) + steps
+    x = dev_inputs(random_gdn_inputs(np.random.default_rng(11), B=B, T=T, HK=16, HV=32, K=128, V=128,
+                                     with_state=False))
+    o_full, _, cks = call_chunk(x, s0=None, lengths=prompt + steps, stride=64)
+    outs, crossed = replay_decode_run(x, prompt, steps)
+    want = np.stack([o_full[b, prompt[b]:prompt[b] + steps] for b in range(B)])
+    bad = [(b, i) for b in range(B) for i in range(steps) if not np.array_equal(outs[b, i], want[b, i])]
+    diff = np.abs(outs.astype(np.float32) - want.astype(np.float32)).max()
+    blocks = sorted({int(prompt[b] + i) % 64 // 16 for b, i in bad})  # which block rows of the open chunk differ
+    check("replay step outputs == prefill rows (4 rows x 140 steps)", not bad,
+          f"{len(bad)} differ, first {bad[:4]}, in block rows {blocks}; max |diff| {diff:.3g}")
+    st_bad = [key for key, st in crossed.items() if not np.array_equal(st, cks[key[0], key[1] // 64 - 1])]
+    check("replay step boundary states == prefill checkpoints", not st_bad and len(crossed) >= 8,
+          f"{len(crossed)} crossings, {len(st_bad)} differ: {st_bad[:4]}")
+    alone, _ = replay_decode_run(x, prompt[:1], 70, rows=slice(0, 1))
+    check("replay step: row alone == row in batch", np.array_equal(alone[0], outs[0, :70]))
+
+
+@section
+def replay_step_timing():
+    """The replay step against the recurrent decode kernel at HK=16 HV=32 K=V=128, B=64 and 256, rows at mixed
+    phases of the open chunk (lengths 1..64, fixed over the loop: a row at 64 writes its boundary state every step),
+    20 steps in one compiled loop with the state and caches donated."""
+    from pallas_kernels.gated_delta import replay as rp
+
+    nstep = 20
+    HK, HV, K, V = 16, 32, 128, 128
+    for B in (64, 256):
+        ks = jax.random.split(jax.random.PRNGKey(B + 7), 8)
+        q = jax.random.normal(ks[0], (B, 64, HK, K), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, 64, HK, K), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, 64, HV, V), jnp.bfloat16)
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (B, 64, HV)))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, 64, HV)))
+        s0 = jax.random.normal(ks[5], (B, HV, K, V), jnp.float32) * 0.1
+        lengths = jax.random.randint(ks[6], (B,), 1, 65)
+        xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1)
+
+        @functools.partial(jax.jit, donate_argnums=5)
+        def rec_loop(q, k, v, g, beta, s):
+            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state=s)[1], s, unroll=True)
+
+        @functools.partial(jax.jit, donate_argnums=5)
+        def step_loop(q, k, v, g, beta, carry):
+            def body(i, c):
+                o, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, *c, lengths)
+                return s, xc, vc + 0 * o[:, :, None, :1].astype(jnp.float32)  # keep o live
+            return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
+
+        t_rec = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=1)[0]
+        t_step = bench_state_loop(step_loop, (q, k, v, g, beta), (s0 + 0, xc, vc), nstep, inner=1)[0]
+        row = dict(B=B, recurrent_us=t_rec * 1e6, replay_step_us=t_step * 1e6, ratio=t_step / t_rec)
+        RESULTS.setdefault("replay_step", []).append(row)
+        log(f"B={B}: recurrent decode kernel {t_rec * 1e6:.1f} us; replay step {t_step * 1e6:.1f} us = "
+            f"{t_step / t_rec:.2f}x  [{'PASS' if t_step / t_rec <= 1.5 else 'FAIL'}] issue 7 bar <= 1.5x")
+
+
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
                 # the per-token arithmetic (default: the state in 4 row slices, FMAs): the previous one (one slice,
                 # separate multiply and add; runs 12-16), FMAs alone, and other slice counts
@@ -935,7 +1034,7 @@ def main():
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
-             "breakdown", "conv1d", "invariant", "replay", "reference", "scan"}
+             "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step"}
     named = skip | set(filter(None, args.only.split(",")))
     if named - every:  # a typo must not silently skip a section
         raise SystemExit(f"unknown sections {sorted(named - every)}; known: {sorted(every)}")
@@ -1066,6 +1165,9 @@ def main():
         conv1d_timing()
     if "invariant" not in skip:
         invariant_kernels()
+    if "replay_step" not in skip:
+        replay_step_checks()
+        replay_step_timing()
     if "replay" not in skip:
         replay_timing()
     if "scan" not in skip:

@@ -86,3 +86,21 @@ def test_default_mode_attention_uses_the_kernel_and_matches_reference():
         outs.append((np.asarray(lg)[0], np.asarray(lg)[1, :41], np.asarray(lg2)))
     for a, b in zip(*outs):
         assert np.abs(a - b).max() <= 1e-4
+
+
+def test_replay_state_equals_prefill_state_with_the_kernels(model):
+    """Replay decode over the chunked prefill with the Pallas kernels (the replay step and its caches): the state
+    after decoding equals a prefill's, every leaf bitwise (boundary state, open chunk, the step's caches, KV) — at
+    a grid boundary, where the step cleared its caches, and off the grid, where `prime` built the prefill's."""
+    import chex
+
+    replay = model.with_decode_mode("replay")
+    toks = np.random.default_rng(8).integers(0, 256, 100).tolist()
+    step = jaxgdn.model.jit(jaxgdn.decode_step)
+    state, _ = replay.prefill_chunk(replay.init_state(1, WIDTH), jnp.asarray([toks[:30]], jnp.int32))
+    for n, t in enumerate(toks[30:], start=31):
+        state, _ = step(replay, state, jnp.asarray([t], jnp.int32))
+        if n in (64, 100):
+            ref, _ = replay.prefill_chunk(replay.init_state(1, WIDTH), jnp.asarray([toks[:n]], jnp.int32))
+            chex.assert_trees_all_equal(state, ref)
+    assert np.asarray(state.layers[0].open_x).any()  # 36 open tokens: two block rows cached

@@ -121,13 +121,20 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         return pallas_kernels.chunk_gated_delta_rule(q, k, v, gts[:, :, 0], gts[:, :, 1], initial_state=init,
                                                      lengths=lens, checkpoint_stride=stride, backend=backend)
 
-    ckpt_states = None
     if stride is None and width == CHUNK:
-        # One-token calls (decode): one pass over the open chunk; the chunk's final state is the new boundary when
-        # this token fills it (the in-call checkpoint at 64 would be that same array), else the boundary is kept.
-        o_all, final = rule(qkv_all, gates_all, state.recurrent, total, None)
-        recurrent = jnp.where((n_full > 0)[:, None, None, None], final, state.recurrent)
-    elif stride is None and width <= 2 * CHUNK:
+        # One-token calls (decode): the replay step computes the new token's row of the open chunk with the prefill's
+        # arithmetic, reusing what the chunk's earlier tokens cached; when the token fills the chunk, the new
+        # boundary state (otherwise the boundary and the state array are left as they are).
+        q, k, v = _split_qkv(cfg, qkv_all)
+        o_new, recurrent, open_x, open_vnew = pallas_kernels.chunk_replay_step(
+            q, k, v, gates_all[:, :, 0], gates_all[:, :, 1], state.recurrent, state.open_x, state.open_vnew, total,
+            backend=backend)
+        new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates,
+                                  open_x=open_x, open_vnew=open_vnew)
+        return _output(cfg, p, o_new[:, None], z, det), new_state, None
+
+    ckpt_states = None
+    if stride is None and width <= 2 * CHUNK:
         # Short calls: one pass; the new boundary is the in-call state at the last boundary crossed.
         o_all, _, boundaries = rule(qkv_all, gates_all, state.recurrent, total, CHUNK)  # [B, W/64, HV, K, V]
         newest = jnp.take_along_axis(boundaries, jnp.maximum(n_full - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
@@ -143,13 +150,17 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         o_all = jnp.where((in_tail < 0)[..., None, None], o_full,
                           _gather_rows(o_tail, in_tail, jnp.ones_like(in_tail, bool)))
     o = _gather_rows(o_all, open_len[:, None] + jnp.arange(T)[None, :], jnp.ones((B, T), bool))
-    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates)
+    tq, tk, tv = _split_qkv(cfg, tail_qkv)  # the replay step's caches for the new open chunk
+    open_x, open_vnew = pallas_kernels.chunk_replay_prime(tq, tk, tv, tail_gates[:, :, 0], tail_gates[:, :, 1],
+                                                          recurrent, total - CHUNK * n_full, backend=backend)
+    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates,
+                              open_x=open_x, open_vnew=open_vnew)
     ckpt = None
-    if stride is not None:
+    if stride is not None:  # at grid points the open chunk is empty: its buffers are zeros
         m = ckpt_states.shape[1]
         ckpt = GDNLayerState(conv=conv[2], recurrent=ckpt_states,
-                             open_qkv=jnp.zeros((B, m) + state.open_qkv.shape[1:], state.open_qkv.dtype),
-                             open_gates=jnp.zeros((B, m) + state.open_gates.shape[1:], jnp.float32))
+                             **{name: jnp.zeros((B, m) + x.shape[1:], x.dtype) for name, x in
+                                state._asdict().items() if name.startswith("open_")})
     return _output(cfg, p, o, z, det), new_state, ckpt
 
 

@@ -99,16 +99,18 @@ DEFAULT_CONFIG = dict(
 )
 
 
-def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2):
+def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
-    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it)."""
+    value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it).
+    `start`: the chunk's first token (default: this program's chunk, grid axis 0); rows from `length` on are padding."""
     s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
+    start = pl.program_id(0) * CHUNK if start is None else start
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
         sl = pl.ds(b * s, s)
-        valid = (pl.program_id(0) * CHUNK + b * s + iota) < length
+        valid = (start + b * s + iota) < length
         valids.append(valid)
         ks.append(_load_key(k_ref.at[sl], valid, use_l2))
         gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
@@ -140,19 +142,38 @@ def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg,
     the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     g_last = wy.last(gcs[-1])
+    bks, bvs = _wy_rhs_slices(ks, gcs, betas, valids, v_ref)
+    for i in range(nb):
+        sl = pl.ds(i * s, s)
+        w, u = _wy_block_row(i, x, bks, bvs, cfg, interpret)
+        w_ref[sl, :] = w.astype(w_ref.dtype)
+        u_ref[sl, :] = u
+        kd_ref[sl, :] = _kd_slice(ks[i], gcs[i], g_last).astype(kd_ref.dtype)
+
+
+def _wy_rhs_slices(ks, gcs, betas, valids, v_ref):
+    """The right-hand sides of w and u per 16-row slice: beta exp(gc) k [16, K] and beta v [16, V] (padded rows 0)."""
+    s = wy.SUB
     bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
     bvs = [_masked(v_ref.at[pl.ds(m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
            enumerate(zip(valids, betas))]
-    for i in range(nb):
-        sl = pl.ds(i * s, s)
-        w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
-        u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
-        for m in range(1, i + 1):
-            w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
-            u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
-        w_ref[sl, :] = w.astype(w_ref.dtype)
-        u_ref[sl, :] = u
-        kd_ref[sl, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
+    return bks, bvs
+
+
+def _wy_block_row(i, x, bks, bvs, cfg, interpret):
+    """Rows 16 i .. 16 i + 15 of w and u: sum_{m <= i} X_im (beta exp(gc) k)_m and X_im (beta v)_m (shared with the
+    replay step, `replay.py`)."""
+    w = wy.dot(x[i, 0], bks[0], cfg["p_wu"], interpret)
+    u = wy.dot(x[i, 0], bvs[0], cfg["p_wu"], interpret)
+    for m in range(1, i + 1):
+        w = w + wy.dot(x[i, m], bks[m], cfg["p_wu"], interpret)
+        u = u + wy.dot(x[i, m], bvs[m], cfg["p_wu"], interpret)
+    return w, u
+
+
+def _kd_slice(kb, gc, g_last):
+    """kd = k exp(gc_last - gc) of one 16-row slice (fp32; stored in `_wk_dtype`)."""
+    return kb * jnp.exp(g_last - gc)[:, None]
 
 
 def _valid_rows(length):
@@ -266,27 +287,41 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
     def body(c, s):
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
         h_ref[c] = s.T if ht else s
-        v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :].astype(jnp.float32), s, cfg["p_ws"], interpret)  # [C, BV]
+        v_new = _v_new(u_ref[sl, :], w_ref[sl, :], s, cfg, interpret)  # [C, BV]
         if vt:  # [BV, C] of [BV, Tp]
             vn_ref[:, sl] = v_new.T
         else:
             vn_ref[sl, :] = v_new
-        kd = kd_ref[sl, :].astype(jnp.float32)
-        return s * jnp.exp(wy.last(gc_ref[sl])) + wy.dot(kd, v_new, cfg["p_kv"], interpret, trans_a=True)
+        return _next_state(s, wy.last(gc_ref[sl]), kd_ref[sl, :], v_new, cfg, interpret)
 
     st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
 
 
+def _v_new(u, w, s, cfg, interpret):
+    """v_new = u - w S for one chunk [C, BV]: u fp32 [C, BV], w [C, K] as stored (`_wk_dtype`), S fp32 [K, BV]."""
+    return u - wy.dot(w.astype(jnp.float32), s, cfg["p_ws"], interpret)
+
+
+def _next_state(s, g_last, kd, v_new, cfg, interpret):
+    """The state after a chunk: exp(gc_last) S + kd^T v_new (kd [C, K] as stored, v_new [C, BV])."""
+    return s * jnp.exp(g_last) + wy.dot(kd.astype(jnp.float32), v_new, cfg["p_kv"], interpret, trans_a=True)
+
+
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
     """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
-    valid = _valid_rows(len_ref[0])
+    o_ref[...] = _out_rows(_valid_rows(len_ref[0]), q_ref, k_ref, gc_ref[...], h_ref[...], vn_ref[...],
+                           scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret).astype(o_ref.dtype)
+
+
+def _out_rows(valid, q_ref, k_ref, gc, h, vn, *, scale, use_l2, cfg, interpret):
+    """o = qg S_c + Aqk v_new of one chunk [C, BVO] in fp32, h and vn in the layouts `_transposed(cfg)` names (shared
+    with the replay step, `replay.py`)."""
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
-    aqk, qg = wy.intra(q, k, gc_ref[...], cfg, interpret)
+    aqk, qg = wy.intra(q, k, gc, cfg, interpret)
     ht, vt = _transposed(cfg)  # stored transposed: the dots' second operands in the K-major order TF32 needs
-    o = (wy.dot(qg, h_ref[...], cfg["p_qs"], interpret, trans_b=ht)
-         + wy.dot(aqk, vn_ref[...], cfg["p_av"], interpret, trans_b=vt))
-    o_ref[...] = o.astype(o_ref.dtype)
+    return (wy.dot(qg, h, cfg["p_qs"], interpret, trans_b=ht)
+            + wy.dot(aqk, vn, cfg["p_av"], interpret, trans_b=vt))
 
 
 def _transposed(cfg) -> tuple[bool, bool]:

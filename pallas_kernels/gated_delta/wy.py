@@ -131,15 +131,24 @@ def tiled_inverse(ks, gcs, betas, cfg, interpret):
     ts = diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
-        bk = ks[i] * betas[i][:, None]
-        a = {j: dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
-             for j in range(i)}  # A_ij [16, 16], j < i: every entry strictly below the diagonal
-        for m in range(i - 1, -1, -1):
-            acc = dot(a[m], x[m, m], cfg["p_inv"], interpret)
-            for j in range(m + 1, i):
-                acc = acc + dot(a[j], x[j, m], cfg["p_inv"], interpret)
-            x[i, m] = -dot(ts[i], acc, cfg["p_inv"], interpret)
+        x.update(merged_block_row(i, ks, gcs, betas, x, cfg, interpret))
     return x
+
+
+def merged_block_row(i, ks, gcs, betas, x, cfg, interpret):
+    """Block row i of the tiled inverse below its diagonal: {(i, m): X_im, m < i} from T_i = x[i, i] and the earlier
+    block rows x[j, m] (m <= j < i). One function for the prefill (`tiled_inverse`) and the replay step
+    (`replay.py`, earlier block rows from its cache), so both trace the same operations."""
+    bk = ks[i] * betas[i][:, None]
+    a = {j: dot(bk, ks[j], cfg["p_kk"], interpret, trans_b=True) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
+         for j in range(i)}  # A_ij [16, 16], j < i: every entry strictly below the diagonal
+    out = {}
+    for m in range(i - 1, -1, -1):
+        acc = dot(a[m], x[m, m], cfg["p_inv"], interpret)
+        for j in range(m + 1, i):
+            acc = acc + dot(a[j], x[j, m], cfg["p_inv"], interpret)
+        out[i, m] = -dot(x[i, i], acc, cfg["p_inv"], interpret)
+    return out
 
 
 def inverse_doubling(a, prec, interpret):

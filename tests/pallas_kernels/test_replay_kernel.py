@@ -1,0 +1,129 @@
+"""The replay step over the chunked prefill (`pallas_kernels/gated_delta/replay.py`, interpret mode on CPU): decoding
+token by token with it gives, bit for bit, the output rows and boundary states of one chunked prefill of the whole
+sequence, from prompts the chunked kernels prefilled and `prime` left open; its caches equal `prime`'s for the
+same tokens. (On the H200: `scripts/gpu_kernels.py --only replay_step`.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.replay import chunk_replay_prime_pallas, chunk_replay_step_pallas, replay_caches
+from tests.gdn_oracle import random_gdn_inputs
+
+K = V = 32
+C = 64
+
+
+def _window(x, start, n):
+    """Rows start[b] .. start[b] + 63 of x [B, T, ...], zero from n[b] on."""
+    out = np.zeros((x.shape[0], C) + x.shape[2:], x.dtype)
+    for b in range(x.shape[0]):
+        rows = x[b, start[b]:start[b] + n[b]]
+        out[b, :len(rows)] = rows
+    return jnp.asarray(out)
+
+
+def _inputs(rng, B, T, HK, HV, dtype=np.float32, v_dim=None, **kw):
+    d = random_gdn_inputs(rng, B=B, T=T, HK=HK, HV=HV, K=K, V=v_dim or V, with_state=True, **kw)
+    return {n: np.asarray(d[n], dtype if n in "qkv" else np.float32) for n in ("q", "k", "v", "g", "beta")}, \
+        np.asarray(d["initial_state"], np.float32)
+
+
+def _chunk(x, s0, lengths, stride=None):
+    out = chunk_gated_delta_rule_pallas(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                                        initial_state=jnp.asarray(s0), lengths=jnp.asarray(lengths, jnp.int32),
+                                        checkpoint_stride=stride, interpret=True)
+    return tuple(np.asarray(o) for o in out)
+
+
+def _open(x, start, n):
+    return [_window(x[name], start, n) for name in ("q", "k", "v", "g", "beta")]
+
+
+def _decode(x, s0, prompt, steps):
+    """Prefill to each row's last grid boundary, prime the open rest, then `steps` replay steps. Returns the outputs
+    [B, steps, HV, V], the boundary states crossed {(row, position): state} and the final (state, caches)."""
+    prompt = np.asarray(prompt)
+    bnd = prompt // C * C
+    _, s = _chunk(x, s0, bnd)
+    s = jnp.asarray(s)
+    xc, vc = chunk_replay_prime_pallas(*_open(x, bnd, prompt - bnd), s, jnp.asarray(prompt - bnd), interpret=True)
+    step = jax.jit(lambda *a: chunk_replay_step_pallas(*a, interpret=True))
+    outs, crossed, pos = [], {}, prompt.copy()
+    for _ in range(steps):
+        start = pos // C * C
+        n = pos - start + 1
+        o, s, xc, vc = step(*_open(x, start, n), s, xc, vc, jnp.asarray(n, jnp.int32))
+        outs.append(np.asarray(o))
+        for b in np.flatnonzero(n == C):
+            crossed[b, int(pos[b]) + 1] = np.asarray(s[b])
+        pos += 1
+    return np.stack(outs, axis=1), crossed, (s, xc, vc)
+
+
+@pytest.mark.parametrize("HK,HV,dtype,g_kind,beta_kind,prompt,steps,v_dim", [
+    (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V),  # HV = 2 HK; a row from an empty state
+    (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V),  # HV = 4 HK, bf16 inputs, beta in {0, 1, sigmoid}
+    (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V),  # a row starting exactly on a block row
+    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128),  # V = 128: two V blocks of 64 per row and head,
+    # each with its own copy of the cached tiles (the state crossing at 64 caught a shared copy cleared too early)
+])
+def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim):
+    rng = np.random.default_rng(HV + steps)
+    B, T = len(prompt), max(prompt) + steps
+    x, s0 = _inputs(rng, B, T, HK, HV, dtype, v_dim=v_dim, g_kind=g_kind, beta_kind=beta_kind)
+    o_full, _, cks = _chunk(x, s0, np.asarray(prompt) + steps, stride=C)
+    outs, crossed, _ = _decode(x, s0, prompt, steps)
+    for b, p in enumerate(prompt):
+        assert np.array_equal(outs[b], o_full[b, p:p + steps]), b  # every decoded row, bitwise
+    assert len(crossed) >= B  # every row crossed a boundary
+    for (b, p), st in crossed.items():
+        assert np.array_equal(st, cks[b, p // C - 1]), (b, p)  # the new boundary == the prefill's state there
+
+
+def test_caches_after_steps_equal_prime_and_a_row_alone_equals_the_batch():
+    rng = np.random.default_rng(7)
+    prompt, steps = np.array([50, 12]), 60  # row 0 crosses 64 (caches cleared) and refills; row 1 fills block rows
+    x, s0 = _inputs(rng, 2, 130, 1, 2)
+    outs, _, (s, xc, vc) = _decode(x, s0, prompt, steps)
+    end = prompt + steps
+    bnd = end // C * C
+    _, s_ref = _chunk(x, s0, bnd)
+    xp, vp = chunk_replay_prime_pallas(*_open(x, bnd, end - bnd), jnp.asarray(s_ref), jnp.asarray(end - bnd),
+                                       interpret=True)
+    assert np.array_equal(np.asarray(s), s_ref)  # the boundary state
+    assert np.array_equal(np.asarray(xc), np.asarray(xp)) and np.array_equal(np.asarray(vc), np.asarray(vp))
+    alone, _, _ = _decode({n: a[1:] for n, a in x.items()}, s0[1:], prompt[1:], steps)
+    assert np.array_equal(alone[0], outs[1])
+
+
+def test_empty_rows_are_untouched_and_output_zero():
+    rng = np.random.default_rng(3)
+    x, s0 = _inputs(rng, 2, C, 1, 2)
+    xc, vc = replay_caches(2, 2, V)
+    xc, vc = xc + 1.0, vc + 2.0  # anything: a row with nothing to do must leave it
+    o, s, xc2, vc2 = chunk_replay_step_pallas(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                                              jnp.asarray(s0), xc, vc, jnp.asarray([0, 0]), interpret=True)
+    assert np.array_equal(np.asarray(o), np.zeros_like(np.asarray(o)))
+    assert np.array_equal(np.asarray(s), s0)
+    assert np.array_equal(np.asarray(xc2), np.asarray(xc)) and np.array_equal(np.asarray(vc2), np.asarray(vc))
+
+
+def test_bad_shapes_are_refused():
+    rng = np.random.default_rng(4)
+    x, s0 = _inputs(rng, 1, C, 1, 2)
+    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")]
+    xc, vc = replay_caches(1, 2, V)
+    with pytest.raises(ValueError, match="open chunk"):
+        chunk_replay_step_pallas(*[a[:, :32] for a in args], jnp.asarray(s0), xc, vc, jnp.asarray([3]),
+                                 interpret=True)
+    with pytest.raises(ValueError, match="vn_cache"):
+        chunk_replay_step_pallas(*args, jnp.asarray(s0), xc, vc[:, :, :32], jnp.asarray([3]), interpret=True)
+    with pytest.raises(ValueError, match="warps"):
+        chunk_replay_step_pallas(*args, jnp.asarray(s0), xc, vc, jnp.asarray([3]), interpret=True,
+                                 config={"warps_out": 8})
