@@ -219,11 +219,12 @@ def chunk_replay_prime_pallas(q, k, v, g, beta, state, lengths, *, scale=None, u
     state `state`): the step at rows 15, 31 and 47 of each row that reaches them, in order. Returns (x_cache,
     vn_cache)."""
     B, HV, V = v.shape[0], v.shape[2], v.shape[3]
-    x_cache, vn_cache = replay_caches(B, HV, V, config)
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
-    for i in range(1, NB):
-        reach = jnp.where(lengths >= i * SUB, i * SUB, 0)  # complete block row i - 1; 0: the row does nothing
-        _, _, x_cache, vn_cache = chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, reach,
-                                                           scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                                           interpret=interpret, config=config)
-    return x_cache, vn_cache
+
+    def complete_block_row(i, caches):  # the step at row 16 i - 1 where the row reaches it (0: nothing to do)
+        reach = jnp.where(lengths >= i * SUB, i * SUB, 0)
+        return chunk_replay_step_pallas(q, k, v, g, beta, state, *caches, reach, scale=scale,
+                                        use_qk_l2norm=use_qk_l2norm, interpret=interpret, config=config)[2:]
+
+    # a loop, not three calls: one kernel to compile
+    return lax.fori_loop(1, NB, complete_block_row, replay_caches(B, HV, V, config))
