@@ -97,8 +97,9 @@ def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, deco
     if decode_mode:
         g.add_argument("--decode-mode", choices=("recurrent", "replay"), default="recurrent",
                        help="recurrent: one-token recurrent update (fast); replay: decode runs the prefill path, "
-                            "bitwise what a prefill computes (slow over the chunked GDN prefill: it replays the open "
-                            "64-token chunk each step; about as fast as recurrent with --gdn-prefill recurrent)")
+                            "bitwise what a prefill computes (slower over the chunked GDN prefill: each step "
+                            "computes its token's part of the open 64-token chunk with the prefill's arithmetic; "
+                            "about as fast as recurrent with --gdn-prefill recurrent)")
     if gdn_prefill:
         g.add_argument("--gdn-prefill", choices=("chunked", "recurrent"), default="chunked",
                        help="GDN prefill arithmetic: chunked (fast prefill) or recurrent (token by token with the "

@@ -13,7 +13,7 @@ A token's path: `Model.prefill_chunk` -> `prefill_chunk` -> per layer `layers.gd
 `pallas_kernels.chunk_gated_delta_rule` — or `fused_recurrent_gated_delta_rule` with gdn_prefill="recurrent" ->
 backend dispatch -> reference or Pallas kernel) or `layers.attention.attention`, then `layers.mlp.feed_forward`.
 Decode: `decode_step` -> `layers.gdn.gdn_decode` (`pallas_kernels.recurrent_gated_delta_rule`), or in replay mode
-the prefill path for one token.
+the prefill path for one token (over the chunked GDN prefill: `pallas_kernels.chunk_replay_step`).
 """
 
 from __future__ import annotations
@@ -52,13 +52,14 @@ class Model:
     # must then start on the grid; replay decode and gdn_prefill="recurrent" continue exactly from anywhere).
     deterministic: bool = False
     # "recurrent": decode with the one-token recurrent update (fast; the state differs from prefill's, and is
-    # tainted DECODE). "replay": decode runs the prefill path for its token — over the chunked GDN prefill it
-    # recomputes the open 64-token chunk from the last grid boundary, over gdn_prefill="recurrent" it is one
-    # recurrent step — so decoded states and logits are bitwise what a prefill computes (provenance stays
+    # tainted DECODE). "replay": decode runs the prefill path for its token — over the chunked GDN prefill the
+    # replay step computes the token's part of the open 64-token chunk from the last grid boundary with the
+    # prefill's arithmetic (`pallas_kernels.chunk_replay_step`, caches in the state), over gdn_prefill="recurrent"
+    # one recurrent step — so decoded states and logits are bitwise what a prefill computes (provenance stays
     # PREFILL); in deterministic mode this makes generated text cacheable.
     decode_mode: str = "recurrent"
     # The GDN layers' prefill arithmetic. "chunked": the chunked (WY, chunk 64) kernels — fast prefill; a replay
-    # decode then recomputes the open chunk every step. "recurrent": the recurrence token by token with the decode
+    # decode step then costs several recurrent steps (BENCHMARKS.md). "recurrent": the recurrence token by token with the decode
     # kernel's arithmetic (`pallas_kernels.fused_recurrent_gated_delta_rule`) — a slower prefill (sequential in
     # T; BENCHMARKS.md), but a replay decode is then one recurrent step, and any split of a prompt, on the grid or
     # not, gives the unsplit call's bits.
@@ -290,8 +291,8 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
     """Pure decode of one token per row. token int32 [B]. Returns (state, logits fp32 [B, Vocab]).
 
     Recurrent mode: the one-token recurrent update (taints the state DECODE). Replay mode: a one-token prefill —
-    with the chunked GDN prefill it replays the open chunk from the last grid boundary, with gdn_prefill="recurrent"
-    it is one step of the token-by-token kernel — bitwise what a prefill computes.
+    with the chunked GDN prefill the replay step over the open chunk since the last grid boundary, with
+    gdn_prefill="recurrent" one step of the token-by-token kernel — bitwise what a prefill computes.
     """
     if model.decode_mode == "replay":
         state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))
