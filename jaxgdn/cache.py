@@ -30,7 +30,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 
 from .errors import JaxGDNError
-from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance
+from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
 
@@ -45,7 +45,8 @@ class Checkpoint:
 
     tokens: tuple[int, ...]
     provenance: int  # Provenance of the state that produced it
-    gdn: tuple[GDNLayerState, ...]  # per GDN layer: conv [KC-1, C], recurrent fp32 [HV, K, V]
+    gdn: tuple[GDNLayerState, ...]  # per GDN layer: conv [KC-1, C], recurrent fp32 [HV, K, V] (on the grid:
+    # `state.at_boundary`, no open-chunk buffers; elsewhere, in replay mode, with them)
     kv: tuple[AttentionLayerState, ...]  # per attention layer: keys, values [P, HKV, Dh]
 
     @property
@@ -62,7 +63,8 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int]) ->
     pos = int(state.position[row])
     if len(tokens) != pos:
         raise ValueError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
-    gdn = tuple(jax.tree.map(lambda x: x[row], s) for s in state.layers if isinstance(s, GDNLayerState))
+    gdn = tuple(jax.tree.map(lambda x: x[row], at_boundary(s) if pos % CHUNK == 0 else s)
+                for s in state.layers if isinstance(s, GDNLayerState))
     kv = tuple(AttentionLayerState(keys=s.keys[row, :pos], values=s.values[row, :pos])
                for s in state.layers if isinstance(s, AttentionLayerState))
     return Checkpoint(tokens=tuple(int(t) for t in tokens), provenance=int(state.provenance[row]), gdn=gdn, kv=kv)
@@ -106,8 +108,9 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
             continue
         if ck.position > template.capacity and attn_ids:
             raise ValueError(f"checkpoint of {ck.position} tokens exceeds the state's capacity {template.capacity}")
-        for i, g in zip(gdn_ids, ck.gdn):
-            layers[i] = jax.tree.map(lambda whole, row: whole.at[b].set(row), layers[i], g)
+        for i, g in zip(gdn_ids, ck.gdn):  # leaves a checkpoint on the grid does not keep stay the template's zeros
+            layers[i] = layers[i]._replace(**{name: getattr(layers[i], name).at[b].set(row)
+                                              for name, row in g._asdict().items() if row is not None})
         for i, kv in zip(attn_ids, ck.kv):
             layers[i] = AttentionLayerState(keys=layers[i].keys.at[b, :ck.position].set(kv.keys),
                                             values=layers[i].values.at[b, :ck.position].set(kv.values))
@@ -285,8 +288,8 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     from .model import _prefill_jit  # local: the model module does not depend on the cache
 
     spec = jax.eval_shape(lambda: model.init_state(1, 1))
-    gdn_spec = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), s)
-                     for s in spec.layers if isinstance(s, GDNLayerState))
+    gdn_spec = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), at_boundary(s))
+                     for s in spec.layers if isinstance(s, GDNLayerState))  # entries lie on the grid
     attn_spec = [s for s in spec.layers if isinstance(s, AttentionLayerState)]
     if cache.numerics is not None:
         chex.assert_equal(cache.numerics, numerics_key(model),

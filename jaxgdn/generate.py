@@ -28,7 +28,7 @@ from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
 from .errors import InputError
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
-from .state import AttentionLayerState
+from .state import AttentionLayerState, at_boundary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,8 @@ def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_id
     B = last.shape[0]
     base_keys = jax.vmap(jax.random.key)(seeds)
     n_slots = max_new_tokens // snap_interval + 1 if snap_interval else 0
-    snaps = tuple(jax.tree.map(lambda x: jnp.zeros((n_slots,) + x.shape, x.dtype), s) for s in gdn_states(state))
+    snaps = tuple(jax.tree.map(lambda x: jnp.zeros((n_slots,) + x.shape, x.dtype), at_boundary(s))
+                  for s in gdn_states(state))
 
     def step(carry, _):
         state, logits, done, snaps, n_snap = carry
@@ -120,7 +121,7 @@ def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_id
             write = (jnp.arange(n_slots)[:, None] == n_snap[None, :]) & at[None, :]  # [S, B]
             snaps = jax.tree.map(
                 lambda buf, new: jnp.where(write.reshape(write.shape + (1,) * (new.ndim - 1)), new[None], buf),
-                snaps, gdn_states(state))
+                snaps, tuple(at_boundary(s) for s in gdn_states(state)))
             n_snap = n_snap + at
         return (state, logits, done | stopped, snaps, n_snap), (tok, logprob, emitted, stopped & emitted, top)
 

@@ -59,10 +59,10 @@ class Model:
     # PREFILL); in deterministic mode this makes generated text cacheable.
     decode_mode: str = "recurrent"
     # The GDN layers' prefill arithmetic. "chunked": the chunked (WY, chunk 64) kernels — fast prefill; a replay
-    # decode step then costs several recurrent steps (BENCHMARKS.md). "recurrent": the recurrence token by token with the decode
-    # kernel's arithmetic (`pallas_kernels.fused_recurrent_gated_delta_rule`) — a slower prefill (sequential in
-    # T; BENCHMARKS.md), but a replay decode is then one recurrent step, and any split of a prompt, on the grid or
-    # not, gives the unsplit call's bits.
+    # decode step then costs several recurrent steps (BENCHMARKS.md). "recurrent": the recurrence token by token
+    # with the decode kernel's arithmetic (`pallas_kernels.fused_recurrent_gated_delta_rule`) — a slower prefill
+    # (sequential in T; BENCHMARKS.md), but a replay decode is then one recurrent step, and any split of a prompt,
+    # on the grid or not, gives the unsplit call's bits.
     gdn_prefill: str = "chunked"
 
     def __post_init__(self):

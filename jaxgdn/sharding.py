@@ -430,7 +430,8 @@ def _sharded_zeros(config, batch_size, capacity, dtype, replay, mesh):
 
 
 def checkpoint_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False):
-    """Specs of a cache `Checkpoint`'s leaves (no batch axis): (gdn, kv) trees."""
+    """Specs of a cache `Checkpoint`'s leaves (no batch axis): (gdn, kv) trees (`replay`: with the open-chunk buffers
+    a replay-mode checkpoint off the grid keeps; on the grid it has none, `state.at_boundary`)."""
     pl = plan(config, mesh)
     gdn = tuple(_gdn_state_specs(pl, replay, lead=()) for _ in config.gdn_layers)
     kv = tuple(AttentionLayerState(keys=_s(pl.attn_kv, None, TP), values=_s(pl.attn_kv, None, TP))

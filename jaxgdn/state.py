@@ -46,6 +46,13 @@ class GDNLayerState(NamedTuple):
     open_vnew: jax.Array | None = None
 
 
+def at_boundary(s: GDNLayerState) -> GDNLayerState:
+    """A GDN layer's state as kept at a 64-token grid boundary (prefill checkpoints, cache entries, decode snapshots):
+    conv and recurrent only. Replay decode's open-chunk buffers are empty there (zeros: `init_state`'s) and are not
+    stored; `cache.state_from_checkpoints` restores a row into a fresh state, whose buffers are those zeros."""
+    return GDNLayerState(conv=s.conv, recurrent=s.recurrent)
+
+
 class AttentionLayerState(NamedTuple):
     keys: jax.Array  # [B, N, HKV, Dh] normed and rotated keys
     values: jax.Array  # [B, N, HKV, Dh]
@@ -59,7 +66,7 @@ class PrefillCheckpoints(NamedTuple):
 
     position: jax.Array  # [B, M] int32 absolute position of each checkpoint
     valid: jax.Array  # [B, M] bool: the checkpoint lies within the row's tokens of this call
-    gdn: tuple[GDNLayerState, ...]  # per GDN layer, leaves [B, M, ...] (open buffers, if any, are zeros)
+    gdn: tuple[GDNLayerState, ...]  # per GDN layer, conv and recurrent [B, M, ...] (`at_boundary`: no open buffers)
 
 
 class ModelState(NamedTuple):

@@ -94,6 +94,8 @@ def test_multi_turn_reuses_answer_prefixes_bitwise(form):
     positions = sorted(c.position for c in first.cache.checkpoints())
     assert positions == [64, 128, 192]
     assert all(c.provenance == Provenance.PREFILL for c in first.cache.checkpoints())
+    # on the grid the open chunk is empty: entries keep conv and recurrent only, no replay buffers
+    assert all(g.open_qkv is None and g.open_x is None for c in first.cache.checkpoints() for g in c.gdn)
     message = rng.integers(0, 256, 20).tolist()
     turn2 = turn1 + first[0].tokens + message  # 230 tokens
     warm = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=first.cache)

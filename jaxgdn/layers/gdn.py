@@ -156,11 +156,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates,
                               open_x=open_x, open_vnew=open_vnew)
     ckpt = None
-    if stride is not None:  # at grid points the open chunk is empty: its buffers are zeros
-        m = ckpt_states.shape[1]
-        ckpt = GDNLayerState(conv=conv[2], recurrent=ckpt_states,
-                             **{name: jnp.zeros((B, m) + x.shape[1:], x.dtype) for name, x in
-                                state._asdict().items() if name.startswith("open_")})
+    if stride is not None:  # at grid points the open chunk is empty: no buffers (`state.at_boundary`)
+        ckpt = GDNLayerState(conv=conv[2], recurrent=ckpt_states)
     return _output(cfg, p, o, z, det), new_state, ckpt
 
 
