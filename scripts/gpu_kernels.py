@@ -716,33 +716,43 @@ def invariant_kernels():
         del q, kc, vc
 
 
+def open_chunk_inputs(B, seed, HK=16, HV=32, K=128, V=128):
+    """Random open chunks for the replay timings: q, k, v [B, 64, H, .] bf16, realistic g, beta, a boundary state and
+    lengths in 1..64 (rows at mixed phases)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    q = jax.random.normal(ks[0], (B, 64, HK, K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, 64, HK, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, 64, HV, V), jnp.bfloat16)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, 64, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, 64, HV)))
+    s0 = jax.random.normal(ks[5], (B, HV, K, V), jnp.float32) * 0.1
+    return q, k, v, g, beta, s0, jax.random.randint(ks[6], (B,), 1, 65)
+
+
+def decode_kernel_loop(nstep):
+    """`nstep` recurrent decode-kernel steps (on the chunk's first token) in one compiled loop, the state donated:
+    the replay timings' reference."""
+    @functools.partial(jax.jit, donate_argnums=5)
+    def rec_loop(q, k, v, g, beta, s):
+        return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state=s)[1], s, unroll=True)
+    return rec_loop
+
+
 @section
 def replay_timing():
     """Replay decode at the kernel level: one step = the chunked kernel over the open chunk (64 rows, row b holding
     lengths[b] <= 64 real tokens) from the boundary state, with the in-call checkpoint at 64 (what `jaxgdn`'s replay
     decode calls per GDN layer), against the recurrent decode kernel; both as 20 steps in one compiled loop."""
     nstep = 20
-    HK, HV, K, V = 16, 32, 128, 128
     for B in (64, 256):
-        ks = jax.random.split(jax.random.PRNGKey(B + 1), 7)
-        q = jax.random.normal(ks[0], (B, 64, HK, K), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (B, 64, HK, K), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (B, 64, HV, V), jnp.bfloat16)
-        g = -jax.nn.softplus(jax.random.normal(ks[3], (B, 64, HV)))
-        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, 64, HV)))
-        s0 = jax.random.normal(ks[5], (B, HV, K, V), jnp.float32) * 0.1
-        lengths = jax.random.randint(ks[6], (B,), 1, 65)
-        state_bytes = 2 * B * HV * K * V * 4
+        q, k, v, g, beta, s0, lengths = open_chunk_inputs(B, seed=B + 1)
+        state_bytes = 2 * B * s0[0].size * 4
 
         def timed_loop(loop, *args):
             return bench_state_loop(loop, args[:-1], args[-1], nstep, inner=1)[0]
 
-        @functools.partial(jax.jit, donate_argnums=5)
-        def rec_loop(q, k, v, g, beta, s):
-            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
-                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state=s)[1], s, unroll=True)
-
-        t_rec = timed_loop(rec_loop, q, k, v, g, beta, s0 + 0)
+        t_rec = timed_loop(decode_kernel_loop(nstep), q, k, v, g, beta, s0 + 0)
         row = dict(B=B, recurrent_us=t_rec * 1e6)
         for design in ("split", "fused"):
             cfg = None if design == "split" else dict(design="fused", prep_kernels=1, inv="block16")  # split: the
@@ -830,22 +840,10 @@ def replay_step_timing():
     from pallas_kernels.gated_delta import replay as rp
 
     nstep = 20
-    HK, HV, K, V = 16, 32, 128, 128
     for B in (64, 256):
-        ks = jax.random.split(jax.random.PRNGKey(B + 7), 8)
-        q = jax.random.normal(ks[0], (B, 64, HK, K), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (B, 64, HK, K), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (B, 64, HV, V), jnp.bfloat16)
-        g = -jax.nn.softplus(jax.random.normal(ks[3], (B, 64, HV)))
-        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, 64, HV)))
-        s0 = jax.random.normal(ks[5], (B, HV, K, V), jnp.float32) * 0.1
-        lengths = jax.random.randint(ks[6], (B,), 1, 65)
+        q, k, v, g, beta, s0, lengths = open_chunk_inputs(B, seed=B + 7)
         xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1)
-
-        @functools.partial(jax.jit, donate_argnums=5)
-        def rec_loop(q, k, v, g, beta, s):
-            return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
-                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state=s)[1], s, unroll=True)
+        rec_loop = decode_kernel_loop(nstep)
 
         @functools.partial(jax.jit, donate_argnums=5)
         def step_loop(q, k, v, g, beta, carry):
