@@ -108,7 +108,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
             continue
         if ck.position > template.capacity and attn_ids:
             raise ValueError(f"checkpoint of {ck.position} tokens exceeds the state's capacity {template.capacity}")
-        for i, g in zip(gdn_ids, ck.gdn):  # leaves a checkpoint on the grid does not keep stay the template's zeros
+        for i, g in zip(gdn_ids, ck.gdn):  # the leaves a grid checkpoint does not keep stay the template's zeros
             layers[i] = layers[i]._replace(**{name: getattr(layers[i], name).at[b].set(row)
                                               for name, row in g._asdict().items() if row is not None})
         for i, kv in zip(attn_ids, ck.kv):

@@ -4,9 +4,11 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
-              invariant,replay,scan] [--only SECTIONS] [--configs NAMES]
-(replay: the model's recompute-per-step replay at the kernel level; scan: the token-by-token prefill kernel,
- bitwise against the decode kernel, and its prefill and one-token times.)
+              invariant,replay_step,replay,scan] [--only SECTIONS] [--configs NAMES]
+(replay_step: the replay step kernel over the chunked prefill, bitwise against one prefill, and its step time against
+ the decode kernel; replay: the earlier replay, the chunked kernels over the whole open chunk each step, at the kernel
+ level; scan: the token-by-token prefill kernel, bitwise against the decode kernel, and its prefill and one-token
+ times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
  `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`; FlashQLA and its needs: unpack
  the carried `.whl/flashqla_site.tar.xz` into /tmp/site, BENCHMARKS.md says how it is made.)
@@ -743,7 +745,7 @@ def decode_kernel_loop(nstep):
 def replay_timing():
     """Replay decode at the kernel level: one step = the chunked kernel over the open chunk (64 rows, row b holding
     lengths[b] <= 64 real tokens) from the boundary state, with the in-call checkpoint at 64 (what `jaxgdn`'s replay
-    decode calls per GDN layer), against the recurrent decode kernel; both as 20 steps in one compiled loop."""
+    decode called per GDN layer before the replay step kernel), against the recurrent decode kernel; both as 20 steps in one compiled loop."""
     nstep = 20
     for B in (64, 256):
         q, k, v, g, beta, s0, lengths = open_chunk_inputs(B, seed=B + 1)

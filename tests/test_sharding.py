@@ -198,6 +198,15 @@ def _worker() -> dict:
         with jax.set_mesh(mesh):
             jr = str(jax.make_jaxpr(prefill_chunk)(sr, st, toks, lens))
             _, lgr = prefill(sr, init(sr, 2, 128), toks, lens)
+        # replay decode over the chunked prefill: the replay step and `prime` per shard, with their caches split
+        # over the heads like the recurrent state
+        rp = model.with_backend("interpret").with_decode_mode("replay")
+        srp = S.shard_model(rp, mesh)
+        with jax.set_mesh(mesh):
+            jrp = str(jax.make_jaxpr(decode_step)(srp, init(srp, 2, 128), nxt))
+            s_rp, _ = prefill(srp, init(srp, 2, 128), toks, lens)
+            s_rp, lg_rp = decode(srp, s_rp, nxt)
+        _, lg_rp1 = decode(rp, prefill(rp, rp.init_state(2, 128), toks, lens)[0], nxt)
         # deterministic mode: the fixed-tile matmuls (column- and row-split projections, lm_head) and attention
         # per shard as well
         det_model = model.with_backend("interpret").with_deterministic()
@@ -229,7 +238,10 @@ def _worker() -> dict:
                 "decode_logits": diff(lg2, ref[3]),
                 "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
                 "scan_prefill_logits": diff(np.asarray(lgr)[valid], np.asarray(ref[1])[valid]),
-                "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh))}
+                "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh)),
+                "replay_shard_maps": jrp.count("shard_map["), "replay_step_in_jaxpr": "gdn_replay_step" in jrp,
+                "replay_decode_logits": diff(lg_rp, lg_rp1),
+                "replay_state_misplaced": S.check_placement(s_rp, S.state_specs(srp.config, mesh, replay=True))}
 
     if hooks["kernels"]:
         record("kernels", kernels)
@@ -482,6 +494,8 @@ def test_pallas_kernels_run_per_shard_in_shard_map(results):
     assert r["prefill_logits"] <= TOL and r["decode_logits"] <= TOL, r
     assert r["state_misplaced"] == [], r
     assert r["scan_shard_maps"] == n and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
+    assert r["replay_shard_maps"] == n and r["replay_step_in_jaxpr"] and r["replay_decode_logits"] <= TOL, r
+    assert r["replay_state_misplaced"] == [], r  # the replay caches split over the heads as planned
     # deterministic mode: every projection's fixed-tile kernel per shard too (tp=2 splits every axis of "tiny")
     # (the Pallas kernel inside at least as many as on one device; products too small for its tiles take the
     # reference, and a shard's product is smaller)

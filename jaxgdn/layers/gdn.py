@@ -71,7 +71,9 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     state at `position`.
     Replay mode: it runs from the last grid boundary over the open chunk followed by the new tokens, so the
     result is bitwise what an unsplit prefill computes (the kernel is row-causal inside a chunk), whatever
-    `position` is; the state keeps the newest boundary state and the new open chunk.
+    `position` is; the state keeps the newest boundary state, the new open chunk and the replay step's caches for
+    it (`pallas_kernels.chunk_replay_prime`). One-token calls (decode) run `pallas_kernels.chunk_replay_step`
+    instead: only the new token's part of the open chunk, with the same arithmetic.
 
     Checkpoints: a GDNLayerState whose leaves carry an extra axis M: conv [B, M, KC-1, C], recurrent
     [B, M, HV, K, V] — every `checkpoint_stride` tokens from the call's start (recurrent mode) or from the last

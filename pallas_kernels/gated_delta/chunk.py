@@ -68,7 +68,8 @@ from .wy import CHUNK
 #   that kernel was bound by shared memory, 204 M bank conflicts at (8, 4096)); the same arithmetic, the same bits
 #   (interpret mode and the H200, run 32); default since run 32: the output kernel 1.60 -> 0.79 ms at (8, 4096),
 #   while the recurrence's transposed stores cost it 3% there and 14-15% on small grids (B=1: bv 32, 2 stages);
-#   "h" or "v_new" transposes only that one (candidates to split the two effects, same bits, not yet timed);
+#   "h" or "v_new" transposes only that one (same bits; run 34: both slower than the default, 5.03 and 5.42 against
+#   4.79 ms over the sweep's two shapes);
 #   with design="fused" it does not apply (the default is ignored there; any other explicit value is refused);
 #   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the

@@ -24,8 +24,9 @@ Why the bits equal the prefill's: every value is traced by the same helper funct
 shapes with the same launch (4 warps), and the chunked kernels are row-causal bit for bit (a row's results do not
 depend on later rows, which are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU
 script checks). The output kernel's dots run on V blocks of 128 in the prefill and of `bv` here: on the GPU an MMA
-element does not depend on the instruction's N (BENCHMARKS.md, runs 6 and 21); in interpret mode XLA's dots may, and
-there the tests' V (16, 32) is one block for both. On the GPU the equality is a property of the compiled code,
+element does not depend on the instruction's N (BENCHMARKS.md, runs 6, 21 and 37); in interpret mode XLA:CPU's dots
+gave the same bits for N = 64 and 128 in the V = 128 test (an observation about XLA:CPU, not a rule; the other
+tests' V of 16 and 32 is one block for both). On the GPU the equality is a property of the compiled code,
 checked bitwise on the H200 by `scripts/gpu_kernels.py --only replay_step`; on CPU (interpret mode) by the tests.
 
 `prime` fills the caches for an open chunk that a prefill left behind: the step at rows 15, 31 and 47 where the
@@ -90,7 +91,8 @@ def _step_block_row(i, n, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, x_ref, vn
     valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
     o = ck._out_rows(valid, q_ref, k_ref, _placed_vector(gcs), s0.T if ht else s0, vn64.T if vt else vn64,
                      scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret)
-    o_ref[...] = jnp.sum(jnp.where(rows == t, o, 0.0), axis=0).astype(o_ref.dtype)  # row t (exact: one term)
+    # row t: every other term -0.0, which leaves any value (a signed zero included) as it is, in any order
+    o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
 
     if i < NB - 1:
         @pl.when(t == (i + 1) * SUB - 1)  # block row i is complete: cache its tiles and v_new rows
@@ -201,7 +203,7 @@ def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths
     q, k: [B, 64, HK, K] and v: [B, 64, HV, V], g, beta: [B, 64, HV]: the open chunk, lengths[b] tokens valid in row b
     (the new one last; rows after it are ignored: padding); state: fp32 [B, HV, K, V] at the boundary; x_cache,
     vn_cache: the caches (`replay_caches`, `prime`). lengths[b] = 0: nothing is computed for the row (its output is
-    undefined, its state and caches unchanged).
+    zeros, its state and caches unchanged).
     Returns (o [B, HV, V] of the new token, in v.dtype; state: the new boundary state where lengths == 64, else the
     same; x_cache, vn_cache updated). The state and caches are updated in place when the caller donates them.
     """
