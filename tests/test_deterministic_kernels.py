@@ -104,3 +104,21 @@ def test_replay_state_equals_prefill_state_with_the_kernels(model):
             ref, _ = replay.prefill_chunk(replay.init_state(1, WIDTH), jnp.asarray([toks[:n]], jnp.int32))
             chex.assert_trees_all_equal(state, ref)
     assert np.asarray(state.layers[0].open_x).any()  # 36 open tokens: two block rows cached
+
+
+def test_replay_second_turn_warm_equals_cold_with_the_kernels(model):
+    """The prefix cache with replay decode on the Pallas path: a checkpoint taken inside turn 1's answer (at 64,
+    where the replay step has just cleared its caches) restores into a fresh state and turn 2 continues from it —
+    bitwise what turn 2 computes without the cache."""
+    replay = model.with_decode_mode("replay")
+    rng = np.random.default_rng(9)
+    cache = jaxgdn.PrefixCache(interval=64, deterministic=True)
+    turn1 = rng.integers(0, 256, 50).tolist()
+    first = jaxgdn.generate(replay, [turn1], max_new_tokens=20, cache=cache)
+    assert [c.position for c in first.cache.checkpoints()] == [64]  # inside the answer
+    turn2 = turn1 + first[0].tokens + rng.integers(0, 256, 5).tolist()
+    warm = jaxgdn.generate(replay, [turn2], max_new_tokens=8, cache=first.cache)
+    cold = jaxgdn.generate(replay, [turn2], max_new_tokens=8, cache=cache)
+    assert warm[0].cached_tokens == 64 and cold[0].cached_tokens == 0
+    assert warm[0].tokens == cold[0].tokens
+    assert np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
