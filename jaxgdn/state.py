@@ -101,25 +101,19 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
     for t in config.layer_types:
         if t == LINEAR:
             hv = config.linear_num_value_heads
+            open_x, open_vnew = replay_caches(batch_size, hv, config.linear_value_head_dim) if replay else (None, None)
             layers.append(GDNLayerState(
                 conv=jnp.zeros((batch_size, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim), dtype),
                 recurrent=jnp.zeros((batch_size, hv, config.linear_key_head_dim, config.linear_value_head_dim),
                                     jnp.float32),
                 open_qkv=jnp.zeros((batch_size, CHUNK, config.gdn_conv_dim), dtype) if replay else None,
                 open_gates=jnp.zeros((batch_size, CHUNK, 2, hv), jnp.float32) if replay else None,
-                **_replay_caches(batch_size, hv, config.linear_value_head_dim, replay)))
+                open_x=open_x, open_vnew=open_vnew))
         else:
             shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
             layers.append(AttentionLayerState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype)))
     return ModelState(layers=tuple(layers), position=jnp.zeros((batch_size,), jnp.int32),
                       provenance=jnp.zeros((batch_size,), jnp.int32))
-
-
-def _replay_caches(B: int, HV: int, V: int, replay: bool) -> dict:
-    if not replay:
-        return {}
-    open_x, open_vnew = replay_caches(B, HV, V)
-    return dict(open_x=open_x, open_vnew=open_vnew)
 
 
 def select_rows(state: ModelState, rows) -> ModelState:

@@ -312,10 +312,10 @@ def chunk_replay_prime(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l
     """The caches of `chunk_replay_step` for open chunks a prefill left: lengths[b] (0..63) tokens of q, k, v, g, beta
     ([B,64,...]) after the boundary `state`. Returns (x_cache, vn_cache); zeros on the reference backend."""
     backend = resolve_backend(backend)
-    from .gated_delta.replay import chunk_replay_prime_pallas
-
     if backend == "reference":
         return replay_caches(v.shape[0], v.shape[2], v.shape[3])
+    from .gated_delta.replay import chunk_replay_prime_pallas
+
     kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
     lengths = jnp.asarray(lengths, jnp.int32)
     mesh = _tp_mesh(q.shape[2])

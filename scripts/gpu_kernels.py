@@ -745,7 +745,8 @@ def decode_kernel_loop(nstep):
 def replay_timing():
     """Replay decode at the kernel level: one step = the chunked kernel over the open chunk (64 rows, row b holding
     lengths[b] <= 64 real tokens) from the boundary state, with the in-call checkpoint at 64 (what `jaxgdn`'s replay
-    decode called per GDN layer before the replay step kernel), against the recurrent decode kernel; both as 20 steps in one compiled loop."""
+    decode called per GDN layer before the replay step kernel), against the recurrent decode kernel; both as 20 steps
+    in one compiled loop."""
     nstep = 20
     for B in (64, 256):
         q, k, v, g, beta, s0, lengths = open_chunk_inputs(B, seed=B + 1)
@@ -777,11 +778,10 @@ def replay_timing():
 
 def _open_window(x, start, n):
     """Rows start[b] .. start[b] + 63 of x [B, T, ...] per row, zero from n[b] on (the replay step's open chunk)."""
-    idx = start[:, None] + jnp.arange(64)[None, :]
-    valid = jnp.arange(64)[None, :] < n[:, None]
-    idx = jnp.clip(idx, 0, x.shape[1] - 1).reshape(idx.shape + (1,) * (x.ndim - 2))
-    out = jnp.take_along_axis(x, idx, axis=1)
-    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), out, jnp.zeros((), x.dtype))
+    from jaxgdn.layers.gdn import _gather_rows  # the model's own row gather (its open-chunk splice uses it)
+
+    rows = jnp.arange(64)[None, :]
+    return _gather_rows(x, start[:, None] + rows, rows < n[:, None])
 
 
 def replay_decode_run(x, prompt, steps, rows=None):
