@@ -40,8 +40,7 @@ class GDNLayerState(NamedTuple):
     open_gates: jax.Array | None = None
     # With them, fp32, what the open chunk's tokens computed that a replay step reuses (`pallas_kernels.
     # chunk_replay_step`; zeros on the reference backend, which recomputes the open chunk): the tiled WY inverse's
-    # complete 16-row block rows [B, HV, 64, 64 NVB] (a copy per V block of the kernel's: NVB = V // 64 at V >= 64,
-    # else 1) and their v_new = u - w S rows [B, HV, 64, V]
+    # complete 16-row block rows [B, HV, 64, 64] and their v_new = u - w S rows [B, HV, 64, V]
     open_x: jax.Array | None = None
     open_vnew: jax.Array | None = None
 

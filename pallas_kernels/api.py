@@ -281,7 +281,7 @@ def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, sc
 
     q, k: [B,64,HK,K], v: [B,64,HV,V], g, beta: [B,64,HV]: the open chunk since the last grid boundary with the new
     token last, lengths[b] (1..64) tokens valid (0: the row is left as it is, its output zeros); state: fp32
-    [B,HV,K,V] at that boundary; x_cache [B,HV,64,64 V/bv] (bv = 64 at V >= 64) and vn_cache [B,HV,64,V], fp32:
+    [B,HV,K,V] at that boundary; x_cache [B,HV,64,64] and vn_cache [B,HV,64,V], fp32:
     what the open chunk's earlier tokens computed (`replay_caches`; `chunk_replay_prime` after a prefill). Caches
     are the backend's: the reference backend leaves them zeros, so a state off the grid continues on the backend
     that made it. Returns (o [B,HV,V] of the new token; the state, the new boundary state where lengths == 64; the

@@ -239,7 +239,8 @@ def _worker() -> dict:
                 "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
                 "scan_prefill_logits": diff(np.asarray(lgr)[valid], np.asarray(ref[1])[valid]),
                 "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh)),
-                "replay_shard_maps": jrp.count("shard_map["), "replay_step_in_jaxpr": "gdn_replay_step" in jrp,
+                "replay_shard_maps": jrp.count("shard_map["),
+                "replay_step_in_jaxpr": "gdn_replay_prep" in jrp and "gdn_replay_out" in jrp,
                 "replay_decode_logits": diff(lg_rp, lg_rp1),
                 "replay_state_misplaced": S.check_placement(s_rp, S.state_specs(srp.config, mesh, replay=True))}
 

@@ -6,19 +6,24 @@ Dimension legend as in `reference.py`; C = 64 (the chunk), S = 16 (a block row o
 A row's replay state is the fp32 state S0 at the last 64-token grid boundary, the open chunk's inputs (the caller
 keeps them: q, k, v, g, beta of the n - 1 tokens since the boundary, the new token at row n - 1), and two caches of
 what earlier tokens of the open chunk computed:
-  x_cache  [B, HV, C, C NVB]  fp32  block rows of the tiled inverse X = (I + A)^-1 that are complete (rows < 16 i),
-                                   one copy per V block (NVB = V // bv: `replay_caches`);
+  x_cache  [B, HV, C, C]  fp32  block rows of the tiled inverse X = (I + A)^-1 that are complete (rows < 16 i);
   vn_cache [B, HV, C, V]  fp32  v_new = u - w S0 of those rows.
-The step for the token at row t (block row i = t // 16) recomputes block row i of the prefill's prep — its
-diagonal tile by substitution, its merged tiles from the cached block rows above it (`wy.merged_block_row`), its
-w and u rows (`chunk._wy_block_row`) — then v_new of those rows (`chunk._v_new`, the 64-row dot with S0), the output
-rows (`chunk._out_rows`: q k^T, qg S0 and Aqk v_new as 64-row dots) and keeps row t. When block row i completes
-(t = 16 i + 15) its X tiles and v_new rows go into the caches; when the chunk completes (t = 63) the new boundary
-state is `chunk._next_state` of the whole chunk, written over S0 (`input_output_aliases`; otherwise S0 is not written),
-and the caches are cleared, so that they hold exactly what `prime` leaves for the same tokens.
+The step for the token at row t (block row i = t // 16) runs two kernels:
+  1. `gdn_replay_prep`, grid (HV, B): block row i of the prefill's prep — its diagonal tile by substitution, its
+     merged tiles from the cached block rows above it (`wy.merged_block_row`), its w and u rows
+     (`chunk._wy_block_row`), written out as the prefill's prep kernel writes them (w in `_wk_dtype`, u fp32);
+  2. `gdn_replay_out`, grid (V // bv, HV, B): v_new of those rows (`chunk._v_new`, the 64-row dot with S0), the
+     output rows (`chunk._out_rows`: q k^T, qg S0 and Aqk v_new as 64-row dots), of which it keeps row t.
+When block row i completes (t = 16 i + 15) its X tiles (kernel 1) and v_new rows (kernel 2) go into the caches; when
+the chunk completes (t = 63) the new boundary state is `chunk._next_state` of the whole chunk, written over S0
+(`input_output_aliases`; otherwise S0 is not written), and the caches are cleared, so that they hold exactly what
+`prime` leaves for the same tokens.
 
-Grid (V // bv, HV, B): each program takes one V block of the recurrence's width `bv` (64 at V = 128) and recomputes
-the V-independent part (the inverse's block row, w) itself.
+The split follows the prefill's own (prep kernel; recurrence and output kernels): kernel 1 is V-independent but for
+u and runs once per value head, with the prefill prep's warps; kernel 2 runs per V block of the recurrence's width
+`bv` (64 at V = 128) with the recurrence's and output's warps (they must be equal). One kernel doing both (before
+2026-11-30's run 39) recomputed the prep in every V block's program and spilled registers (255 and 516 spill stores
+by ptxas; now 159 and none for kernel 1).
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill on the same tile
 shapes with the same launch (4 warps), and the chunked kernels are row-causal bit for bit (a row's results do not
@@ -63,12 +68,17 @@ def _placed_vector(slices: list):
     return _placed({b: x[:, None] for b, x in enumerate(slices)}, 1)[:, 0]
 
 
-def _step_block_row(i, n, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, x_ref, vn_ref, o_ref, s_out, x_out, vn_out, *,
-                    scale, use_l2, wk_dtype, cfg, interpret):
-    """The step for a token at row t = n - 1 of block row i (static)."""
+def _placed_at(i, tile, n_cols: int, dtype=jnp.float32):
+    """[S, n] -> [C, n] with the tile at rows 16 i .. 16 i + 15 (i traced) and zeros elsewhere (exact: a select)."""
+    row_block = lax.broadcasted_iota(jnp.int32, (NB, SUB, n_cols), 0)
+    return jnp.where(row_block == i, jnp.broadcast_to(tile[None].astype(dtype), (NB, SUB, n_cols)),
+                     jnp.zeros((NB, SUB, n_cols), dtype)).reshape(CHUNK, n_cols)
+
+
+def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, *, use_l2, wk_dtype, cfg,
+                    interpret):
+    """Kernel 1 for a token at row t = n - 1 of block row i (static): rows 16 i .. 16 i + 15 of w and u."""
     t = n - 1
-    K = k_ref.shape[-1]
-    V = v_ref.shape[-1]
     ks, gcs, betas, valids = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
     # block row i of the tiled inverse: the diagonal tile by substitution, the rest merged from the cached rows above
     x = {(i, i): wy.diag_tiles_by_substitution([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0]}
@@ -79,50 +89,77 @@ def _step_block_row(i, n, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, x_ref, vn
         x.update(wy.merged_block_row(i, ks, gcs, betas, x, cfg, interpret))
     bks, bvs = ck._wy_rhs_slices(ks, gcs, betas, valids, v_ref)
     w, u = ck._wy_block_row(i, x, bks, bvs, cfg, interpret)
-    w64 = _placed({i: w.astype(wk_dtype)}, K, wk_dtype)  # as the recurrence reads w: stored in `_wk_dtype`
-    u64 = _placed({i: u}, V)
-    rows = lax.broadcasted_iota(jnp.int32, (CHUNK, V), 0)
-    cached = jnp.where(rows < i * SUB, vn_ref[...], 0.0)  # v_new of the complete block rows above
-    s0 = s_ref[...]  # [K, V] of this program's V block
-    v_new = ck._v_new(u64, w64, s0, cfg, interpret)
-    in_row = (rows >= i * SUB) & (rows < (i + 1) * SUB)
-    vn64 = jnp.where(in_row, v_new, cached)  # rows below block row i: zeros (their tokens are padding)
-    ht, vt = ck._transposed(cfg)
-    valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
-    o = ck._out_rows(valid, q_ref, k_ref, _placed_vector(gcs), s0.T if ht else s0, vn64.T if vt else vn64,
-                     scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret)
-    # row t: every other term -0.0, which leaves any value (a signed zero included) as it is, in any order
-    o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
+    w_out[...] = w.astype(wk_dtype)  # as the prefill's prep kernel stores w (`_wk_dtype`) for the recurrence
+    u_out[...] = u
 
     if i < NB - 1:
-        @pl.when(t == (i + 1) * SUB - 1)  # block row i is complete: cache its tiles and v_new rows
+        @pl.when(t == (i + 1) * SUB - 1)  # block row i is complete: cache its tiles
         def _():
-            for m in range(i + 1):  # this V block's copy: no program reads what another writes
+            for m in range(i + 1):
                 x_out[pl.ds(i * SUB, SUB), pl.ds(m * SUB, SUB)] = x[i, m]
-
-            vn_out[...] = vn64
     else:
-        @pl.when(t == CHUNK - 1)  # the chunk is complete: the new boundary state, as the recurrence computes it
-        def _():
-            g_last = wy.last(gcs[-1])
-            kd64 = _placed({b: ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype) for b in range(NB)}, K, wk_dtype)
-            s_out[...] = ck._next_state(s0, g_last, kd64, vn64, cfg, interpret)
-            x_out[...] = jnp.zeros(x_out.shape, jnp.float32)  # the next chunk starts empty: caches as `prime` leaves
-            vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)  # them, so a state is a function of its tokens
+        @pl.when(t == CHUNK - 1)  # the chunk is complete: the next one starts empty (the caches as `prime` leaves
+        def _():  # them, so that a state is a function of its tokens)
+            x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
 
 
-def _step_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, x_ref, vn_ref, o_ref, s_out, x_out, vn_out,
-                 **kw):
+def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw):
+    """Kernel 1, grid (HV, B): the new token's block row of the prefill's prep (V-independent but for u)."""
     n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do)
+
+    @pl.when(n == 0)
+    def _():
+        w_out[...] = jnp.zeros(w_out.shape, w_out.dtype)
+        u_out[...] = jnp.zeros(u_out.shape, u_out.dtype)
+
+    for i in range(NB):
+        pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
+            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw))
+
+
+def _out_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, s_ref, vn_ref, o_ref, s_out, vn_out, *,
+                     scale, use_l2, cfg, interpret):
+    """Kernel 2, grid (V // bv, HV, B): v_new of the block row, the new token's output and, at the chunk's end, the
+    boundary state, for one V block."""
+    n = len_ref[0]
 
     @pl.when(n == 0)
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    for i in range(NB):
-        pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
-            _step_block_row, i, n, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, x_ref, vn_ref, o_ref, s_out, x_out,
-            vn_out, **kw))
+    @pl.when(n > 0)
+    def _():
+        t = n - 1
+        i = t // SUB  # the new token's block row (traced: the placement below is a select, exact for any i)
+        K, V = k_ref.shape[-1], u_ref.shape[-1]
+        _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
+        w64 = _placed_at(i, w_ref[...], K, w_ref.dtype)
+        u64 = _placed_at(i, u_ref[...], V)
+        rows = lax.broadcasted_iota(jnp.int32, (CHUNK, V), 0)
+        cached = jnp.where(rows < i * SUB, vn_ref[...], 0.0)  # v_new of the complete block rows above
+        s0 = s_ref[...]  # [K, V] of this program's V block
+        v_new = ck._v_new(u64, w64, s0, cfg, interpret)
+        in_row = (rows >= i * SUB) & (rows < (i + 1) * SUB)
+        vn64 = jnp.where(in_row, v_new, cached)  # rows below block row i: zeros (their tokens are padding)
+        ht, vt = ck._transposed(cfg)
+        valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
+        o = ck._out_rows(valid, q_ref, k_ref, _placed_vector(gcs), s0.T if ht else s0, vn64.T if vt else vn64,
+                         scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret)
+        # row t: every other term -0.0, which leaves any value (a signed zero included) as it is, in any order
+        o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
+
+        @pl.when((t % SUB == SUB - 1) & (t < CHUNK - 1))  # a block row is complete: cache its v_new rows
+        def _():
+            vn_out[...] = vn64
+
+        @pl.when(t == CHUNK - 1)  # the chunk is complete: the new boundary state, as the recurrence computes it
+        def _():
+            ks, gcs_, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
+            g_last = wy.last(gcs_[-1])
+            kd64 = _placed({b: ck._kd_slice(ks[b], gcs_[b], g_last).astype(w_ref.dtype) for b in range(NB)}, K,
+                           w_ref.dtype)
+            s_out[...] = ck._next_state(s0, g_last, kd64, vn64, cfg, interpret)
+            vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config"))
@@ -133,39 +170,58 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     cfg = ck._checked_config(config, V)
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
-    if not cfg["warps_prep"] == cfg["warps_state"] == cfg["warps_out"]:
-        raise ValueError("the replay step runs the prep, recurrence and output arithmetic in one kernel: it needs "
-                         "warps_prep == warps_state == warps_out (an MMA's bits depend on the warps sharing it)")
+    if cfg["warps_state"] != cfg["warps_out"]:
+        raise ValueError("the replay step's second kernel runs the recurrence's and the output's arithmetic: it needs "
+                         "warps_state == warps_out (an MMA's bits depend on the warps sharing it)")
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
     bv = min(cfg["bv"], V)  # V block: the recurrence's (its v_new dot and state update, taken the same way)
 
-    def head(*tail):  # a per-(row, value head) array [B, HV, *tail], whole
-        return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * len(tail))
+    def head(*tail):  # a per-(row, value head) array [B, HV, *tail], whole (grid (HV, B))
+        return pl.BlockSpec((None, None) + tail, lambda h, b: (b, h) + (0,) * len(tail))
 
-    def cols(*tail):  # the same, its last axis in this program's V block
+    def cols(*tail):  # the same, its last axis in this program's V block (grid (V // bv, HV, B))
         return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * (len(tail) - 1) + (j,))
 
+    # kernel 1, grid (HV, B)
+    w16, u16, x_cache = pl.pallas_call(
+        functools.partial(_prep_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
+        grid=(HV, B),
+        in_specs=[pl.BlockSpec((1,), lambda h, b: (b,)),
+                  pl.BlockSpec((None, CHUNK, None, K), lambda h, b: (b, 0, h // G, 0)),
+                  pl.BlockSpec((None, CHUNK, None, V), lambda h, b: (b, 0, h, 0)),
+                  pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h)),
+                  pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h)),
+                  head(CHUNK, CHUNK)],
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), wk_dtype), jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)],
+        input_output_aliases={5: 2},
+        compiler_params=ck._triton_params(cfg["warps_prep"], 1),
+        interpret=interpret,
+        name="gdn_replay_prep",
+    )(lengths, k, v, g, beta, x_cache)
+
+    # kernel 2, grid (V // bv, HV, B)
     key = pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0))
-    value = pl.BlockSpec((None, CHUNK, None, bv), lambda j, h, b: (b, 0, h, j))
     token = pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h))
-    o, state, x_cache, vn_cache = pl.pallas_call(
-        functools.partial(_step_kernel, scale=scale, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
-                          interpret=interpret),
+    o, state, vn_cache = pl.pallas_call(
+        functools.partial(_out_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
-        in_specs=[pl.BlockSpec((1,), lambda j, h, b: (b,)), key, key, value, token, token, cols(K, bv),
-                  cols(CHUNK, CHUNK), cols(CHUNK, bv)],
-        out_specs=[cols(bv), cols(K, bv), cols(CHUNK, CHUNK), cols(CHUNK, bv)],
+        in_specs=[pl.BlockSpec((1,), lambda j, h, b: (b,)), key, key, token, token,
+                  pl.BlockSpec((None, None, SUB, K), lambda j, h, b: (b, h, 0, 0)), cols(SUB, bv), cols(K, bv),
+                  cols(CHUNK, bv)],
+        out_specs=[cols(bv), cols(K, bv), cols(CHUNK, bv)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
-        input_output_aliases={6: 1, 7: 2, 8: 3},
+                   jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
+        input_output_aliases={7: 1, 8: 2},
         compiler_params=ck._triton_params(cfg["warps_out"], 1),
         interpret=interpret,
-        name="gdn_replay_step",
-    )(lengths, q, k, v, g, beta, state, x_cache, vn_cache)
+        name="gdn_replay_out",
+    )(lengths, q, k, g, beta, w16, u16, state, vn_cache)
     return o, state, x_cache, vn_cache
 
 
-def _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale, config):
+def _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale):
     if q.ndim != 4 or k.shape != q.shape or q.shape[1] != CHUNK or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"expected the open chunk: q, k [B,{CHUNK},HK,K] and v [B,{CHUNK},HV,V]; got {q.shape}, "
                          f"{k.shape}, {v.shape}")
@@ -174,8 +230,7 @@ def _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale, config)
     if HV % HK:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
     want = {"g": (g.shape, (B, CHUNK, HV)), "beta": (beta.shape, (B, CHUNK, HV)), "state": (state.shape, (B, HV, K, V)),
-            "x_cache": (x_cache.shape, _x_cache_shape(B, HV, V, config)),
-            "vn_cache": (vn_cache.shape, (B, HV, CHUNK, V)),
+            "x_cache": (x_cache.shape, (B, HV, CHUNK, CHUNK)), "vn_cache": (vn_cache.shape, (B, HV, CHUNK, V)),
             "lengths": (jnp.shape(lengths), (B,))}
     for name, (got, shape) in want.items():
         if tuple(got) != shape:
@@ -185,15 +240,10 @@ def _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale, config)
     return float(K**-0.5 if scale is None else scale)
 
 
-def _x_cache_shape(B: int, HV: int, V: int, config=None) -> tuple:
-    bv = min(ck._checked_config(config, V)["bv"], V)
-    return B, HV, CHUNK, CHUNK * (V // bv)
-
-
-def replay_caches(B: int, HV: int, V: int, config=None):
-    """Empty caches for rows whose open chunk is empty: x_cache [B, HV, C, C (V // bv)] (the tiles, one copy per V
-    block of the configuration's `bv`) and vn_cache [B, HV, C, V], fp32."""
-    return jnp.zeros(_x_cache_shape(B, HV, V, config), jnp.float32), jnp.zeros((B, HV, CHUNK, V), jnp.float32)
+def replay_caches(B: int, HV: int, V: int):
+    """Empty caches for rows whose open chunk is empty: x_cache [B, HV, C, C] (the inverse's tiles) and vn_cache
+    [B, HV, C, V], fp32."""
+    return jnp.zeros((B, HV, CHUNK, CHUNK), jnp.float32), jnp.zeros((B, HV, CHUNK, V), jnp.float32)
 
 
 def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale=None, use_qk_l2norm=True,
@@ -207,7 +257,7 @@ def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths
     Returns (o [B, HV, V] of the new token, in v.dtype; state: the new boundary state where lengths == 64, else the
     same; x_cache, vn_cache updated). The state and caches are updated in place when the caller donates them.
     """
-    scale = _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale, config)
+    scale = _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale)
     config = None if config is None else tuple(sorted(dict(config).items()))
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
     return _step_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32),
@@ -229,4 +279,4 @@ def chunk_replay_prime_pallas(q, k, v, g, beta, state, lengths, *, scale=None, u
                                         use_qk_l2norm=use_qk_l2norm, interpret=interpret, config=config)[2:]
 
     # a loop, not three calls: one kernel to compile
-    return lax.fori_loop(1, NB, complete_block_row, replay_caches(B, HV, V, config))
+    return lax.fori_loop(1, NB, complete_block_row, replay_caches(B, HV, V))
