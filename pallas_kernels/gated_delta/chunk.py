@@ -88,6 +88,8 @@ from .wy import CHUNK
 # 1.80 against 2.19 ms, (1, 32768, 16, 32) 6.92-6.99 against 8.30-8.34 (runs 14-15); at (8, 4096) the same setting
 # was 2% slower, hence the rule.
 # The bits do not depend on it (`_recurrence_blocks`).
+# bv_replay: the V block of the replay step's last kernel (`replay.py`: its v_new, output and state dots); the
+# prefill does not read it, and the bits do not depend on it (an MMA element does not depend on the instruction's N).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -95,7 +97,7 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True,
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64,
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -315,11 +317,21 @@ def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, u
 
 
 def _out_rows(valid, q_ref, k_ref, gc, h, vn, *, scale, use_l2, cfg, interpret):
-    """o = qg S_c + Aqk v_new of one chunk [C, BVO] in fp32, h and vn in the layouts `_transposed(cfg)` names (shared
-    with the replay step, `replay.py`)."""
+    """o = qg S_c + Aqk v_new of one chunk [C, BVO] in fp32, h and vn in the layouts `_transposed(cfg)` names."""
+    aqk, qg = _intra_rows(valid, q_ref, k_ref, gc, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret)
+    return _out_dots(aqk, qg, h, vn, cfg, interpret)
+
+
+def _intra_rows(valid, q_ref, k_ref, gc, *, scale, use_l2, cfg, interpret):
+    """The output's V-independent part of one chunk: Aqk [C, C] and qg [C, K] (`wy.intra`) from the inputs (shared
+    with the replay step, `replay.py`, which computes it once per value head)."""
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
-    aqk, qg = wy.intra(q, k, gc, cfg, interpret)
+    return wy.intra(q, k, gc, cfg, interpret)
+
+
+def _out_dots(aqk, qg, h, vn, cfg, interpret):
+    """o = qg S_c + Aqk v_new [C, BVO] (shared with the replay step)."""
     ht, vt = _transposed(cfg)  # stored transposed: the dots' second operands in the K-major order TF32 needs
     return (wy.dot(qg, h, cfg["p_qs"], interpret, trans_b=ht)
             + wy.dot(aqk, vn, cfg["p_av"], interpret, trans_b=vt))
@@ -334,7 +346,7 @@ def _transposed(cfg) -> tuple[bool, bool]:
 def _checked_config(config, V: int) -> dict:
     """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
     cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
-                        blocks={"bv": V, "bv_out": V, "bv_small": V},
+                        blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_replay": V},
                         extra=("only_prep", "stop_after"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")

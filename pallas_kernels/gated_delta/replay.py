@@ -8,27 +8,27 @@ keeps them: q, k, v, g, beta of the n - 1 tokens since the boundary, the new tok
 what earlier tokens of the open chunk computed:
   x_cache  [B, HV, C, C]  fp32  block rows of the tiled inverse X = (I + A)^-1 that are complete (rows < 16 i);
   vn_cache [B, HV, C, V]  fp32  v_new = u - w S0 of those rows.
-The step for the token at row t (block row i = t // 16) runs two kernels:
-  1. `gdn_replay_prep`, grid (HV, B): block row i of the prefill's prep — its diagonal tile by substitution, its
-     merged tiles from the cached block rows above it (`wy.merged_block_row`), its w and u rows
-     (`chunk._wy_block_row`), written out as the prefill's prep kernel writes them (w in `_wk_dtype`, u fp32);
-  2. `gdn_replay_out`, grid (V // bv, HV, B): v_new of those rows (`chunk._v_new`, the 64-row dot with S0), the
-     output rows (`chunk._out_rows`: q k^T, qg S0 and Aqk v_new as 64-row dots), of which it keeps row t.
-When block row i completes (t = 16 i + 15) its X tiles (kernel 1) and v_new rows (kernel 2) go into the caches; when
+The step for the token at row t (block row i = t // 16) runs three kernels, split as the prefill splits its own:
+  1. `gdn_replay_prep`, grid (HV, B), the prefill prep's warps: block row i of the prep — its diagonal tile by
+     substitution, its merged tiles from the cached block rows above it (`wy.merged_block_row`), its w and u rows
+     (`chunk._wy_block_row`), written out as the prefill's prep kernel writes them (w in `_wk_dtype`, u fp32), and
+     kd where the chunk completes;
+  2. `gdn_replay_intra`, grid (HV, B), the output kernel's warps: Aqk and qg (`chunk._intra_rows`, 64-row as in
+     the prefill's output kernel), of which it writes block row i;
+  3. `gdn_replay_out`, grid (V // bv_replay, HV, B), the recurrence's and output kernel's warps (they must be
+     equal): v_new of block row i (`chunk._v_new`, the 64-row dot with S0, the rows placed among zeros), the output
+     rows (`chunk._out_dots`, 64-row dots), of which it keeps row t.
+When block row i completes (t = 16 i + 15) its X tiles (kernel 1) and v_new rows (kernel 3) go into the caches; when
 the chunk completes (t = 63) the new boundary state is `chunk._next_state` of the whole chunk, written over S0
 (`input_output_aliases`; otherwise S0 is not written), and the caches are cleared, so that they hold exactly what
-`prime` leaves for the same tokens.
-
-The split follows the prefill's own (prep kernel; recurrence and output kernels): kernel 1 is V-independent but for
-u and runs once per value head, with the prefill prep's warps; kernel 2 runs per V block of the recurrence's width
-`bv` (64 at V = 128) with the recurrence's and output's warps (they must be equal). One kernel doing both (before
-2026-11-30's run 39) recomputed the prep in every V block's program and spilled registers (255 and 516 spill stores
-by ptxas; now 159 and none for kernel 1).
+`prime` leaves for the same tokens. Only the V-dependent part runs per V block; one kernel doing everything (before
+2026-11-30's runs 39-40) recomputed the prep and q k^T in every V block's program and spilled registers (255 and
+516 spill stores by ptxas; now 216 / 225 / 255 with none / none / 20).
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill on the same tile
-shapes with the same launch (4 warps), and the chunked kernels are row-causal bit for bit (a row's results do not
+shapes with the same warps, and the chunked kernels are row-causal bit for bit (a row's results do not
 depend on later rows, which are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU
-script checks). The output kernel's dots run on V blocks of 128 in the prefill and of `bv` here: on the GPU an MMA
+script checks). The output kernel's dots run on V blocks of 128 in the prefill and of `bv_replay` here: on the GPU an MMA
 element does not depend on the instruction's N (BENCHMARKS.md, runs 6, 21 and 37); in interpret mode XLA:CPU's dots
 gave the same bits for N = 64 and 128 in the V = 128 test (an observation about XLA:CPU, not a rule; the other
 tests' V of 16 and 32 is one block for both). On the GPU the equality is a property of the compiled code,
@@ -75,8 +75,8 @@ def _placed_at(i, tile, n_cols: int, dtype=jnp.float32):
                      jnp.zeros((NB, SUB, n_cols), dtype)).reshape(CHUNK, n_cols)
 
 
-def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, *, use_l2, wk_dtype, cfg,
-                    interpret):
+def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, *, use_l2, wk_dtype,
+                    cfg, interpret):
     """Kernel 1 for a token at row t = n - 1 of block row i (static): rows 16 i .. 16 i + 15 of w and u."""
     t = n - 1
     ks, gcs, betas, valids = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
@@ -98,12 +98,15 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
             for m in range(i + 1):
                 x_out[pl.ds(i * SUB, SUB), pl.ds(m * SUB, SUB)] = x[i, m]
     else:
-        @pl.when(t == CHUNK - 1)  # the chunk is complete: the next one starts empty (the caches as `prime` leaves
-        def _():  # them, so that a state is a function of its tokens)
+        @pl.when(t == CHUNK - 1)  # the chunk is complete: kd for the boundary state (as the prefill's prep writes
+        def _():  # it), and the next chunk starts empty (caches as `prime` leaves them: a state is its tokens')
+            g_last = wy.last(gcs[-1])
+            for b in range(NB):
+                kd_out[pl.ds(b * SUB, SUB), :] = ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)
             x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
 
 
-def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw):
+def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, **kw):
     """Kernel 1, grid (HV, B): the new token's block row of the prefill's prep (V-independent but for u)."""
     n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do)
 
@@ -114,12 +117,31 @@ def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_ou
 
     for i in range(NB):
         pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
-            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw))
+            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, **kw))
 
 
-def _out_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, s_ref, vn_ref, o_ref, s_out, vn_out, *,
-                     scale, use_l2, cfg, interpret):
-    """Kernel 2, grid (V // bv, HV, B): v_new of the block row, the new token's output and, at the chunk's end, the
+def _block_row(x, i):
+    """Rows 16 i .. 16 i + 15 of x [C, n] (i traced): the other block rows summed in as -0.0, exact in any order."""
+    row_block = lax.broadcasted_iota(jnp.int32, (NB, SUB, x.shape[-1]), 0)
+    return jnp.sum(jnp.where(row_block == i, x.reshape(NB, SUB, x.shape[-1]), -0.0), axis=0)
+
+
+def _intra_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, aqk_out, qg_out, *, scale, use_l2, cfg, interpret):
+    """Kernel 2, grid (HV, B): the output's V-independent part (`chunk._intra_rows`: Aqk and qg, 64-row as in the
+    prefill's output kernel, with its warps), of which it keeps the new token's block row."""
+    n = len_ref[0]
+    i = jnp.maximum(n - 1, 0) // SUB
+    _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
+    valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
+    aqk, qg = ck._intra_rows(valid, q_ref, k_ref, _placed_vector(gcs), scale=scale, use_l2=use_l2, cfg=cfg,
+                             interpret=interpret)
+    aqk_out[...] = _block_row(aqk, i)
+    qg_out[...] = _block_row(qg, i)
+
+
+def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_ref, kd_ref, s_ref, vn_ref, o_ref,
+                     s_out, vn_out, *, cfg, interpret):
+    """Kernel 3, grid (V // bv, HV, B): v_new of the block row, the new token's output and, at the chunk's end, the
     boundary state, for one V block."""
     n = len_ref[0]
 
@@ -130,9 +152,8 @@ def _out_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, s_ref
     @pl.when(n > 0)
     def _():
         t = n - 1
-        i = t // SUB  # the new token's block row (traced: the placement below is a select, exact for any i)
-        K, V = k_ref.shape[-1], u_ref.shape[-1]
-        _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
+        i = t // SUB  # the new token's block row (traced: the placements below are selects, exact for any i)
+        K, V = w_ref.shape[-1], u_ref.shape[-1]
         w64 = _placed_at(i, w_ref[...], K, w_ref.dtype)
         u64 = _placed_at(i, u_ref[...], V)
         rows = lax.broadcasted_iota(jnp.int32, (CHUNK, V), 0)
@@ -142,9 +163,8 @@ def _out_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, s_ref
         in_row = (rows >= i * SUB) & (rows < (i + 1) * SUB)
         vn64 = jnp.where(in_row, v_new, cached)  # rows below block row i: zeros (their tokens are padding)
         ht, vt = ck._transposed(cfg)
-        valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
-        o = ck._out_rows(valid, q_ref, k_ref, _placed_vector(gcs), s0.T if ht else s0, vn64.T if vt else vn64,
-                         scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret)
+        o = ck._out_dots(_placed_at(i, aqk_ref[...], CHUNK), _placed_at(i, qg_ref[...], K), s0.T if ht else s0,
+                         vn64.T if vt else vn64, cfg, interpret)
         # row t: every other term -0.0, which leaves any value (a signed zero included) as it is, in any order
         o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
 
@@ -154,11 +174,8 @@ def _out_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, s_ref
 
         @pl.when(t == CHUNK - 1)  # the chunk is complete: the new boundary state, as the recurrence computes it
         def _():
-            ks, gcs_, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
-            g_last = wy.last(gcs_[-1])
-            kd64 = _placed({b: ck._kd_slice(ks[b], gcs_[b], g_last).astype(w_ref.dtype) for b in range(NB)}, K,
-                           w_ref.dtype)
-            s_out[...] = ck._next_state(s0, g_last, kd64, vn64, cfg, interpret)
+            _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, False, start=0)
+            s_out[...] = ck._next_state(s0, wy.last(gcs[-1]), kd_ref[...], vn64, cfg, interpret)
             vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
 
 
@@ -171,10 +188,10 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
     if cfg["warps_state"] != cfg["warps_out"]:
-        raise ValueError("the replay step's second kernel runs the recurrence's and the output's arithmetic: it needs "
+        raise ValueError("the replay step's last kernel runs the recurrence's and the output's dots: it needs "
                          "warps_state == warps_out (an MMA's bits depend on the warps sharing it)")
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
-    bv = min(cfg["bv"], V)  # V block: the recurrence's (its v_new dot and state update, taken the same way)
+    bv = min(cfg["bv_replay"], V)  # the last kernel's V block (its dots' bits do not depend on it: N)
 
     def head(*tail):  # a per-(row, value head) array [B, HV, *tail], whole (grid (HV, B))
         return pl.BlockSpec((None, None) + tail, lambda h, b: (b, h) + (0,) * len(tail))
@@ -182,42 +199,60 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     def cols(*tail):  # the same, its last axis in this program's V block (grid (V // bv, HV, B))
         return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * (len(tail) - 1) + (j,))
 
-    # kernel 1, grid (HV, B)
-    w16, u16, x_cache = pl.pallas_call(
+    key = pl.BlockSpec((None, CHUNK, None, K), lambda h, b: (b, 0, h // G, 0))
+    token = pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h))
+    length = pl.BlockSpec((1,), lambda h, b: (b,))
+
+    # kernel 1, grid (HV, B): the block row of the prep
+    w16, u16, x_cache, kd = pl.pallas_call(
         functools.partial(_prep_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
         grid=(HV, B),
-        in_specs=[pl.BlockSpec((1,), lambda h, b: (b,)),
-                  pl.BlockSpec((None, CHUNK, None, K), lambda h, b: (b, 0, h // G, 0)),
-                  pl.BlockSpec((None, CHUNK, None, V), lambda h, b: (b, 0, h, 0)),
-                  pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h)),
-                  pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h)),
+        in_specs=[length, key, pl.BlockSpec((None, CHUNK, None, V), lambda h, b: (b, 0, h, 0)), token, token,
                   head(CHUNK, CHUNK)],
-        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)],
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK), head(CHUNK, K)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), wk_dtype), jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
-                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype)],  # written where the chunk completes
         input_output_aliases={5: 2},
         compiler_params=ck._triton_params(cfg["warps_prep"], 1),
         interpret=interpret,
         name="gdn_replay_prep",
     )(lengths, k, v, g, beta, x_cache)
 
-    # kernel 2, grid (V // bv, HV, B)
-    key = pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0))
-    token = pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h))
+    # kernel 2, grid (HV, B): the block row of Aqk and qg
+    aqk16, qg16 = pl.pallas_call(
+        functools.partial(_intra_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
+        grid=(HV, B),
+        in_specs=[length, key, key, token, token],
+        out_specs=[head(SUB, CHUNK), head(SUB, K)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, CHUNK), jnp.float32),
+                   jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32)],
+        compiler_params=ck._triton_params(cfg["warps_out"], 1),
+        interpret=interpret,
+        name="gdn_replay_intra",
+    )(lengths, q, k, g, beta)
+
+    # kernel 3, grid (V // bv, HV, B): v_new, the output row, the boundary state
+    def whole(*tail):  # [B, HV, *tail] whole, in a program of grid (V // bv, HV, B)
+        return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * len(tail))
+
     o, state, vn_cache = pl.pallas_call(
-        functools.partial(_out_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
+        functools.partial(_out_step_kernel, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
-        in_specs=[pl.BlockSpec((1,), lambda j, h, b: (b,)), key, key, token, token,
-                  pl.BlockSpec((None, None, SUB, K), lambda j, h, b: (b, h, 0, 0)), cols(SUB, bv), cols(K, bv),
+        in_specs=[pl.BlockSpec((1,), lambda j, h, b: (b,)),
+                  pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0)),
+                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)),
+                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)),
+                  whole(SUB, K), cols(SUB, bv), whole(SUB, CHUNK), whole(SUB, K), whole(CHUNK, K), cols(K, bv),
                   cols(CHUNK, bv)],
         out_specs=[cols(bv), cols(K, bv), cols(CHUNK, bv)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
-        input_output_aliases={7: 1, 8: 2},
+        input_output_aliases={9: 1, 10: 2},
         compiler_params=ck._triton_params(cfg["warps_out"], 1),
         interpret=interpret,
         name="gdn_replay_out",
-    )(lengths, q, k, g, beta, w16, u16, state, vn_cache)
+    )(lengths, k, g, beta, w16, u16, aqk16, qg16, kd, state, vn_cache)
     return o, state, x_cache, vn_cache
 
 
