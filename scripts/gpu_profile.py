@@ -8,7 +8,12 @@
       --section LaunchStats --section Occupancy --section WarpStateStats \
       python3 scripts/gpu_profile.py --kernel chunk --shape 8,4096,16,32
 
-(--launch-skip / --launch-count 3: the default's three kernels; prep_kernels=2 launches four, the fused design two.)
+  # the replay step's three kernels (`pallas_kernels.gated_delta.replay`: prep, intra, out), B rows at mixed phases
+  PYTHONPATH=. ncu --kernel-name regex:gdn_replay --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy python3 scripts/gpu_profile.py --kernel replay --shape 64,64,16,32
+
+(--launch-skip / --launch-count 3: the default's three kernels; prep_kernels=2 launches four, the fused design two.
+The replay step: T is the open chunk (64); lengths 1..64 at random.)
 Runs the kernel(s) twice on random Qwen3.5-shaped inputs (the first call compiles and warms up; profile the second)
 and prints the wall time of a third call, so the profile can be matched to a timing.
 """
@@ -23,9 +28,21 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
 from pallas_kernels.gated_delta.scan import fused_recurrent_gated_delta_rule_pallas
 
-KERNELS = {"scan": fused_recurrent_gated_delta_rule_pallas, "chunk": chunk_gated_delta_rule_pallas}
+
+def replay_step(q, k, v, g, beta, *, config):
+    """One replay step over open chunks of random lengths 1..64 from a random boundary state, empty caches (the
+    timing of a step does not depend on the caches' values)."""
+    B, _, HV, V = v.shape
+    s0 = jax.random.normal(jax.random.PRNGKey(1), (B, HV, k.shape[-1], V), jnp.float32) * 0.1
+    lengths = jax.random.randint(jax.random.PRNGKey(2), (B,), 1, 65)
+    return chunk_replay_step_pallas(q, k, v, g, beta, s0, *replay_caches(B, HV, V), lengths, config=config)
+
+
+KERNELS = {"scan": fused_recurrent_gated_delta_rule_pallas, "chunk": chunk_gated_delta_rule_pallas,
+           "replay": replay_step}
 
 
 def main():
