@@ -79,7 +79,9 @@ from .wy import CHUNK
 # Run 4: prep_kernels=2 (the inverse in its own kernel) took 2.23 + 6.08 ms against 2.42 + 7.19 ms, as accurate.
 # Runs 24-25: the tiled inverse in one prep kernel, then fp16 w / kd: 1.31 + 4.41 ms against 1.80 + 6.01 (run 22's
 # default), as accurate (states <= 8e-4 of the oracle).
-# Benchmark-only keys: only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
+# Benchmark-only keys: warps_replay=n or (prep, intra, out) launches the replay step's three kernels with other warps
+# than the prefill's (whether the bits survive is for the GPU checks to say: `gpu_kernels.py --only replay_step`);
+# only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="inverse" (prep_kernels=2) returns after the inverse kernel; stop_after="state" (split design) returns
 # after the recurrence kernel (h, v_new, final state; with states_t, h and / or v_new in their transposed layouts).
 # Small grids (split design): when the recurrence's grid (V // bv, HV, B) has at most `small_grid` programs (132:
@@ -347,7 +349,7 @@ def _checked_config(config, V: int) -> dict:
     """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
     cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
                         blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_replay": V},
-                        extra=("only_prep", "stop_after"))
+                        extra=("only_prep", "stop_after", "warps_replay"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
     if cfg["inv"] not in ("tiled", "block16", "doubling", "fwd64"):

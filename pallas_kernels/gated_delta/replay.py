@@ -190,6 +190,9 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["warps_state"] != cfg["warps_out"]:
         raise ValueError("the replay step's last kernel runs the recurrence's and the output's dots: it needs "
                          "warps_state == warps_out (an MMA's bits depend on the warps sharing it)")
+    # benchmark-only: other warps than the prefill's, (prep, intra, out) or one for all (`chunk.DEFAULT_CONFIG`'s notes)
+    wr = cfg.get("warps_replay") or (cfg["warps_prep"], cfg["warps_out"], cfg["warps_out"])
+    warps_prep, warps_intra, warps_out = (wr,) * 3 if isinstance(wr, int) else tuple(wr)
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
     bv = min(cfg["bv_replay"], V)  # the last kernel's V block (its dots' bits do not depend on it: N)
 
@@ -214,7 +217,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
                    jax.ShapeDtypeStruct(x_cache.shape, jnp.float32),
                    jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype)],  # written where the chunk completes
         input_output_aliases={5: 2},
-        compiler_params=ck._triton_params(cfg["warps_prep"], 1),
+        compiler_params=ck._triton_params(warps_prep, 1),
         interpret=interpret,
         name="gdn_replay_prep",
     )(lengths, k, v, g, beta, x_cache)
@@ -227,7 +230,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         out_specs=[head(SUB, CHUNK), head(SUB, K)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, CHUNK), jnp.float32),
                    jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32)],
-        compiler_params=ck._triton_params(cfg["warps_out"], 1),
+        compiler_params=ck._triton_params(warps_intra, 1),
         interpret=interpret,
         name="gdn_replay_intra",
     )(lengths, q, k, g, beta)
@@ -249,7 +252,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
         input_output_aliases={9: 1, 10: 2},
-        compiler_params=ck._triton_params(cfg["warps_out"], 1),
+        compiler_params=ck._triton_params(warps_out, 1),
         interpret=interpret,
         name="gdn_replay_out",
     )(lengths, k, g, beta, w16, u16, aqk16, qg16, kd, state, vn_cache)
