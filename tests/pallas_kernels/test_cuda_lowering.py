@@ -248,3 +248,26 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     assert len(re.findall(r"output_tuple_indices = \[[12]\]", lowered.as_text())) == 3
     _, modules = lower_for_h200(chunk_replay_prime_pallas, *chunk, SDS((B,), jnp.int32))
     assert len(modules) == 3
+
+
+@pytest.mark.parametrize("bv", [64, 32])
+def test_replay_step_out_kernel_takes_its_v_block(bv):
+    """`bv_replay` sets the V block of the replay step's last kernel: its dots are [64, bv] (v_new, the output) and
+    [128, bv] (the boundary state), the prefill's shapes with N = bv."""
+    from jax._src.lib.mlir import ir
+
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
+
+    B, HK, HV, K, V = 4, 16, 32, 128, 128
+    f32, bf = jnp.float32, jnp.bfloat16
+    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
+    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
+             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    _, modules = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"bv_replay": bv}), *chunk, xc, vc,
+                                SDS((B,), jnp.int32))
+    out = [m for m in modules if any("gdn_replay_out" in str(op.attributes["sym_name"])
+                                     for op in m.body.operations if "sym_name" in op.attributes)]
+    assert len(out) == 1
+    dots = sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(out[0].operation)
+                  if op.name == "tt.dot")
+    assert dots == sorted([(64, bv), (64, bv), (64, bv), (128, bv)]), dots

@@ -127,3 +127,26 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="warps"):
         chunk_replay_step_pallas(*args, jnp.asarray(s0), xc, vc, jnp.asarray([3]), interpret=True,
                                  config={"warps_out": 8})
+
+
+def test_launch_keys_take_effect_and_are_checked():
+    """`bv_replay` (the last kernel's V block) and the benchmark-only `warps_replay` are accepted and checked: other
+    warps give the same bits (interpret mode ignores warps: this checks the plumbing; the H200 runs check the bits),
+    V = 64 in blocks of 16 the same values to 1e-5 (XLA:CPU's dots round differently for another N; the GPU's
+    MMAs do not: `gpu_kernels.py --only replay_step`; the blocks' dot shapes: test_cuda_lowering), and a block that
+    does not divide V is refused."""
+    rng = np.random.default_rng(5)
+    x, s0 = _inputs(rng, 2, C, 1, 2, v_dim=64)
+    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
+    xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray([20, 47]), interpret=True)
+    lengths = jnp.asarray([21, 48])  # the second row completes block row 2: the v_new cache is written
+    want = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True)
+    for cfg in ({"warps_replay": (8, 4, 4)}, {"warps_replay": 8}):
+        got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=cfg)
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want)), cfg
+    got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 16})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(np.asarray(want[3]), np.asarray(vc))
+    with pytest.raises(ValueError, match="bv_replay"):
+        chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
