@@ -111,11 +111,11 @@ def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None):
     `start`: the chunk's first token (default: this program's chunk, grid axis 0); rows from `length` on are padding."""
     s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
-    start = pl.program_id(0) * CHUNK if start is None else start
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
         sl = pl.ds(b * s, s)
-        valid = (start + b * s + iota) < length
+        first = pl.program_id(0) * CHUNK if start is None else start  # per slice: the prefill's IR as before run 36
+        valid = (first + b * s + iota) < length
         valids.append(valid)
         ks.append(_load_key(k_ref.at[sl], valid, use_l2))
         gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
@@ -297,7 +297,8 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
             vn_ref[:, sl] = v_new.T
         else:
             vn_ref[sl, :] = v_new
-        return _next_state(s, wy.last(gc_ref[sl]), kd_ref[sl, :], v_new, cfg, interpret)
+        kd = kd_ref[sl, :].astype(jnp.float32)  # before gc, as before the replay step shared this code (same IR)
+        return _next_state(s, wy.last(gc_ref[sl]), kd, v_new, cfg, interpret)
 
     st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
 
@@ -313,30 +314,29 @@ def _next_state(s, g_last, kd, v_new, cfg, interpret):
 
 
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
-    """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs)."""
-    o_ref[...] = _out_rows(_valid_rows(len_ref[0]), q_ref, k_ref, gc_ref[...], h_ref[...], vn_ref[...],
-                           scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret).astype(o_ref.dtype)
+    """Split design, parallel part 2: o = qg S_c + Aqk v_new for one chunk (q k^T recomputed from the inputs).
+    Each operand is loaded where its dot needs it (the `load_*` callables): loading h and v_new before q k^T kept
+    both live through it, and the kernel's shared memory went from 96 to 160 KiB (ptxas; one program per SM)."""
+    aqk, qg = _intra_rows(_valid_rows(len_ref[0]), q_ref, k_ref, lambda: gc_ref[...], scale=scale, use_l2=use_l2,
+                          cfg=cfg, interpret=interpret)
+    o_ref[...] = _out_dots(aqk, qg, lambda: h_ref[...], lambda: vn_ref[...], cfg, interpret).astype(o_ref.dtype)
 
 
-def _out_rows(valid, q_ref, k_ref, gc, h, vn, *, scale, use_l2, cfg, interpret):
-    """o = qg S_c + Aqk v_new of one chunk [C, BVO] in fp32, h and vn in the layouts `_transposed(cfg)` names."""
-    aqk, qg = _intra_rows(valid, q_ref, k_ref, gc, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret)
-    return _out_dots(aqk, qg, h, vn, cfg, interpret)
-
-
-def _intra_rows(valid, q_ref, k_ref, gc, *, scale, use_l2, cfg, interpret):
-    """The output's V-independent part of one chunk: Aqk [C, C] and qg [C, K] (`wy.intra`) from the inputs (shared
-    with the replay step, `replay.py`, which computes it once per value head)."""
+def _intra_rows(valid, q_ref, k_ref, load_gc, *, scale, use_l2, cfg, interpret):
+    """The output's V-independent part of one chunk: Aqk [C, C] and qg [C, K] (`wy.intra`) from the inputs, gc
+    [C] from `load_gc()` after q and k (shared with the replay step, `replay.py`, which runs it once per value
+    head)."""
     q = _load_key(q_ref, valid, use_l2) * scale
     k = _load_key(k_ref, valid, use_l2)
-    return wy.intra(q, k, gc, cfg, interpret)
+    return wy.intra(q, k, load_gc(), cfg, interpret)
 
 
-def _out_dots(aqk, qg, h, vn, cfg, interpret):
-    """o = qg S_c + Aqk v_new [C, BVO] (shared with the replay step)."""
+def _out_dots(aqk, qg, load_h, load_vn, cfg, interpret):
+    """o = qg S_c + Aqk v_new [C, BVO], S_c and v_new from `load_h()` / `load_vn()` right before their dots, in the
+    layouts `_transposed(cfg)` names (shared with the replay step)."""
     ht, vt = _transposed(cfg)  # stored transposed: the dots' second operands in the K-major order TF32 needs
-    return (wy.dot(qg, h, cfg["p_qs"], interpret, trans_b=ht)
-            + wy.dot(aqk, vn, cfg["p_av"], interpret, trans_b=vt))
+    return (wy.dot(qg, load_h(), cfg["p_qs"], interpret, trans_b=ht)
+            + wy.dot(aqk, load_vn(), cfg["p_av"], interpret, trans_b=vt))
 
 
 def _transposed(cfg) -> tuple[bool, bool]:

@@ -133,7 +133,7 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, aqk_out, qg_out, 
     i = jnp.maximum(n - 1, 0) // SUB
     _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
     valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
-    aqk, qg = ck._intra_rows(valid, q_ref, k_ref, _placed_vector(gcs), scale=scale, use_l2=use_l2, cfg=cfg,
+    aqk, qg = ck._intra_rows(valid, q_ref, k_ref, lambda: _placed_vector(gcs), scale=scale, use_l2=use_l2, cfg=cfg,
                              interpret=interpret)
     aqk_out[...] = _block_row(aqk, i)
     qg_out[...] = _block_row(qg, i)
@@ -163,8 +163,8 @@ def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_
         in_row = (rows >= i * SUB) & (rows < (i + 1) * SUB)
         vn64 = jnp.where(in_row, v_new, cached)  # rows below block row i: zeros (their tokens are padding)
         ht, vt = ck._transposed(cfg)
-        o = ck._out_dots(_placed_at(i, aqk_ref[...], CHUNK), _placed_at(i, qg_ref[...], K), s0.T if ht else s0,
-                         vn64.T if vt else vn64, cfg, interpret)
+        o = ck._out_dots(_placed_at(i, aqk_ref[...], CHUNK), _placed_at(i, qg_ref[...], K),
+                         lambda: s0.T if ht else s0, lambda: vn64.T if vt else vn64, cfg, interpret)
         # row t: every other term -0.0, which leaves any value (a signed zero included) as it is, in any order
         o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
 
