@@ -250,6 +250,26 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     assert len(modules) == 3
 
 
+def test_chunk_output_kernel_loads_states_after_q_k():
+    """The prefill's output kernel loads S_c and v_new (fp32 [BVO, K] / [BVO, C]) after the q k^T dot, each right
+    before its own dot. Loaded before q k^T they stay live through it: 160 instead of 96 KiB of shared memory by
+    ptxas, one program per SM, ~20% slower prefills on the H200 (BENCHMARKS.md, runs 39-45)."""
+    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n)
+    _, modules = lower_for_h200(f, *chunk_args(8, 256, 16, 32, 128, 128, jnp.bfloat16))
+    out = [m for m in modules if any("gdn_chunk_out" in str(op.attributes["sym_name"])
+                                     for op in m.body.operations if "sym_name" in op.attributes)]
+    assert len(out) == 1
+    seq = []  # ("dot", -) or ("load", fp32 matrix?) in program order
+    for op in _walk(out[0].operation):
+        if op.name in ("tt.load", "tt.dot"):
+            t = str(op.result.type)  # e.g. tensor<128x128xf32>; a scalar load is plain i32
+            seq.append((op.name, op.name == "tt.load" and re.fullmatch(r"tensor<\d+x\d+xf32>", t) is not None))
+    dots = [i for i, (name, _) in enumerate(seq) if name == "tt.dot"]
+    states = [i for i, (name, f32_matrix) in enumerate(seq) if f32_matrix]
+    assert len(dots) == 3 and len(states) == 2, seq
+    assert dots[0] < states[0] < dots[1] < states[1] < dots[2], seq
+
+
 @pytest.mark.parametrize("bv", [64, 32])
 def test_replay_step_out_kernel_takes_its_v_block(bv):
     """`bv_replay` sets the V block of the replay step's last kernel: its dots are [64, bv] (v_new, the output) and
