@@ -5,7 +5,7 @@ Run on the GPU machine from the repo root (fla-core installed into /tmp/site fro
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
               invariant,replay_step,replay,scan] [--only SECTIONS] [--configs NAMES]
-(replay_step: the replay step kernel over the chunked prefill, bitwise against one prefill, and its step time against
+(replay_step: the replay step's kernels over the chunked prefill, bitwise against one prefill, and its step time against
  the decode kernel; replay: the earlier replay, the chunked kernels over the whole open chunk each step, at the kernel
  level; scan: the token-by-token prefill kernel, bitwise against the decode kernel, and its prefill and one-token
  times.)
@@ -821,7 +821,7 @@ def replay_step_checks():
                                      with_state=False))
     o_full, _, cks = call_chunk(x, s0=None, lengths=prompt + steps, stride=64)
     want = np.stack([o_full[b, prompt[b]:prompt[b] + steps] for b in range(B)])
-    for name, cfg in REPLAY_STEP_CONFIGS.items():  # the prefill's default configuration, the step's V block varied
+    for name, cfg in REPLAY_STEP_CONFIGS.items():  # the prefill's default configuration, the step's launch varied
         outs, crossed = replay_decode_run(x, prompt, steps, config=cfg)
         bad = [(b, i) for b in range(B) for i in range(steps) if not np.array_equal(outs[b, i], want[b, i])]
         diff = np.abs(outs.astype(np.float32) - want.astype(np.float32)).max()

@@ -91,7 +91,8 @@ from .wy import CHUNK
 # was 2% slower, hence the rule.
 # The bits do not depend on it (`_recurrence_blocks`).
 # bv_replay: the V block of the replay step's last kernel (`replay.py`: its v_new, output and state dots); the
-# prefill does not read it, and the bits do not depend on it (an MMA element does not depend on the instruction's N).
+# prefill does not read it; on the GPU the bits do not depend on it (an MMA element does not depend on the
+# instruction's N: runs 40 and 45); in interpret mode XLA:CPU's dots can round differently for another N.
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);

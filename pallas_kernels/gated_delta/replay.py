@@ -22,13 +22,14 @@ When block row i completes (t = 16 i + 15) its X tiles (kernel 1) and v_new rows
 the chunk completes (t = 63) the new boundary state is `chunk._next_state` of the whole chunk, written over S0
 (`input_output_aliases`; otherwise S0 is not written), and the caches are cleared, so that they hold exactly what
 `prime` leaves for the same tokens. Only the V-dependent part runs per V block; one kernel doing everything (before
-2026-11-30's runs 39-40) recomputed the prep and q k^T in every V block's program and spilled registers (255 and
-516 spill stores by ptxas; now 216 / 225 / 255 with none / none / 20).
+2026-11-30's runs 39-40) recomputed the prep and q k^T in every V block's program and spilled registers (ptxas
+offline: 255 registers, 516 B of spill stores; now 216 / 225 / 255 registers, 0 / 0 / 20 B).
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill on the same tile
 shapes with the same warps, and the chunked kernels are row-causal bit for bit (a row's results do not
 depend on later rows, which are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU
-script checks). The output kernel's dots run on V blocks of 128 in the prefill and of `bv_replay` here: on the GPU an MMA
+script checks). The prefill's dots run on V blocks of `bv` (64; `bv_small`, 32, on small grids) in its recurrence and
+of 128 in its output kernel, the replay step's on blocks of `bv_replay`: on the GPU an MMA
 element does not depend on the instruction's N (BENCHMARKS.md, runs 6, 21 and 37); in interpret mode XLA:CPU's dots
 gave the same bits for N = 64 and 128 in the V = 128 test (an observation about XLA:CPU, not a rule; the other
 tests' V of 16 and 32 is one block for both). On the GPU the equality is a property of the compiled code,
@@ -121,7 +122,9 @@ def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_ou
 
 
 def _block_row(x, i):
-    """Rows 16 i .. 16 i + 15 of x [C, n] (i traced): the other block rows summed in as -0.0, exact in any order."""
+    """Rows 16 i .. 16 i + 15 of x [C, n] (i traced): the other block rows summed in as -0.0, exact in any order on
+    the GPU (Triton's reduction has no initial value; in interpret mode XLA's starts from +0.0, so a -0.0 comes out
+    +0.0: the same value for ==)."""
     row_block = lax.broadcasted_iota(jnp.int32, (NB, SUB, x.shape[-1]), 0)
     return jnp.sum(jnp.where(row_block == i, x.reshape(NB, SUB, x.shape[-1]), -0.0), axis=0)
 
@@ -165,7 +168,8 @@ def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_
         ht, vt = ck._transposed(cfg)
         o = ck._out_dots(_placed_at(i, aqk_ref[...], CHUNK), _placed_at(i, qg_ref[...], K),
                          lambda: s0.T if ht else s0, lambda: vn64.T if vt else vn64, cfg, interpret)
-        # row t: every other term -0.0, which leaves any value (a signed zero included) as it is, in any order
+        # row t: every other term -0.0, which leaves any value as it is, in any order (a signed zero too on the GPU:
+        # `_block_row`)
         o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
 
         @pl.when((t % SUB == SUB - 1) & (t < CHUNK - 1))  # a block row is complete: cache its v_new rows
@@ -190,11 +194,9 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["warps_state"] != cfg["warps_out"]:
         raise ValueError("the replay step's last kernel runs the recurrence's and the output's dots: it needs "
                          "warps_state == warps_out (an MMA's bits depend on the warps sharing it)")
-    # benchmark-only: other warps than the prefill's, (prep, intra, out) or one for all (`chunk.DEFAULT_CONFIG`'s notes)
-    wr = cfg.get("warps_replay") or (cfg["warps_prep"], cfg["warps_out"], cfg["warps_out"])
-    warps_prep, warps_intra, warps_out = (wr,) * 3 if isinstance(wr, int) else tuple(wr)
+    warps_prep, warps_intra, warps_out = _launch_warps(cfg)
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
-    bv = min(cfg["bv_replay"], V)  # the last kernel's V block (its dots' bits do not depend on it: N)
+    bv = min(cfg["bv_replay"], V)  # the last kernel's V block (on the GPU its dots' bits do not depend on it: N)
 
     def head(*tail):  # a per-(row, value head) array [B, HV, *tail], whole (grid (HV, B))
         return pl.BlockSpec((None, None) + tail, lambda h, b: (b, h) + (0,) * len(tail))
@@ -259,6 +261,18 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     return o, state, x_cache, vn_cache
 
 
+def _launch_warps(cfg: dict) -> tuple[int, int, int]:
+    """Warps of (prep, intra, out): the prefill's kernels' (prep; output; output, which must equal the recurrence's),
+    or the benchmark-only `warps_replay` (one for all, or a triple; `chunk.DEFAULT_CONFIG`'s notes)."""
+    wr = cfg.get("warps_replay")
+    if wr is None:
+        return cfg["warps_prep"], cfg["warps_out"], cfg["warps_out"]
+    ws = (wr,) * 3 if isinstance(wr, int) else tuple(wr) if isinstance(wr, (tuple, list)) else ()
+    if len(ws) != 3 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws):
+        raise ValueError(f"warps_replay={wr!r}: a positive integer, or three (prep, intra, out)")
+    return ws
+
+
 def _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale):
     if q.ndim != 4 or k.shape != q.shape or q.shape[1] != CHUNK or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"expected the open chunk: q, k [B,{CHUNK},HK,K] and v [B,{CHUNK},HV,V]; got {q.shape}, "
@@ -296,7 +310,8 @@ def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths
     same; x_cache, vn_cache updated). The state and caches are updated in place when the caller donates them.
     """
     scale = _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale)
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = None if config is None else tuple(sorted((key, tuple(val) if isinstance(val, list) else val)
+                                                      for key, val in dict(config).items()))  # hashable: static
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
     return _step_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32),
                       x_cache, vn_cache, lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
@@ -316,5 +331,5 @@ def chunk_replay_prime_pallas(q, k, v, g, beta, state, lengths, *, scale=None, u
         return chunk_replay_step_pallas(q, k, v, g, beta, state, *caches, reach, scale=scale,
                                         use_qk_l2norm=use_qk_l2norm, interpret=interpret, config=config)[2:]
 
-    # a loop, not three calls: one kernel to compile
+    # a loop, not three calls: one call site, whose three kernels compile once
     return lax.fori_loop(1, NB, complete_block_row, replay_caches(B, HV, V))

@@ -291,3 +291,23 @@ def test_replay_step_out_kernel_takes_its_v_block(bv):
     dots = sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(out[0].operation)
                   if op.name == "tt.dot")
     assert dots == sorted([(64, bv), (64, bv), (64, bv), (128, bv)]), dots
+
+
+@pytest.mark.parametrize("warps,want", [(None, [4, 4, 4]), ((8, 4, 2), [8, 4, 2]), (8, [8, 8, 8])])
+def test_replay_step_kernels_take_their_warps(warps, want):
+    """The replay step's three kernels launch with the prefill's warps by default (prep, output, output) and with
+    the benchmark-only `warps_replay` when given, in the order prep, intra, out."""
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
+
+    B, HK, HV, K, V = 4, 16, 32, 128, 128
+    f32, bf = jnp.float32, jnp.bfloat16
+    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
+    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
+             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    cfg = None if warps is None else {"warps_replay": warps}
+    lowered, _ = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config=cfg), *chunk, xc, vc,
+                                SDS((B,), jnp.int32))
+    text = lowered.as_text()
+    names = re.findall(r'name = "(gdn_replay_\w+)"', text)
+    assert names == ["gdn_replay_prep", "gdn_replay_intra", "gdn_replay_out"], names
+    assert [int(w) for w in re.findall(r"num_warps = (\d+) : i32", text)] == want

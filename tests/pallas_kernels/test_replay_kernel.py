@@ -70,8 +70,8 @@ def _decode(x, s0, prompt, steps):
     (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V),  # HV = 2 HK; a row from an empty state
     (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V),  # HV = 4 HK, bf16 inputs, beta in {0, 1, sigmoid}
     (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V),  # a row starting exactly on a block row
-    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128),  # V = 128: two V blocks of 64 per row and head,
-    # each with its own copy of the cached tiles (the state crossing at 64 caught a shared copy cleared too early)
+    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128),  # V = 128: the last kernel's two V blocks of 64
+    # per row and head (the one-kernel step of runs 36-37 raced on a shared tile cache here; now kernel 1 owns it)
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim):
     rng = np.random.default_rng(HV + steps)
@@ -131,10 +131,10 @@ def test_bad_shapes_are_refused():
 
 def test_launch_keys_take_effect_and_are_checked():
     """`bv_replay` (the last kernel's V block) and the benchmark-only `warps_replay` are accepted and checked: other
-    warps give the same bits (interpret mode ignores warps: this checks the plumbing; the H200 runs check the bits),
-    V = 64 in blocks of 16 the same values to 1e-5 (XLA:CPU's dots round differently for another N; the GPU's
-    MMAs do not: `gpu_kernels.py --only replay_step`; the blocks' dot shapes: test_cuda_lowering), and a block that
-    does not divide V is refused."""
+    warps give the same bits (interpret mode ignores warps: this checks the plumbing; the H200 runs check the bits,
+    test_cuda_lowering the launches), V = 64 in blocks of 16 the same values to 1e-5 (XLA:CPU's dots round
+    differently for another N; the GPU's MMAs do not: `gpu_kernels.py --only replay_step`; the blocks' dot shapes:
+    test_cuda_lowering), and bad values of either are refused (a list of warps, as JSON gives it, is taken)."""
     rng = np.random.default_rng(5)
     x, s0 = _inputs(rng, 2, C, 1, 2, v_dim=64)
     args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
@@ -150,3 +150,8 @@ def test_launch_keys_take_effect_and_are_checked():
     assert not np.array_equal(np.asarray(want[3]), np.asarray(vc))
     with pytest.raises(ValueError, match="bv_replay"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
+    for bad in (0, -3, (8, 4), (8, 4, 0), "8"):
+        with pytest.raises(ValueError, match="warps_replay"):
+            chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay": bad})
+    listed = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay": [8, 4, 4]})
+    assert np.array_equal(np.asarray(listed[0]), np.asarray(want[0]))  # a JSON list, as gpu_profile's --config gives
