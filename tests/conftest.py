@@ -3,6 +3,12 @@
 Loaded models are session-scoped and every model test uses the same few shapes (batch 2, KV capacity `CAP`),
 so each state function is compiled once per shape for the whole session: the tiny presets and the fixture
 checkpoints have equal (hashable) configs and therefore share compiled programs.
+
+Crashed workers: `pyproject.toml` runs a test once more when its xdist worker process dies (pytest-rerunfailures'
+crash recovery, `--reruns 1`) and never reruns an ordinary failure (`--only-rerun` with a pattern that matches no
+error). Seen once, on 2026-11-30 in a CI run from a fresh clone: XLA:CPU aborted inside a compile of
+`test_score_agrees_with_generation` (no message, no persistent cache), a test that passed alone and in every other
+full run. A test that crashes twice fails.
 """
 
 from __future__ import annotations
