@@ -350,7 +350,8 @@ def main():
     ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
                     help="comma list, run in this order; also 'profile' (decode kernel times, normal and "
-                         "deterministic) and 'prefill_profile' (the same for a prefill)")
+                         "deterministic), 'replay_profile' (the same for replay decode and deterministic "
+                         "recurrent decode) and 'prefill_profile' (the same for a prefill)")
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
     ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
                     "(the deterministic mode's matmul tiling policy) for this run")
@@ -379,6 +380,12 @@ def main():
         ("profile", lambda: (stage_profile(model, args.decode_batch, args.context, "normal"),
                              stage_profile(model.with_deterministic(), args.decode_batch, args.context,
                                            "deterministic"))),
+        # replay decode's step by kernel beside deterministic recurrent decode's: the replay kernels against the
+        # XLA glue around them (the open chunk's splice, tail gather and q / k / v slices)
+        ("replay_profile", lambda: (stage_profile(model.with_deterministic().with_decode_mode("replay"),
+                                                  args.decode_batch, args.context, "replay"),
+                                    stage_profile(model.with_deterministic(), args.decode_batch, args.context,
+                                                  "deterministic"))),
     ])
     unknown = set(args.stages.split(",")) - set(named) - {"ceilings"}  # ceilings: always measured
     if unknown:  # before any device work: a typo must not cost a model build

@@ -41,6 +41,16 @@ def test_model_bench_prefill_profile_stage(tmp_path):
         assert rows and all(row["us"] >= 0 and row["count"] >= 1 for row in rows)
 
 
+def test_model_bench_replay_profile_stage(tmp_path):
+    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,replay_profile",
+              "--decode-batch", "2", "--context", "64", "--out", str(tmp_path)], tmp_path)
+    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "model_bench.json").read_text())
+    for tag in ("replay", "deterministic"):
+        rows = res[f"profile_{tag}"]
+        assert rows and all(row["us_per_step"] >= 0 and row["count"] >= 0 for row in rows)
+
+
 def test_sharding_bench_profile_stage(tmp_path):
     r = _run([str(ROOT / "scripts" / "gpu_sharding_bench.py"), "--cpu-smoke", "--stages", "profile", "--out",
               str(tmp_path)], tmp_path, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
