@@ -6,11 +6,11 @@ checkpoints have equal (hashable) configs and therefore share compiled programs.
 
 Crashed workers: `pyproject.toml` runs a test once more when its xdist worker process dies (pytest-rerunfailures'
 crash recovery, `--reruns 1`) and never reruns an ordinary failure (`--only-rerun` with a pattern that matches no
-error). Seen twice on 2026-11-30, in two of four full runs from fresh clones (6c47954: SIGABRT; 83d781a: SIGSEGV,
-where the rerun passed): the worker died inside XLA:CPU's compile of `score` in `test_score_agrees_with_generation`,
-right after its `generate`, with no message and no persistent cache. The test passes alone and passed in the other
-two full runs (one of them verbose, to see the order the worker ran: nothing stood out). Not understood; a test that
-crashes twice fails.
+error). Seen on 2026-11-30 in three of five full runs from fresh clones (6c47954: SIGABRT; 83d781a and 8396626:
+SIGSEGV, the rerun passing): the worker died inside XLA:CPU's compile of `score` in
+`test_score_agrees_with_generation`, right after its `generate`, with no message and no persistent cache. The test
+passes alone and passed in the other two full runs (one of them verbose, to see the order the worker ran: nothing
+stood out). Not understood; a test that crashes twice fails.
 """
 
 from __future__ import annotations
