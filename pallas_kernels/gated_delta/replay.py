@@ -55,25 +55,19 @@ from .wy import CHUNK, SUB
 NB = CHUNK // SUB  # block rows of the tiled inverse
 
 
-def _placed(tiles: dict, n_cols: int, dtype=jnp.float32):
-    """{block row b: [S, n]} -> [C, n] with each tile at rows 16 b .. 16 b + 15 and zeros elsewhere (exact: selects)."""
+def _placed(tiles, n_cols: int, dtype=jnp.float32):
+    """[(block row b, [S, n])] -> [C, n] with each tile at rows 16 b .. 16 b + 15 and zeros elsewhere (exact:
+    selects; b static or traced)."""
     row_block = lax.broadcasted_iota(jnp.int32, (NB, SUB, n_cols), 0)
     out = jnp.zeros((NB, SUB, n_cols), dtype)
-    for b, tile in tiles.items():
+    for b, tile in tiles:
         out = jnp.where(row_block == b, jnp.broadcast_to(tile[None].astype(dtype), (NB, SUB, n_cols)), out)
     return out.reshape(CHUNK, n_cols)
 
 
 def _placed_vector(slices: list):
     """Four [S] vectors -> [C] (the chunk's gc as the prep kernel writes it)."""
-    return _placed({b: x[:, None] for b, x in enumerate(slices)}, 1)[:, 0]
-
-
-def _placed_at(i, tile, n_cols: int, dtype=jnp.float32):
-    """[S, n] -> [C, n] with the tile at rows 16 i .. 16 i + 15 (i traced) and zeros elsewhere (exact: a select)."""
-    row_block = lax.broadcasted_iota(jnp.int32, (NB, SUB, n_cols), 0)
-    return jnp.where(row_block == i, jnp.broadcast_to(tile[None].astype(dtype), (NB, SUB, n_cols)),
-                     jnp.zeros((NB, SUB, n_cols), dtype)).reshape(CHUNK, n_cols)
+    return _placed([(b, x[:, None]) for b, x in enumerate(slices)], 1)[:, 0]
 
 
 def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, *, use_l2, wk_dtype,
@@ -157,8 +151,8 @@ def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_
         t = n - 1
         i = t // SUB  # the new token's block row (traced: the placements below are selects, exact for any i)
         K, V = w_ref.shape[-1], u_ref.shape[-1]
-        w64 = _placed_at(i, w_ref[...], K, w_ref.dtype)
-        u64 = _placed_at(i, u_ref[...], V)
+        w64 = _placed([(i, w_ref[...])], K, w_ref.dtype)
+        u64 = _placed([(i, u_ref[...])], V)
         rows = lax.broadcasted_iota(jnp.int32, (CHUNK, V), 0)
         cached = jnp.where(rows < i * SUB, vn_ref[...], 0.0)  # v_new of the complete block rows above
         s0 = s_ref[...]  # [K, V] of this program's V block
@@ -166,7 +160,7 @@ def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_
         in_row = (rows >= i * SUB) & (rows < (i + 1) * SUB)
         vn64 = jnp.where(in_row, v_new, cached)  # rows below block row i: zeros (their tokens are padding)
         ht, vt = ck._transposed(cfg)
-        o = ck._out_dots(_placed_at(i, aqk_ref[...], CHUNK), _placed_at(i, qg_ref[...], K),
+        o = ck._out_dots(_placed([(i, aqk_ref[...])], CHUNK), _placed([(i, qg_ref[...])], K),
                          lambda: s0.T if ht else s0, lambda: vn64.T if vt else vn64, cfg, interpret)
         # row t: every other term -0.0, which leaves any value as it is, in any order (a signed zero too on the GPU:
         # `_block_row`)
