@@ -40,7 +40,8 @@ class GDNLayerState(NamedTuple):
     open_gates: jax.Array | None = None
     # With them, fp32, what the open chunk's tokens computed that a replay step reuses (`pallas_kernels.
     # chunk_replay_step`; zeros on the reference backend, which recomputes the open chunk): the tiled WY inverse's
-    # complete 16-row block rows [B, HV, 64, 64] and their v_new = u - w S rows [B, HV, 64, V]
+    # rows so far [B, HV, 64, 64] (complete 16-row block rows, and the diagonal tile's rows of the one in progress)
+    # and the open tokens' v_new = u - w S rows [B, HV, 64, V]
     open_x: jax.Array | None = None
     open_vnew: jax.Array | None = None
 

@@ -5,38 +5,45 @@ Dimension legend as in `reference.py`; C = 64 (the chunk), S = 16 (a block row o
 
 A row's replay state is the fp32 state S0 at the last 64-token grid boundary, the open chunk's inputs (the caller
 keeps them: q, k, v, g, beta of the n - 1 tokens since the boundary, the new token at row n - 1), and two caches of
-what earlier tokens of the open chunk computed:
-  x_cache  [B, HV, C, C]  fp32  block rows of the tiled inverse X = (I + A)^-1 that are complete (rows < 16 i);
-  vn_cache [B, HV, C, V]  fp32  v_new = u - w S0 of those rows.
-The step for the token at row t (block row i = t // 16) runs three kernels, split as the prefill splits its own:
-  1. `gdn_replay_prep`, grid (HV, B), the prefill prep's warps: block row i of the prep — its diagonal tile by
-     substitution, its merged tiles from the cached block rows above it (`wy.merged_block_row`), its w and u rows
-     (`chunk._wy_block_row`), written out as the prefill's prep kernel writes them (w in `_wk_dtype`, u fp32), and
-     kd where the chunk completes;
+what the open chunk's earlier tokens computed (after the step at row t, row by row up to t; zeros elsewhere):
+  x_cache  [B, HV, C, C]  fp32  the tiled inverse X = (I + A)^-1: the tiles of complete block rows, and the rows
+                                 <= t of the diagonal tile of the block row in progress;
+  vn_cache [B, HV, C, V]  fp32  v_new = u - w S0 of rows <= t.
+The step for the token at row t (block row i = t // 16, row r = t - 16 i in it) runs four kernels, split as the
+prefill splits its own:
+  1. `gdn_replay_prep`, grid (HV, B), the prefill prep's warps: row r of the diagonal tile's inverse, one step of
+     the prefill's forward substitution (`wy.substitution_step`) from the rows the cache holds; row r of the merged
+     tiles from the cached block rows above (`wy.merged_block_row`; every row when the block row completes, and then
+     they go into the cache) and of w and u (`chunk._wy_block_row`), w rounded as the prefill stores it;
   2. `gdn_replay_intra`, grid (HV, B), the output kernel's warps: Aqk and qg (`chunk._intra_rows`, 64-row as in
      the prefill's output kernel), of which it writes block row i;
-  3. `gdn_replay_out`, grid (V // bv_replay, HV, B), the recurrence's and output kernel's warps (they must be
-     equal): v_new of block row i (`chunk._v_new`, the 64-row dot with S0, the rows placed among zeros), the output
-     rows (`chunk._out_dots`, 64-row dots), of which it keeps row t.
-When block row i completes (t = 16 i + 15) its X tiles (kernel 1) and v_new rows (kernel 3) go into the caches; when
-the chunk completes (t = 63) the new boundary state is `chunk._next_state` of the whole chunk, written over S0
-(`input_output_aliases`; otherwise S0 is not written), and the caches are cleared, so that they hold exactly what
-`prime` leaves for the same tokens. Only the V-dependent part runs per V block; one kernel doing everything (before
-2026-11-30's runs 39-40) recomputed the prep and q k^T in every V block's program and spilled registers (ptxas
-offline: 255 registers, 516 B of spill stores; now 216 / 225 / 255 registers, 0 / 0 / 20 B).
+  3. `gdn_replay_out`, grid (V // bv_replay, HV, B): v_new of row t (`chunk._v_new`) and the output row
+     (`chunk._out_dots`), as dots on block row i's 16 rows; writes v_new's row into the cache;
+  4. `gdn_replay_state`, grid (V // bv_replay, HV, B), the recurrence's warps: where the chunk completes (t = 63),
+     the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
+     over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
+     the x cache), so that the caches hold exactly what `prime` leaves for the same tokens.
+Kernel 4 is its own kernel because its rare branch set the registers of kernel 3 (ptxas offline: 239 per thread
+with it, 96 without). Each token's work is one row's (since 2026-11-30's runs 46-53; before, the step recomputed its
+whole block row every step: the 15-step substitution, v_new of 16 rows).
 
-Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill on the same tile
-shapes with the same warps, and the chunked kernels are row-causal bit for bit (a row's results do not
-depend on later rows, which are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU
-script checks). The prefill's dots run on V blocks of `bv` (64; `bv_small`, 32, on small grids) in its recurrence and
-of 128 in its output kernel, the replay step's on blocks of `bv_replay`: on the GPU an MMA
-element does not depend on the instruction's N (BENCHMARKS.md, runs 6, 21 and 37); in interpret mode XLA:CPU's dots
-gave the same bits for N = 64 and 128 in the V = 128 test (an observation about XLA:CPU, not a rule; the other
-tests' V of 16 and 32 is one block for both). On the GPU the equality is a property of the compiled code,
-checked bitwise on the H200 by `scripts/gpu_kernels.py --only replay_step`; on CPU (interpret mode) by the tests.
+Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's, with the
+same warps, and the chunked kernels are row-causal bit for bit (a row's results do not depend on later rows, which
+are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU script checks). The dots run on
+other shapes than the prefill's: a row of an MMA's result depends only on that row of its first operand, and on the
+H200 its bits depend neither on the instruction's N (the V blocks: `bv_replay` against the prefill's 64 / 32 / 128;
+BENCHMARKS.md, runs 6, 21, 37) nor on its M (kernel 3's dots on 16 rows against the prefill's 64; runs 46-53),
+with exceptions found: a 16-row dot whose first operand was fp16 (w as the prefill stores it) differed from the
+64-row one in one element of 560 rows x 128 (runs 48-51), so w reaches kernel 3 in fp32, holding its fp16 values;
+q k^T on 16 rows differed (58 rows of 560: runs 48-49), so kernel 2 keeps the prefill's 64 rows. In interpret mode
+XLA:CPU's dots can round differently for another M or N, so there kernel 3's operands are placed at rows 16 i ..
+16 i + 15 among zeros and the dots run on 64 rows (`_mma_rows`). On the GPU the equality is a property of the
+compiled code, checked bitwise on the H200 by `scripts/gpu_kernels.py --only replay_step` and the model's
+`gpu_model_bench.py --stages replay_bitwise`; on CPU (interpret mode) by the tests.
 
-`prime` fills the caches for an open chunk that a prefill left behind: the step at rows 15, 31 and 47 where the
-open chunk reaches them (the step itself, so the caches hold exactly what decode steps would have written).
+`prime` fills the caches for an open chunk that a prefill left behind: the step's kernels block row by block row in
+their priming form, which compute the diagonal tile whole (the prefill's loop) and every row of the block row up to
+the last token.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from . import chunk as ck
 from . import wy
@@ -70,38 +78,57 @@ def _placed_vector(slices: list):
     return _placed([(b, x[:, None]) for b, x in enumerate(slices)], 1)[:, 0]
 
 
-def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, *, use_l2, wk_dtype,
+def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, *, prime, use_l2, wk_dtype,
                     cfg, interpret):
-    """Kernel 1 for a token at row t = n - 1 of block row i (static): rows 16 i .. 16 i + 15 of w and u."""
+    """Kernel 1 for a token at row t = n - 1, row r = t - 16 i of block row i (static): row r of w and u (all rows
+    of block row i up to r when priming), as the prefill's prep computes them. Rows of the 16-row tiles other than r
+    hold values no later step reads (an MMA's row depends only on that row of its first operand)."""
     t = n - 1
+    r = t - i * SUB
     ks, gcs, betas, valids = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
-    # block row i of the tiled inverse: the diagonal tile by substitution, the rest merged from the cached rows above
-    x = {(i, i): wy.diag_tiles_by_substitution([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0]}
+    r16, c16 = wy.tile_iotas()
+
+    def cached(j, m):
+        return x_ref[pl.ds(j * SUB, SUB), pl.ds(m * SUB, SUB)]
+
+    if prime:  # the whole diagonal tile by the prefill's loop (rows <= r: what the steps to row r cache)
+        t_ii = wy.diag_tiles_by_substitution([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0]
+    else:  # one step of that loop: row r from the rows < r the steps before cached (the loop starts at row 1)
+        at = wy.diag_tile_transposed(ks[i], gcs[i], betas[i], r16 < c16, cfg, interpret)
+        t_ii = jnp.where(r16 < r, cached(i, i), jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32))
+        t_ii = jnp.where(r > 0, wy.substitution_step(r, at, t_ii, r16, c16), t_ii)
+    x = {(i, i): t_ii}
     for j in range(i):
         for m in range(j + 1):
-            x[j, m] = x_ref[pl.ds(j * SUB, SUB), pl.ds(m * SUB, SUB)]
-    if i:
+            x[j, m] = cached(j, m)
+    if i:  # row r of the merged tiles (every row when the block row completes: T_ii is whole then)
         x.update(wy.merged_block_row(i, ks, gcs, betas, x, cfg, interpret))
     bks, bvs = ck._wy_rhs_slices(ks, gcs, betas, valids, v_ref)
     w, u = ck._wy_block_row(i, x, bks, bvs, cfg, interpret)
-    w_out[...] = w.astype(wk_dtype)  # as the prefill's prep kernel stores w (`_wk_dtype`) for the recurrence
+    # w's values as the prefill's prep kernel stores them (`_wk_dtype`), held in fp32: kernel 3's 16-row v_new dot on
+    # an fp16 w differed from the prefill's 64-row one in one element of 560 rows x 128 (the H200, runs 48-51); on
+    # the same values held in fp32, and on 64 rows, it did not (runs 51-53)
+    w_out[...] = w.astype(wk_dtype).astype(jnp.float32)
     u_out[...] = u
 
     if i < NB - 1:
-        @pl.when(t == (i + 1) * SUB - 1)  # block row i is complete: cache its tiles
-        def _():
-            for m in range(i + 1):
-                x_out[pl.ds(i * SUB, SUB), pl.ds(m * SUB, SUB)] = x[i, m]
+        x_out[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(r16 <= r, t_ii, 0.0)  # T_ii's rows so far
+        if i:
+            @pl.when(r == SUB - 1)  # block row i is complete: its merged tiles too
+            def _():
+                for m in range(i):
+                    x_out[pl.ds(i * SUB, SUB), pl.ds(m * SUB, SUB)] = x[i, m]
     else:
-        @pl.when(t == CHUNK - 1)  # the chunk is complete: kd for the boundary state (as the prefill's prep writes
-        def _():  # it), and the next chunk starts empty (caches as `prime` leaves them: a state is its tokens')
-            g_last = wy.last(gcs[-1])
-            for b in range(NB):
-                kd_out[pl.ds(b * SUB, SUB), :] = ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)
+        @pl.when(t < CHUNK - 1)
+        def _():
+            x_out[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(r16 <= r, t_ii, 0.0)
+
+        @pl.when(t == CHUNK - 1)  # the chunk is complete: the next one starts empty (caches as `prime` leaves
+        def _():  # them: a state is its tokens')
             x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
 
 
-def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, **kw):
+def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw):
     """Kernel 1, grid (HV, B): the new token's block row of the prefill's prep (V-independent but for u)."""
     n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do)
 
@@ -112,7 +139,7 @@ def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_ou
 
     for i in range(NB):
         pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
-            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, **kw))
+            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw))
 
 
 def _block_row(x, i):
@@ -123,9 +150,18 @@ def _block_row(x, i):
     return jnp.sum(jnp.where(row_block == i, x.reshape(NB, SUB, x.shape[-1]), -0.0), axis=0)
 
 
+def _mma_rows(x16, *, i, interpret):
+    """An operand's block row i [16, n] as the MMA takes it: as it is on the GPU (a row of an MMA's result depends
+    only on that row of its first operand, not on the instruction's M: checked on the H200), placed at rows 16 i ..
+    16 i + 15 of [64, n] among zeros in interpret mode (XLA:CPU's dots round differently for another M, so the
+    tests run the prefill's 64-row shapes)."""
+    return _placed([(i, x16)], x16.shape[-1], x16.dtype) if interpret else x16
+
+
 def _intra_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, aqk_out, qg_out, *, scale, use_l2, cfg, interpret):
     """Kernel 2, grid (HV, B): the output's V-independent part (`chunk._intra_rows`: Aqk and qg, 64-row as in the
-    prefill's output kernel, with its warps), of which it keeps the new token's block row."""
+    prefill's output kernel, with its warps), of which it keeps the new token's block row. (On the block row's 16
+    rows of q, 58 of 560 rows differed from the prefill's on the H200: runs 48-49.)"""
     n = len_ref[0]
     i = jnp.maximum(n - 1, 0) // SUB
     _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
@@ -136,10 +172,10 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, aqk_out, qg_out, 
     qg_out[...] = _block_row(qg, i)
 
 
-def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_ref, kd_ref, s_ref, vn_ref, o_ref,
-                     s_out, vn_out, *, cfg, interpret):
-    """Kernel 3, grid (V // bv, HV, B): v_new of the block row, the new token's output and, at the chunk's end, the
-    boundary state, for one V block."""
+def _out_step_kernel(len_ref, w_ref, u_ref, aqk_ref, qg_ref, s_ref, vn_ref, o_ref, vn_out, *, prime, cfg, interpret):
+    """Kernel 3, grid (V // bv, HV, B): v_new of the new row (of block row i's rows up to it when priming) and the
+    new token's output, for one V block. The dots are the prefill's on the 16 rows of block row i: a row of an MMA's
+    result does not depend on the instruction's M (the H200, 2026-11-30) or N."""
     n = len_ref[0]
 
     @pl.when(n == 0)
@@ -149,36 +185,52 @@ def _out_step_kernel(len_ref, k_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, qg_
     @pl.when(n > 0)
     def _():
         t = n - 1
-        i = t // SUB  # the new token's block row (traced: the placements below are selects, exact for any i)
-        K, V = w_ref.shape[-1], u_ref.shape[-1]
-        w64 = _placed([(i, w_ref[...])], K, w_ref.dtype)
-        u64 = _placed([(i, u_ref[...])], V)
-        rows = lax.broadcasted_iota(jnp.int32, (CHUNK, V), 0)
-        cached = jnp.where(rows < i * SUB, vn_ref[...], 0.0)  # v_new of the complete block rows above
+        i = t // SUB  # the new token's block row and its row in it (traced: the placements below are selects)
+        r = t - i * SUB
+        bv = u_ref.shape[-1]
         s0 = s_ref[...]  # [K, V] of this program's V block
-        v_new = ck._v_new(u64, w64, s0, cfg, interpret)
-        in_row = (rows >= i * SUB) & (rows < (i + 1) * SUB)
-        vn64 = jnp.where(in_row, v_new, cached)  # rows below block row i: zeros (their tokens are padding)
+        rows_of = functools.partial(_mma_rows, i=i, interpret=interpret)
+        v = ck._v_new(rows_of(u_ref[...]), rows_of(w_ref[...]), s0, cfg, interpret)  # [16, bv] (in interpret mode
+        # [64, bv]): row r of block row i (rows <= r when priming)
+        v = _block_row(v, i) if interpret else v
+        rows = lax.broadcasted_iota(jnp.int32, (CHUNK, bv), 0)
+        first = i * SUB if prime else t  # the rows this call computes: first .. t
+        cached = plt.load(vn_ref.at[...], mask=rows < first, other=0.0)  # rows < first (zeros from t on)
+        vn64 = jnp.where((rows >= first) & (rows <= t), _placed([(i, v)], bv), cached)
         ht, vt = ck._transposed(cfg)
-        o = ck._out_dots(_placed([(i, aqk_ref[...])], CHUNK), _placed([(i, qg_ref[...])], K),
-                         lambda: s0.T if ht else s0, lambda: vn64.T if vt else vn64, cfg, interpret)
-        # row t: every other term -0.0, which leaves any value as it is, in any order (a signed zero too on the GPU:
-        # `_block_row`)
-        o_ref[...] = jnp.sum(jnp.where(rows == t, o, -0.0), axis=0).astype(o_ref.dtype)
-
-        @pl.when((t % SUB == SUB - 1) & (t < CHUNK - 1))  # a block row is complete: cache its v_new rows
-        def _():
-            vn_out[...] = vn64
-
-        @pl.when(t == CHUNK - 1)  # the chunk is complete: the new boundary state, as the recurrence computes it
-        def _():
-            _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, False, start=0)
-            s_out[...] = ck._next_state(s0, wy.last(gcs[-1]), kd_ref[...], vn64, cfg, interpret)
-            vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
+        o = ck._out_dots(rows_of(aqk_ref[...]), rows_of(qg_ref[...]), lambda: s0.T if ht else s0,
+                         lambda: vn64.T if vt else vn64, cfg, interpret)
+        # row r (t in interpret mode): every other term -0.0, which leaves any value as it is, in any order (a signed
+        # zero too on the GPU: `_block_row`)
+        o_rows = lax.broadcasted_iota(jnp.int32, o.shape, 0)
+        o_ref[...] = jnp.sum(jnp.where(o_rows == (t if interpret else r), o, -0.0), axis=0).astype(o_ref.dtype)
+        # v_new of block row i's rows so far (zeros after row t) into the cache (at t = 63, for kernel 4)
+        block = pl.ds(pl.multiple_of(i * SUB, SUB), SUB)
+        r16 = lax.broadcasted_iota(jnp.int32, (SUB, bv), 0)
+        vn_out[block, :] = jnp.where((r16 >= first - i * SUB) & (r16 <= r), v, vn_ref[block, :])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config"))
-def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, use_qk_l2norm, interpret, config):
+def _state_step_kernel(len_ref, k_ref, g_ref, beta_ref, s_ref, vn_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg,
+                       interpret):
+    """Kernel 4, grid (V // bv, HV, B): where the chunk completes (n = 64), the new boundary state from the whole
+    chunk's v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the
+    update as its recurrence does — and the cache cleared; elsewhere nothing. (In kernel 3, this rare branch took
+    the registers of the whole kernel: 239 per thread against 96 without it, ptxas.)"""
+    n = len_ref[0]
+
+    @pl.when(n == CHUNK)
+    def _():
+        ks, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
+        g_last = wy.last(gcs[-1])
+        kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)], k_ref.shape[-1],
+                     wk_dtype)
+        s_out[...] = ck._next_state(s_ref[...], g_last, kd, vn_ref[...], cfg, interpret)
+        vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime"))
+def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, use_qk_l2norm, interpret, config,
+               prime=False):
     B, _, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
@@ -203,15 +255,16 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     length = pl.BlockSpec((1,), lambda h, b: (b,))
 
     # kernel 1, grid (HV, B): the block row of the prep
-    w16, u16, x_cache, kd = pl.pallas_call(
-        functools.partial(_prep_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
+    w16, u16, x_cache = pl.pallas_call(
+        functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
+                          interpret=interpret),
         grid=(HV, B),
         in_specs=[length, key, pl.BlockSpec((None, CHUNK, None, V), lambda h, b: (b, 0, h, 0)), token, token,
                   head(CHUNK, CHUNK)],
-        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK), head(CHUNK, K)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), wk_dtype), jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
-                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype)],  # written where the chunk completes
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
+                   jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)],
         input_output_aliases={5: 2},
         compiler_params=ck._triton_params(warps_prep, 1),
         interpret=interpret,
@@ -231,27 +284,39 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         name="gdn_replay_intra",
     )(lengths, q, k, g, beta)
 
-    # kernel 3, grid (V // bv, HV, B): v_new, the output row, the boundary state
+    # kernels 3 and 4, grid (V // bv, HV, B): v_new and the output row; the boundary state where the chunk completes
     def whole(*tail):  # [B, HV, *tail] whole, in a program of grid (V // bv, HV, B)
         return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * len(tail))
 
-    o, state, vn_cache = pl.pallas_call(
-        functools.partial(_out_step_kernel, cfg=cfg, interpret=interpret),
+    row_length = pl.BlockSpec((1,), lambda j, h, b: (b,))
+    o, vn_cache = pl.pallas_call(
+        functools.partial(_out_step_kernel, prime=prime, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
-        in_specs=[pl.BlockSpec((1,), lambda j, h, b: (b,)),
-                  pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0)),
-                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)),
-                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)),
-                  whole(SUB, K), cols(SUB, bv), whole(SUB, CHUNK), whole(SUB, K), whole(CHUNK, K), cols(K, bv),
+        in_specs=[row_length, whole(SUB, K), cols(SUB, bv), whole(SUB, CHUNK), whole(SUB, K), cols(K, bv),
                   cols(CHUNK, bv)],
-        out_specs=[cols(bv), cols(K, bv), cols(CHUNK, bv)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
-        input_output_aliases={9: 1, 10: 2},
+        out_specs=[cols(bv), cols(CHUNK, bv)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
+        input_output_aliases={6: 1},
         compiler_params=ck._triton_params(warps_out, 1),
         interpret=interpret,
         name="gdn_replay_out",
-    )(lengths, k, g, beta, w16, u16, aqk16, qg16, kd, state, vn_cache)
+    )(lengths, w16, u16, aqk16, qg16, state, vn_cache)
+    if prime:  # an open chunk (< 64 tokens): never complete
+        return o, state, x_cache, vn_cache
+
+    state, vn_cache = pl.pallas_call(
+        functools.partial(_state_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
+        grid=(V // bv, HV, B),
+        in_specs=[row_length, pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0)),
+                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)),
+                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)), cols(K, bv), cols(CHUNK, bv)],
+        out_specs=[cols(K, bv), cols(CHUNK, bv)],
+        out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=ck._triton_params(cfg["warps_state"], 1),
+        interpret=interpret,
+        name="gdn_replay_state",
+    )(lengths, k, g, beta, state, vn_cache)
     return o, state, x_cache, vn_cache
 
 
@@ -293,13 +358,13 @@ def replay_caches(B: int, HV: int, V: int):
 
 
 def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale=None, use_qk_l2norm=True,
-                             interpret=False, config=None):
+                             interpret=False, config=None, _prime=False):
     """One replay decode step per row over the chunked prefill (module docstring).
 
     q, k: [B, 64, HK, K] and v: [B, 64, HV, V], g, beta: [B, 64, HV]: the open chunk, lengths[b] tokens valid in row b
     (the new one last; rows after it are ignored: padding); state: fp32 [B, HV, K, V] at the boundary; x_cache,
-    vn_cache: the caches (`replay_caches`, `prime`). lengths[b] = 0: nothing is computed for the row (its output is
-    zeros, its state and caches unchanged).
+    vn_cache: the caches (`replay_caches`, `chunk_replay_prime_pallas`). lengths[b] = 0: nothing is computed for the
+    row (its output is zeros, its state and caches unchanged).
     Returns (o [B, HV, V] of the new token, in v.dtype; state: the new boundary state where lengths == 64, else the
     same; x_cache, vn_cache updated). The state and caches are updated in place when the caller donates them.
     """
@@ -309,21 +374,23 @@ def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
     return _step_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32),
                       x_cache, vn_cache, lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                      interpret=bool(interpret), config=config)
+                      interpret=bool(interpret), config=config, prime=bool(_prime))
 
 
 def chunk_replay_prime_pallas(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l2norm=True, interpret=False,
                               config=None):
-    """The caches for open chunks a prefill left (lengths[b] tokens of q, k, v, g, beta [B, 64, ...] after the boundary
-    state `state`): the step at rows 15, 31 and 47 of each row that reaches them, in order. Returns (x_cache,
-    vn_cache)."""
+    """The caches for open chunks a prefill left (lengths[b] < 64 tokens of q, k, v, g, beta [B, 64, ...] after the
+    boundary state `state`): what the steps to row lengths[b] - 1 leave, block row by block row — the step's
+    kernels in their priming form, which compute the diagonal tile whole (the prefill's loop) and every row of the
+    block row up to the last. Returns (x_cache, vn_cache)."""
     B, HV, V = v.shape[0], v.shape[2], v.shape[3]
-    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
+    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK - 1)
 
-    def complete_block_row(i, caches):  # the step at row 16 i - 1 where the row reaches it (0: nothing to do)
-        reach = jnp.where(lengths >= i * SUB, i * SUB, 0)
+    def block_row(i, caches):  # block row i's rows the row reaches (0: nothing to do)
+        reach = jnp.where(lengths > i * SUB, jnp.minimum(lengths, (i + 1) * SUB), 0)
         return chunk_replay_step_pallas(q, k, v, g, beta, state, *caches, reach, scale=scale,
-                                        use_qk_l2norm=use_qk_l2norm, interpret=interpret, config=config)[2:]
+                                        use_qk_l2norm=use_qk_l2norm, interpret=interpret, config=config,
+                                        _prime=True)[2:]
 
-    # a loop, not three calls: one call site, whose three kernels compile once
-    return lax.fori_loop(1, NB, complete_block_row, replay_caches(B, HV, V))
+    # a loop, not four calls: one call site, whose three kernels compile once
+    return lax.fori_loop(0, NB, block_row, replay_caches(B, HV, V))

@@ -97,26 +97,38 @@ def merge_block_inverse(a, di, prec, interpret):
 def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
     """T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
     steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the loop never
-    re-lays-out a vector)."""
-    s = SUB
-    r16 = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    c16 = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    re-lays-out a vector). Step i computes row i from rows < i (`substitution_step`: the replay step runs one step
+    per token, from the rows its cache holds)."""
+    r16, c16 = tile_iotas()
     upper = r16 < c16
-    ats = []
-    for kb, gc, beta in zip(ks, gcs, betas):  # A_ii^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r), r < c
-        kk_t = dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)
-        ats.append(jnp.where(upper, kk_t * jnp.exp(jnp.where(upper, gc[None, :] - gc[:, None], 0.0)), 0.0))
+    ats = [diag_tile_transposed(kb, gc, beta, upper, cfg, interpret) for kb, gc, beta in zip(ks, gcs, betas)]
     eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
 
     def body(i, ts):
-        out = []
-        for at, t in zip(ats, ts):
-            arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_ii[i, j]
-            contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_ii[i, j] t[j, n]
-            out.append(jnp.where(r16 == i, t - contrib[None, :], t))
-        return tuple(out)
+        return tuple(substitution_step(i, at, t, r16, c16) for at, t in zip(ats, ts))
 
-    return lax.fori_loop(1, s, body, (eye16,) * len(ks))
+    return lax.fori_loop(1, SUB, body, (eye16,) * len(ks))
+
+
+def tile_iotas():
+    """(row, column) indices of a [16, 16] tile."""
+    return lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0), lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+
+
+def diag_tile_transposed(kb, gc, beta, upper, cfg, interpret):
+    """A_ii^T [16, 16] of one 16-row slice: A_ii^T[r, c] = beta_c k_r . k_c exp(gc_c - gc_r) where `upper` (r < c),
+    else 0."""
+    kk_t = dot(kb, kb * beta[:, None], cfg["p_kk"], interpret, trans_b=True)
+    return jnp.where(upper, kk_t * jnp.exp(jnp.where(upper, gc[None, :] - gc[:, None], 0.0)), 0.0)
+
+
+def substitution_step(i, at, t, r16, c16):
+    """Row i (static or traced, >= 1) of T = (I + A_ii)^-1 from its rows < i, given A_ii^T (`at`): t holds those rows,
+    and identity rows from i on; returns t with row i filled in. Row i depends only on rows < i (A_ii strictly
+    lower). r16, c16: `tile_iotas()`."""
+    arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_ii[i, j]
+    contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_ii[i, j] t[j, n]
+    return jnp.where(r16 == i, t - contrib[None, :], t)
 
 
 def tiled_inverse(ks, gcs, betas, cfg, interpret):

@@ -232,9 +232,10 @@ def test_chunk_recurrence_block_follows_the_grid(B, bv):
 
 @pytest.mark.parametrize("B,HK,HV,K,V", [(64, 16, 32, 128, 128), (3, 1, 2, 32, 32)])
 def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
-    """The replay step (`gated_delta/replay.py`): three kernels (the block row's prep; its Aqk and qg; v_new, the
-    output and the state) whose dots all satisfy Triton's rules, with the x cache updated in place by the first and
-    the state and v_new cache by the last (three aliased outputs), and `prime` the same three (a loop over the step)."""
+    """The replay step (`gated_delta/replay.py`): four kernels (the block row's prep; its Aqk and qg; v_new and the
+    output; the boundary state) whose dots all satisfy Triton's rules, with the x cache updated in place by the
+    first, the v_new cache by the third, the state and the v_new cache by the fourth (four aliased outputs), and
+    `prime` the first three (a loop over the step in its priming form: an open chunk never completes)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_prime_pallas, chunk_replay_step_pallas, replay_caches
 
     f32, bf = jnp.float32, jnp.bfloat16
@@ -243,11 +244,29 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
              SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
     lowered, modules = lower_for_h200(chunk_replay_step_pallas, *chunk, xc, vc, SDS((B,), jnp.int32))
     n, bad = dot_problems(modules)
-    assert len(modules) == 3 and n > 20 and not bad, bad
-    assert lowered.as_text().count("output_operand_aliases") == 2  # one attribute per custom call
-    assert len(re.findall(r"output_tuple_indices = \[[12]\]", lowered.as_text())) == 3
+    assert len(modules) == 4 and n > 20 and not bad, bad
+    assert lowered.as_text().count("output_operand_aliases") == 3  # one attribute per custom call
+    assert re.findall(r"output_tuple_indices = \[(\d)\]", lowered.as_text()) == ["2", "1", "0", "1"]
     _, modules = lower_for_h200(chunk_replay_prime_pallas, *chunk, SDS((B,), jnp.int32))
     assert len(modules) == 3
+
+
+def test_replay_step_v_new_dot_reads_w_in_fp32():
+    """The replay step's w (the prefill stores it in fp16) reaches kernel 3's 16-row v_new dot as fp32 holding the
+    fp16 values: the prep kernel rounds through fp16, kernel 3 has no fp16 tensor. On an fp16 w that dot differed
+    from the prefill's 64-row one in one element of 560 rows x 128 on the H200 (BENCHMARKS.md, runs 48-53)."""
+    B, HK, HV, K, V = 4, 16, 32, 128, 128
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
+
+    f32, bf = jnp.float32, jnp.bfloat16
+    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
+    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
+             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    _, modules = lower_for_h200(chunk_replay_step_pallas, *chunk, xc, vc, SDS((B,), jnp.int32))
+    text = {str(m.operation.attributes["sym_name"]).strip('"'): m.operation.get_asm(enable_debug_info=False)
+            for m in modules}
+    assert "xf16>" in text["gdn_replay_prep"]  # the rounding, as the prefill's prep stores w
+    assert "xf16>" not in text["gdn_replay_out"]
 
 
 def test_chunk_output_kernel_loads_states_after_q_k():
@@ -272,8 +291,9 @@ def test_chunk_output_kernel_loads_states_after_q_k():
 
 @pytest.mark.parametrize("bv", [64, 32])
 def test_replay_step_out_kernel_takes_its_v_block(bv):
-    """`bv_replay` sets the V block of the replay step's last kernel: its dots are [64, bv] (v_new, the output) and
-    [128, bv] (the boundary state), the prefill's shapes with N = bv."""
+    """`bv_replay` sets the V block of the replay step's last two kernels: kernel 3's dots are [16, bv] (v_new and
+    the output's two, on the new token's block row: a row of an MMA does not depend on M or N on the H200) and
+    kernel 4's [128, bv] (the boundary state, the prefill's shape with N = bv)."""
     from jax._src.lib.mlir import ir
 
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
@@ -285,18 +305,23 @@ def test_replay_step_out_kernel_takes_its_v_block(bv):
              SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
     _, modules = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"bv_replay": bv}), *chunk, xc, vc,
                                 SDS((B,), jnp.int32))
-    out = [m for m in modules if any("gdn_replay_out" in str(op.attributes["sym_name"])
-                                     for op in m.body.operations if "sym_name" in op.attributes)]
-    assert len(out) == 1
-    dots = sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(out[0].operation)
-                  if op.name == "tt.dot")
-    assert dots == sorted([(64, bv), (64, bv), (64, bv), (128, bv)]), dots
+
+    def dots(name):
+        mod = [m for m in modules if any(name in str(op.attributes["sym_name"])
+                                         for op in m.body.operations if "sym_name" in op.attributes)]
+        assert len(mod) == 1
+        return sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(mod[0].operation)
+                      if op.name == "tt.dot")
+
+    assert dots("gdn_replay_out") == [(16, bv)] * 3
+    assert dots("gdn_replay_state") == [(128, bv)]
 
 
-@pytest.mark.parametrize("warps,want", [(None, [4, 4, 4]), ((8, 4, 2), [8, 4, 2]), (8, [8, 8, 8])])
+@pytest.mark.parametrize("warps,want", [(None, [4, 4, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
 def test_replay_step_kernels_take_their_warps(warps, want):
-    """The replay step's three kernels launch with the prefill's warps by default (prep, output, output) and with
-    the benchmark-only `warps_replay` when given, in the order prep, intra, out."""
+    """The replay step's kernels launch with the prefill's warps by default (prep, output, output, recurrence) and
+    with the benchmark-only `warps_replay` when given, in the order prep, intra, out; the boundary state's kernel
+    always with the recurrence's (its dot is the recurrence's)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
 
     B, HK, HV, K, V = 4, 16, 32, 128, 128
@@ -309,5 +334,5 @@ def test_replay_step_kernels_take_their_warps(warps, want):
                                 SDS((B,), jnp.int32))
     text = lowered.as_text()
     names = re.findall(r'name = "(gdn_replay_\w+)"', text)
-    assert names == ["gdn_replay_prep", "gdn_replay_intra", "gdn_replay_out"], names
+    assert names == ["gdn_replay_prep", "gdn_replay_intra", "gdn_replay_out", "gdn_replay_state"], names
     assert [int(w) for w in re.findall(r"num_warps = (\d+) : i32", text)] == want

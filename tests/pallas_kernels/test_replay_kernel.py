@@ -155,3 +155,32 @@ def test_launch_keys_take_effect_and_are_checked():
             chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay": bad})
     listed = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay": [8, 4, 4]})
     assert np.array_equal(np.asarray(listed[0]), np.asarray(want[0]))  # a JSON list, as gpu_profile's --config gives
+
+
+def test_one_substitution_step_per_row_equals_the_loop():
+    """The step computes row r of the diagonal tile's inverse from the rows < r its cache holds
+    (`wy.substitution_step`, once per token) where the prefill runs the whole loop (`wy.diag_tiles_by_substitution`):
+    row for row the same bits (here jitted on CPU; on the H200 the bitwise replay checks cover it)."""
+    from pallas_kernels.gated_delta import wy
+    from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG
+
+    rng = np.random.default_rng(9)
+    kb = np.asarray(wy.l2norm(jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)))
+    gc = np.cumsum(-np.abs(rng.standard_normal(16)) * 0.3).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal(16)))).astype(np.float32)
+    cfg = dict(DEFAULT_CONFIG)
+    loop = np.asarray(jax.jit(lambda *a: wy.diag_tiles_by_substitution([a[0]], [a[1]], [a[2]], cfg, True)[0])(
+        kb, gc, beta))
+
+    @jax.jit
+    def step(kb, gc, beta, cached, r):
+        r16, c16 = wy.tile_iotas()
+        at = wy.diag_tile_transposed(kb, gc, beta, r16 < c16, cfg, True)
+        t = jnp.where(r16 < r, cached, jnp.where(r16 == c16, 1.0, 0.0))
+        return wy.substitution_step(r, at, t, r16, c16)
+
+    cached = np.eye(16, dtype=np.float32)
+    for r in range(1, 16):
+        cached = np.where(np.arange(16)[:, None] <= r, np.asarray(step(kb, gc, beta, cached, r)), cached)
+    assert np.array_equal(cached, loop)
+    assert not np.array_equal(loop, np.eye(16, dtype=np.float32))  # a real inverse, not the identity
