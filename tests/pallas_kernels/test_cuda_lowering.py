@@ -230,18 +230,27 @@ def test_chunk_recurrence_block_follows_the_grid(B, bv):
     assert dots == [(64, bv), (128, bv)], dots
 
 
+def replay_step_args(B, HK, HV, K, V):
+    """Abstract arguments of `chunk_replay_step_pallas`: the open chunk (bf16 q, k, v; fp32 g, beta) and the
+    boundary state, then the two caches (lengths are the caller's)."""
+    from pallas_kernels.gated_delta.replay import replay_caches
+
+    f32, bf = jnp.float32, jnp.bfloat16
+    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
+             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
+    return chunk, xc, vc
+
+
 @pytest.mark.parametrize("B,HK,HV,K,V", [(64, 16, 32, 128, 128), (3, 1, 2, 32, 32)])
 def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     """The replay step (`gated_delta/replay.py`): four kernels (the block row's prep; its Aqk and qg; v_new and the
     output; the boundary state) whose dots all satisfy Triton's rules, with the x cache updated in place by the
     first, the v_new cache by the third, the state and the v_new cache by the fourth (four aliased outputs), and
     `prime` the first three (a loop over the step in its priming form: an open chunk never completes)."""
-    from pallas_kernels.gated_delta.replay import chunk_replay_prime_pallas, chunk_replay_step_pallas, replay_caches
+    from pallas_kernels.gated_delta.replay import chunk_replay_prime_pallas, chunk_replay_step_pallas
 
-    f32, bf = jnp.float32, jnp.bfloat16
-    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
-    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
-             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
     lowered, modules = lower_for_h200(chunk_replay_step_pallas, *chunk, xc, vc, SDS((B,), jnp.int32))
     n, bad = dot_problems(modules)
     assert len(modules) == 4 and n > 20 and not bad, bad
@@ -256,12 +265,9 @@ def test_replay_step_v_new_dot_reads_w_in_fp32():
     fp16 values: the prep kernel rounds through fp16, kernel 3 has no fp16 tensor. On an fp16 w that dot differed
     from the prefill's 64-row one in one element of 560 rows x 128 on the H200 (BENCHMARKS.md, runs 48-53)."""
     B, HK, HV, K, V = 4, 16, 32, 128, 128
-    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
 
-    f32, bf = jnp.float32, jnp.bfloat16
-    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
-    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
-             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
     _, modules = lower_for_h200(chunk_replay_step_pallas, *chunk, xc, vc, SDS((B,), jnp.int32))
     text = {str(m.operation.attributes["sym_name"]).strip('"'): m.operation.get_asm(enable_debug_info=False)
             for m in modules}
@@ -296,13 +302,10 @@ def test_replay_step_out_kernel_takes_its_v_block(bv):
     kernel 4's [128, bv] (the boundary state, the prefill's shape with N = bv)."""
     from jax._src.lib.mlir import ir
 
-    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
 
     B, HK, HV, K, V = 4, 16, 32, 128, 128
-    f32, bf = jnp.float32, jnp.bfloat16
-    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
-    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
-             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
     _, modules = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"bv_replay": bv}), *chunk, xc, vc,
                                 SDS((B,), jnp.int32))
 
@@ -322,13 +325,10 @@ def test_replay_step_kernels_take_their_warps(warps, want):
     """The replay step's kernels launch with the prefill's warps by default (prep, output, output, recurrence) and
     with the benchmark-only `warps_replay` when given, in the order prep, intra, out; the boundary state's kernel
     always with the recurrence's (its dot is the recurrence's)."""
-    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas, replay_caches
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
 
     B, HK, HV, K, V = 4, 16, 32, 128, 128
-    f32, bf = jnp.float32, jnp.bfloat16
-    xc, vc = (SDS(c.shape, f32) for c in replay_caches(B, HV, V))
-    chunk = (SDS((B, 64, HK, K), bf), SDS((B, 64, HK, K), bf), SDS((B, 64, HV, V), bf), SDS((B, 64, HV), f32),
-             SDS((B, 64, HV), f32), SDS((B, HV, K, V), f32))
+    chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
     cfg = None if warps is None else {"warps_replay": warps}
     lowered, _ = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config=cfg), *chunk, xc, vc,
                                 SDS((B,), jnp.int32))
