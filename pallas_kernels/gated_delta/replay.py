@@ -19,7 +19,7 @@ prefill splits its own:
      the prefill's output kernel), of which it writes block row i;
   3. `gdn_replay_out`, grid (V // bv_replay, HV, B): v_new of row t (`chunk._v_new`) and the output row
      (`chunk._out_dots`), as dots on block row i's 16 rows; writes v_new's row into the cache;
-  4. `gdn_replay_state`, grid (V // bv_replay, HV, B), the recurrence's warps: where the chunk completes (t = 63),
+  4. `gdn_replay_state`, grid (HV, B), the recurrence's warps: where the chunk completes (t = 63),
      the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
      over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
      the x cache), so that the caches hold exactly what `prime` leaves for the same tokens.
@@ -210,12 +210,13 @@ def _out_step_kernel(len_ref, w_ref, u_ref, aqk_ref, qg_ref, s_ref, vn_ref, o_re
         vn_out[block, :] = jnp.where((r16 >= first - i * SUB) & (r16 <= r), v, vn_ref[block, :])
 
 
-def _state_step_kernel(len_ref, k_ref, g_ref, beta_ref, s_ref, vn_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg,
+def _state_step_kernel(len_ref, k_ref, g_ref, beta_ref, s_ref, vn_ref, s_out, vn_out, *, bv, use_l2, wk_dtype, cfg,
                        interpret):
-    """Kernel 4, grid (V // bv, HV, B): where the chunk completes (n = 64), the new boundary state from the whole
-    chunk's v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the
-    update as its recurrence does — and the cache cleared; elsewhere nothing. (In kernel 3, this rare branch took
-    the registers of the whole kernel: 239 per thread against 96 without it, ptxas.)"""
+    """Kernel 4, grid (HV, B): where the chunk completes (n = 64), the new boundary state from the whole chunk's
+    v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as
+    its recurrence does, V block by V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in
+    kernel 3 this rare branch set the registers of the whole kernel (ptxas: 239 per thread against 96 without it);
+    one program per (row, value head), not per V block: half the programs that find nothing to do."""
     n = len_ref[0]
 
     @pl.when(n == CHUNK)
@@ -224,8 +225,10 @@ def _state_step_kernel(len_ref, k_ref, g_ref, beta_ref, s_ref, vn_ref, s_out, vn
         g_last = wy.last(gcs[-1])
         kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)], k_ref.shape[-1],
                      wk_dtype)
-        s_out[...] = ck._next_state(s_ref[...], g_last, kd, vn_ref[...], cfg, interpret)
-        vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
+        for j in range(s_ref.shape[-1] // bv):
+            block = pl.ds(j * bv, bv)
+            s_out[:, block] = ck._next_state(s_ref[:, block], g_last, kd, vn_ref[:, block], cfg, interpret)
+            vn_out[:, block] = jnp.zeros((CHUNK, bv), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime"))
@@ -284,7 +287,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         name="gdn_replay_intra",
     )(lengths, q, k, g, beta)
 
-    # kernels 3 and 4, grid (V // bv, HV, B): v_new and the output row; the boundary state where the chunk completes
+    # kernel 3, grid (V // bv, HV, B): v_new and the output row
     def whole(*tail):  # [B, HV, *tail] whole, in a program of grid (V // bv, HV, B)
         return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * len(tail))
 
@@ -304,13 +307,13 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if prime:  # an open chunk (< 64 tokens): never complete
         return o, state, x_cache, vn_cache
 
+    # kernel 4, grid (HV, B): the boundary state where the chunk completes
     state, vn_cache = pl.pallas_call(
-        functools.partial(_state_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
-        grid=(V // bv, HV, B),
-        in_specs=[row_length, pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0)),
-                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)),
-                  pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h)), cols(K, bv), cols(CHUNK, bv)],
-        out_specs=[cols(K, bv), cols(CHUNK, bv)],
+        functools.partial(_state_step_kernel, bv=bv, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
+                          interpret=interpret),
+        grid=(HV, B),
+        in_specs=[length, key, token, token, head(K, V), head(CHUNK, V)],
+        out_specs=[head(K, V), head(CHUNK, V)],
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
         input_output_aliases={4: 0, 5: 1},
         compiler_params=ck._triton_params(cfg["warps_state"], 1),

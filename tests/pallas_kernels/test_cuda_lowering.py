@@ -299,7 +299,7 @@ def test_chunk_output_kernel_loads_states_after_q_k():
 def test_replay_step_out_kernel_takes_its_v_block(bv):
     """`bv_replay` sets the V block of the replay step's last two kernels: kernel 3's dots are [16, bv] (v_new and
     the output's two, on the new token's block row: a row of an MMA does not depend on M or N on the H200) and
-    kernel 4's [128, bv] (the boundary state, the prefill's shape with N = bv)."""
+    kernel 4's [128, bv] per V block (the boundary state, the prefill's shape with N = bv)."""
     from jax._src.lib.mlir import ir
 
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
@@ -317,7 +317,7 @@ def test_replay_step_out_kernel_takes_its_v_block(bv):
                       if op.name == "tt.dot")
 
     assert dots("gdn_replay_out") == [(16, bv)] * 3
-    assert dots("gdn_replay_state") == [(128, bv)]
+    assert dots("gdn_replay_state") == [(128, bv)] * (V // bv)  # one program per (row, value head), V blocks of bv
 
 
 @pytest.mark.parametrize("warps,want", [(None, [4, 4, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
