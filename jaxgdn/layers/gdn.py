@@ -110,6 +110,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         ends = stride * jnp.arange(1, width // stride + 1)[None, :] - open_len[:, None]
     conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends)
     gates = jnp.stack([g, beta], axis=2)  # [B, T, 2, HV]
+    if stride is None and T == 1:
+        return _replay_one_token(cfg, p, conv, gates, z, state, open_len, lengths, backend, det)
     qkv_all = _splice(state.open_qkv, conv[0], open_len, lengths, width)  # [B, W, C]
     gates_all = _splice(state.open_gates, gates, open_len, lengths, width)  # [B, W, 2, HV]
     total = open_len + lengths
@@ -122,18 +124,6 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         q, k, v = _split_qkv(cfg, qkv)
         return pallas_kernels.chunk_gated_delta_rule(q, k, v, gts[:, :, 0], gts[:, :, 1], initial_state=init,
                                                      lengths=lens, checkpoint_stride=stride, backend=backend)
-
-    if stride is None and width == CHUNK:
-        # One-token calls (decode): the replay step computes the new token's row of the open chunk with the prefill's
-        # arithmetic, reusing what the chunk's earlier tokens cached; when the token fills the chunk, the new
-        # boundary state (otherwise the boundary and the state array are left as they are).
-        q, k, v = _split_qkv(cfg, qkv_all)
-        o_new, recurrent, open_x, open_vnew = pallas_kernels.chunk_replay_step(
-            q, k, v, gates_all[:, :, 0], gates_all[:, :, 1], state.recurrent, state.open_x, state.open_vnew, total,
-            backend=backend)
-        new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=tail_qkv, open_gates=tail_gates,
-                                  open_x=open_x, open_vnew=open_vnew)
-        return _output(cfg, p, o_new[:, None], z, det), new_state, None
 
     ckpt_states = None
     if stride is None and width <= 2 * CHUNK:
@@ -161,6 +151,33 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     if stride is not None:  # at grid points the open chunk is empty: no buffers (`state.at_boundary`)
         ckpt = GDNLayerState(conv=conv[2], recurrent=ckpt_states)
     return _output(cfg, p, o, z, det), new_state, ckpt
+
+
+def _replay_one_token(cfg: ModelConfig, p: GDNParams, conv, gates, z, state: GDNLayerState, open_len, lengths,
+                      backend, det):
+    """`gdn_prefill`'s one-token calls in replay mode (decode): the replay step computes the new token's row of the
+    open chunk with the prefill's arithmetic, reusing what the chunk's earlier tokens cached; when the token fills
+    the chunk, the new boundary state (otherwise the boundary and the state array are left as they are).
+
+    The open chunk's buffers hold zeros after their open_len valid rows (`GDNLayerState`), so the new token is one
+    row written at open_len, and a chunk the token completes empties its row of the buffers: scatters of B rows,
+    in place where the buffers are donated (a decode loop's carry), not passes over the [B, 64, C] buffer."""
+    B = open_len.shape[0]
+    rows = jnp.arange(B)
+    active = lengths > 0  # a row with no token (lengths 0) writes zeros where it already holds them
+    qkv_all = state.open_qkv.at[rows, open_len].set(jnp.where(active[:, None], conv[0][:, 0], 0))
+    gates_all = state.open_gates.at[rows, open_len].set(jnp.where(active[:, None, None], gates[:, 0], 0))
+    total = open_len + lengths
+    q, k, v = _split_qkv(cfg, qkv_all)
+    o_new, recurrent, open_x, open_vnew = pallas_kernels.chunk_replay_step(
+        q, k, v, gates_all[:, :, 0], gates_all[:, :, 1], state.recurrent, state.open_x, state.open_vnew, total,
+        backend=backend)
+    emptied = jnp.where(total == CHUNK, rows, B)  # rows whose chunk completed; B: out of bounds, dropped
+    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent,
+                              open_qkv=qkv_all.at[emptied].set(0, mode="drop"),
+                              open_gates=gates_all.at[emptied].set(0, mode="drop"), open_x=open_x,
+                              open_vnew=open_vnew)
+    return _output(cfg, p, o_new[:, None], z, det), new_state, None
 
 
 def gdn_decode(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, backend: str | None,
