@@ -59,3 +59,17 @@ def test_sharding_bench_profile_stage(tmp_path):
     one, two = prof["decode_B8_1dev"], prof["decode_B8_2dev"]
     assert one["total_us"] > 0 and two["total_us"] > 0 and one["kernels"] and two["kernels"]
     assert one["collectives_us"] == 0 and two["collective_kernels"] > 0  # the mesh's step has collectives
+
+
+def test_mma_rows_screen_runs_in_interpret_mode():
+    """`scripts/gpu_mma_rows.py` (the M-independence screen for the replay step's dots) on CPU, interpreted: every
+    variant of the chosen forms is counted, and one substitution step equals the loop (as it does on the H200)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_mma_rows
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    res = gpu_mma_rows.main(["--interpret", "--instances", "2", "--only", "av,substitution"])
+    assert sorted(res) == sorted([f"av M={m} warps={w}" for m, w in ((16, 4), (16, 2), (16, 1), (32, 4), (64, 8))]
+                                 + ["substitution step"])
+    assert res["substitution step"] == 0
