@@ -72,6 +72,23 @@ def test_replay_state_at_grid_boundary_equals_prefill(form):
     chex.assert_trees_all_equal(state, ref)
 
 
+def test_one_token_calls_leave_rows_without_a_token_untouched():
+    """A one-token call (the replay step's path in `layers/gdn.py`) with lengths 0 for a row leaves that row's
+    state as it was, every leaf bitwise, while the other row — whose token completes its open chunk, emptying it —
+    equals a prefill of its tokens (the glue is the backend's caller; the kernel's own lengths-0 rows:
+    test_replay_kernel.py)."""
+    model = _model("tiny")
+    toks = np.random.default_rng(5).integers(0, 256, 64).tolist()
+    state, _ = model.prefill_chunk(model.init_state(2, 192), jnp.asarray([toks[:63], toks[:63]], jnp.int32))
+    new, _ = model.prefill_chunk(state, jnp.asarray([[toks[63]], [toks[63]]], jnp.int32), jnp.asarray([0, 1]))
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[:1], new), jax.tree.map(lambda a: a[:1], state))
+    ref, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks], jnp.int32))
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[1:], new), ref)
+    gdn = [ls for ls in new.layers if getattr(ls, "open_qkv", None) is not None]
+    assert gdn and all(not np.asarray(ls.open_qkv[1]).any() for ls in gdn)  # the completed chunk emptied
+    assert all(np.asarray(ls.open_qkv[0]).any() for ls in gdn)  # the untouched row's 63 tokens are still there
+
+
 def test_recurrent_mode_still_shows_the_difference():
     model = jaxgdn.tiny_model("tiny", seed=11, deterministic=True)  # recurrent decode
     toks = np.random.default_rng(2).integers(0, 256, 128).tolist()
