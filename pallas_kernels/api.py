@@ -286,7 +286,8 @@ def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, sc
     are the backend's: the reference backend leaves them zeros, so a state off the grid continues on the backend
     that made it. Returns (o [B,HV,V] of the new token; the state, the new boundary state where lengths == 64; the
     caches). On the reference backend the step runs the reference chunked rule over the open chunk and the caches
-    pass through unused. The output row and states are bitwise what the same backend's chunked prefill computes.
+    pass through unused. The output row and states are bitwise what the same backend's chunked prefill computes
+    (on the GPU: checked for bf16 q, k, v; `gated_delta/replay.py`).
     """
     backend = resolve_backend(backend)
     lengths = jnp.asarray(lengths, jnp.int32)
