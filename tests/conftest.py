@@ -10,7 +10,9 @@ error). Seen on 2026-11-30 in three of five full runs from fresh clones (6c47954
 SIGSEGV, the rerun passing): the worker died inside XLA:CPU's compile of `score` in
 `test_score_agrees_with_generation`, right after its `generate`, with no message and no persistent cache. The test
 passes alone and passed in the other two full runs (one of them verbose, to see the order the worker ran: nothing
-stood out). Not understood; a test that crashes twice fails.
+stood out). Again in c6926f4's run (SIGSEGV, rerun passing), in another test and another program: XLA:CPU's compile
+of `prefill_chunk` in test_replay.py's `test_recurrent_gdn_prefill_splits_anywhere_bitwise` — so not one test's
+program. Not understood; a test that crashes twice fails.
 """
 
 from __future__ import annotations
