@@ -131,7 +131,8 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
 
 
 def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw):
-    """Kernel 1, grid (HV, B): the new token's block row of the prefill's prep (V-independent but for u)."""
+    """Kernel 1, grid (HV, B): the new token's row of the prefill's prep (V-independent but for u; every row of its
+    block row up to it when priming), in the branch of its block row (static: each block row has its own tiles)."""
     n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do)
 
     @pl.when(n == 0)
@@ -243,8 +244,8 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
     if cfg["warps_state"] != cfg["warps_out"]:
-        raise ValueError("the replay step's last kernel runs the recurrence's and the output's dots: it needs "
-                         "warps_state == warps_out (an MMA's bits depend on the warps sharing it)")
+        raise ValueError("the replay step's kernel 3 runs the recurrence's v_new dot and the output's dots: it needs "
+                         "warps_state == warps_out (the prefill runs them with those warps)")
     warps_prep, warps_intra, warps_out = _launch_warps(cfg)
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
     bv = min(cfg["bv_replay"], V)  # the last kernel's V block (on the GPU its dots' bits do not depend on it: N)
