@@ -160,8 +160,9 @@ def _replay_one_token(cfg: ModelConfig, p: GDNParams, conv, gates, z, state: GDN
     the chunk, the new boundary state (otherwise the boundary and the state array are left as they are).
 
     The open chunk's buffers hold zeros after their open_len valid rows (`GDNLayerState`), so the new token is one
-    row written at open_len, and a chunk the token completes empties its row of the buffers: scatters of B rows,
-    in place where the buffers are donated (a decode loop's carry), not passes over the [B, 64, C] buffer."""
+    row written at open_len, and a chunk the token completes empties its row of the buffers: scatters of B rows
+    instead of the splice and gathers over [B, 64, C] that longer calls use. (In a compiled decode loop XLA still
+    copies the buffer around them, to keep the step's reads apart from the in-place writes: BENCHMARKS.md, run 54.)"""
     B = open_len.shape[0]
     rows = jnp.arange(B)
     active = lengths > 0  # a row with no token (lengths 0) writes zeros where it already holds them
