@@ -381,7 +381,7 @@ def main():
                              stage_profile(model.with_deterministic(), args.decode_batch, args.context,
                                            "deterministic"))),
         # replay decode's step by kernel beside deterministic recurrent decode's: the replay kernels against the
-        # XLA glue around them (the open chunk's splice, tail gather and q / k / v slices)
+        # XLA glue around them (the open chunk's row scatters and the q / k / v slices handed to the step)
         ("replay_profile", lambda: (stage_profile(model.with_deterministic().with_decode_mode("replay"),
                                                   args.decode_batch, args.context, "replay"),
                                     stage_profile(model.with_deterministic(), args.decode_batch, args.context,

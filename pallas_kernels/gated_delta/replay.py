@@ -23,9 +23,9 @@ prefill splits its own:
      the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
      over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
      the x cache), so that the caches hold exactly what `prime` leaves for the same tokens.
-Kernel 4 is its own kernel because its rare branch set the registers of kernel 3 (ptxas offline: 239 per thread
-with it, 96 without). Each token's work is one row's (since 2026-11-30's runs 46-53; before, the step recomputed its
-whole block row every step: the 15-step substitution, v_new of 16 rows).
+Kernel 4 is its own kernel because its rare branch set the registers of kernel 3 (on the H200's compiler 255 per
+thread with it, 198 without: runs 47-48). Each token's work is one row's (since 2026-11-30's runs 46-54; before,
+the step recomputed its whole block row every step: the 15-step substitution, v_new of 16 rows).
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's, with the
 same warps, and the chunked kernels are row-causal bit for bit (a row's results do not depend on later rows, which
@@ -218,7 +218,7 @@ def _state_step_kernel(len_ref, k_ref, g_ref, beta_ref, s_ref, vn_ref, s_out, vn
     """Kernel 4, grid (HV, B): where the chunk completes (n = 64), the new boundary state from the whole chunk's
     v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as
     its recurrence does, V block by V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in
-    kernel 3 this rare branch set the registers of the whole kernel (ptxas: 239 per thread against 96 without it);
+    kernel 3 this rare branch set the registers of the whole kernel (on the H200: 255 per thread against 198);
     one program per (row, value head), not per V block: half the programs that find nothing to do."""
     n = len_ref[0]
 
