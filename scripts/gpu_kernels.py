@@ -862,15 +862,25 @@ def replay_step_timing():
             @functools.partial(jax.jit, donate_argnums=3)
             def step_loop(v, g, beta, carry, cfg=cfg):
                 def body(i, c):
-                    s, xc, vc, acc, q, k = c
+                    s, xc, vc, q, k = c
                     q, k = (new_token_row(x, i) for x in (q, k))  # as decoding writes one token per step
-                    o, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
-                    return s, xc, vc, acc + o.astype(jnp.float32), q, k  # o summed: live
+                    # o is an output of the kernel that also writes the v_new cache: computed and written every step
+                    # (as the recurrent loop's o; until 2026-11-30 UTC 21:00 the loop summed it, ~7 us per step)
+                    _, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
+                    return s, xc, vc, q, k
                 return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
 
-            acc = jnp.zeros((B,) + v.shape[2:], jnp.float32)
-            t_step = bench_state_loop(step_loop, (v, g, beta), (s0 + 0, xc, vc, acc, q + 0, k + 0), nstep,
-                                      inner=1)[0]
+            if B == 64:  # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
+                from scripts.gpu_model_bench import profiled_kernels
+                per = profiled_kernels(lambda: step_loop(v, g, beta, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)
+                ours = [(n, t) for n, t, _ in per if n.startswith("gdn_replay")]
+                other = sum(t for n, t, _ in per if not n.startswith("gdn_replay"))
+                RESULTS.setdefault("replay_step_profile", []).append(
+                    dict(B=B, config=name, kernels={n[:80]: t / nstep for n, t, _ in per}))
+                log(f"B={B} [{name}] device time per step: " + ", ".join(f"{n} {t / nstep:.1f} us" for n, t in ours)
+                    + f"; other kernels {other / nstep:.1f} us (with the copies this profiled call makes of its "
+                    f"arguments, outside the loop)")
+            t_step = bench_state_loop(step_loop, (v, g, beta), (s0 + 0, xc, vc, q + 0, k + 0), nstep, inner=1)[0]
             prime = jax.jit(functools.partial(rp.chunk_replay_prime_pallas, config=cfg))
             t_prime = bench_jax(prime, q, k, v, g, beta, s0, lengths - 1, n=5)
             row = dict(B=B, config=name, recurrent_us=t_rec * 1e6, replay_step_us=t_step * 1e6, ratio=t_step / t_rec,
@@ -884,8 +894,12 @@ def replay_step_timing():
 # the replay step's configurations checked and timed. Run 39 timed the two-kernel step at bv 32 (the recurrence's V
 # block then: 6.41x against 4.88x at B=64), run 40 the three-kernel step at bv_replay 32 and 16 (3.74x and 4.38x
 # against the default's 3.30x), run 42 other warps ({"warps_replay": (8, 4, 4)}, (4, 4, 8) and 8: 4.11x, 4.99x,
-# 5.48x against 3.78x); all with bits PASS. Add candidates here.
-REPLAY_STEP_CONFIGS = {"default": None, "bv128": {"bv_replay": 128}}  # run 54: bv128 3-6% faster
+# 5.48x against 3.78x); all with bits PASS. 2026-11-30 UTC 20:30-21:00 (the new token's row only): bv_replay 128
+# (251.4 against 248.5 us at B=64), bv_replay 32 (227.3 against 225.9), kernel 2 with 4 warps (237.0 against 227.3
+# with 8, now the default), kernel 2 inside kernel 1 (250.5 against 237.0), kernel 1's right-hand sides built where
+# read (238.1 against 225.9), kernel 4 on two heads per program (33.3 against 18.4 us for that kernel); bits PASS for
+# all. Add candidates here.
+REPLAY_STEP_CONFIGS = {"default": None}
 
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),

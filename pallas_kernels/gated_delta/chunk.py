@@ -93,6 +93,10 @@ from .wy import CHUNK
 # bv_replay: the V block of the replay step's last kernel (`replay.py`: its v_new, output and state dots); the
 # prefill does not read it; on the GPU the bits do not depend on it (an MMA element does not depend on the
 # instruction's N: runs 40 and 45); in interpret mode XLA:CPU's dots can round differently for another N.
+# warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
+# the prefill runs it with warps_out): 8, 37.6 against 45.0 us per step at B=64 with 4, the same bits (the H200,
+# 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
+# warps variants changing the bits either).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -100,7 +104,7 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64,
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=8,
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -119,12 +123,16 @@ def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None):
         valid = (first + b * s + iota) < length
         valids.append(valid)
         ks.append(_load_key(k_ref.at[sl], valid, use_l2))
-        gc = jnp.cumsum(jnp.where(valid, g_ref[sl].astype(jnp.float32), 0.0))
-        if gcs:
-            gc = gc + wy.last(gcs[-1])
-        gcs.append(gc)
+        gcs.append(_gc_slice(g_ref.at[sl], valid, gcs[-1] if gcs else None))
         betas.append(jnp.where(valid, beta_ref[sl].astype(jnp.float32), 0.0))
     return ks, gcs, betas, valids
+
+
+def _gc_slice(g_ref, valid, before):
+    """One 16-row slice of the chunk's cumulative log-decay gc: the slice's own cumsum of g (padded rows 0) plus the
+    last value of the slice `before` (None for the first). The replay step's kernel 2 calls it for gc alone."""
+    gc = jnp.cumsum(jnp.where(valid, g_ref[...].astype(jnp.float32), 0.0))
+    return gc if before is None else gc + wy.last(before)
 
 
 def _store_gc(gc_ref, gcs):

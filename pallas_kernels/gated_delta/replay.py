@@ -10,25 +10,32 @@ what the open chunk's earlier tokens computed (after the step at row t, row by r
                                  <= t of the diagonal tile of the block row in progress;
   vn_cache [B, HV, C, V]  fp32  v_new = u - w S0 of rows <= t.
 The step for the token at row t (block row i = t // 16, row r = t - 16 i in it) runs four kernels, split as the
-prefill splits its own:
+prefill splits its own; between them only the new row's values travel:
   1. `gdn_replay_prep`, grid (HV, B), the prefill prep's warps: row r of the diagonal tile's inverse, one step of
      the prefill's forward substitution (`wy.substitution_step`) from the rows the cache holds; row r of the merged
      tiles from the cached block rows above (`wy.merged_block_row`; every row when the block row completes, and then
-     they go into the cache) and of w and u (`chunk._wy_block_row`), w rounded as the prefill stores it;
-  2. `gdn_replay_intra`, grid (HV, B), the output kernel's warps: Aqk and qg (`chunk._intra_rows`, 64-row as in
-     the prefill's output kernel), of which it writes block row i;
+     they go into the cache) and of w and u (`chunk._wy_block_row`), w rounded as the prefill stores it; it writes
+     only row r of w and u (rows 0 .. r when priming);
+  2. `gdn_replay_intra`, grid (HV // P, B), P = HV // HK value heads of one key head per program (when a power of
+     two; else 1), `warps_replay_intra` warps: row t of Aqk and qg for each head, from one 64-row q k^T dot (the
+     prefill output kernel's, with q's row t and zeros; its operands are the key head's) and each head's decays on
+     that row (`wy.intra`'s operations, element by element); not run when priming;
   3. `gdn_replay_out`, grid (V // bv_replay, HV, B): v_new of row t (`chunk._v_new`) and the output row
-     (`chunk._out_dots`), as dots on block row i's 16 rows; writes v_new's row into the cache;
+     (`chunk._out_dots`), as dots on block row i's 16 rows holding the new row (loaded masked) and zeros; writes
+     v_new's row into the cache (priming: the rows 16 i .. t, and no output);
   4. `gdn_replay_state`, grid (HV, B), the recurrence's warps: where the chunk completes (t = 63),
      the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
      over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
      the x cache), so that the caches hold exactly what `prime` leaves for the same tokens.
 Kernel 4 is its own kernel because its rare branch set the registers of kernel 3 (on the H200's compiler 255 per
 thread with it, 198 without: runs 47-48). Each token's work is one row's (since 2026-11-30's runs 46-54; before,
-the step recomputed its whole block row every step: the 15-step substitution, v_new of 16 rows).
+the step recomputed its whole block row every step: the 15-step substitution, v_new of 16 rows), and since runs
+55-60 (same day) only that row moves between the kernels: kernel 3 had read 16-row tiles of w, Aqk and qg per V
+block, and kernel 2 computed the whole 64-row Aqk once per value head.
 
-Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's, with the
-same warps, and the chunked kernels are row-causal bit for bit (a row's results do not depend on later rows, which
+Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's (kernel 2's
+decays by the same operations on row t alone), with the same warps (but kernel 2's: 8 against the output kernel's 4,
+the same bits on the H200), and the chunked kernels are row-causal bit for bit (a row's results do not depend on later rows, which
 are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU script checks). The dots run on
 other shapes than the prefill's: a row of an MMA's result depends only on that row of its first operand, and on the
 H200 its bits depend neither on the instruction's N (the V blocks: `bv_replay` against the prefill's 64 / 32 / 128;
@@ -43,7 +50,7 @@ compiled code, checked bitwise on the H200 by `scripts/gpu_kernels.py --only rep
 With fp32 q / k / v on the H200 the step's rows differed from the prefill's in the last bits (run 49: 401 of 560
 rows, 7 of 8 boundary states, in every variant tried): not understood, not used by the model.
 
-`prime` fills the caches for an open chunk that a prefill left behind: the step's kernels block row by block row in
+`prime` fills the caches for an open chunk that a prefill left behind: kernels 1 and 3 block row by block row in
 their priming form, which compute the diagonal tile whole (the prefill's loop) and every row of the block row up to
 the last token.
 """
@@ -105,13 +112,15 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
             x[j, m] = cached(j, m)
     if i:  # row r of the merged tiles (every row when the block row completes: T_ii is whole then)
         x.update(wy.merged_block_row(i, ks, gcs, betas, x, cfg, interpret))
-    bks, bvs = ck._wy_rhs_slices(ks, gcs, betas, valids, v_ref)
+    bks, bvs = ck._wy_rhs_slices(ks, gcs, betas, valids, v_ref)  # (built where each dot reads it instead: 70.6
+    # against 64.5 us per step at B=64, the H200, 2026-11-30)
     w, u = ck._wy_block_row(i, x, bks, bvs, cfg, interpret)
     # w's values as the prefill's prep kernel stores them (`_wk_dtype`), held in fp32: kernel 3's 16-row v_new dot on
     # an fp16 w differed from the prefill's 64-row one in one element of 560 rows x 128 (the H200, runs 48-51); on
     # the same values held in fp32, and on 64 rows, it did not (runs 51-53)
-    w_out[...] = w.astype(wk_dtype).astype(jnp.float32)
-    u_out[...] = u
+    # only the rows kernel 3 reads (r; 0 .. r when priming): the others are left unwritten
+    plt.store(w_out.at[...], w.astype(wk_dtype).astype(jnp.float32), mask=_rows_between(w.shape, 0 if prime else r, r))
+    plt.store(u_out.at[...], u, mask=_rows_between(u.shape, 0 if prime else r, r))
 
     if i < NB - 1:
         x_out[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(r16 <= r, t_ii, 0.0)  # T_ii's rows so far
@@ -130,16 +139,18 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
             x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
 
 
+def _rows_between(shape, first, last):
+    """[R, n] bool: rows first .. last (static or traced)."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (rows >= first) & (rows <= last)
+
+
 def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw):
     """Kernel 1, grid (HV, B): the new token's row of the prefill's prep (V-independent but for u; every row of its
-    block row up to it when priming), in the branch of its block row (static: each block row has its own tiles)."""
-    n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do)
-
-    @pl.when(n == 0)
-    def _():
-        w_out[...] = jnp.zeros(w_out.shape, w_out.dtype)
-        u_out[...] = jnp.zeros(u_out.shape, u_out.dtype)
-
+    block row up to it when priming), in the branch of its block row (static: each block row has its own tiles).
+    (Kernel 2's work inside this kernel took 131 us per step at B=64 against 65 + 45 for the two: the H200,
+    2026-11-30.)"""
+    n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do, nothing written)
     for i in range(NB):
         pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
             _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw))
@@ -161,29 +172,64 @@ def _mma_rows(x16, *, i, interpret):
     return _placed([(i, x16)], x16.shape[-1], x16.dtype) if interpret else x16
 
 
-def _intra_step_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, aqk_out, qg_out, *, scale, use_l2, cfg, interpret):
-    """Kernel 2, grid (HV, B): the output's V-independent part (`chunk._intra_rows`: Aqk and qg, 64-row as in the
-    prefill's output kernel, with its warps), of which it keeps the new token's block row. (On the block row's 16
-    rows of q, 58 of 560 rows differed from the prefill's on the H200: runs 48-49.)"""
+def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpret):
+    """Kernel 2, grid (HV // P, B), P value heads of one key head per program (P = HV // HK when a power of two,
+    else 1): the new token's row t of Aqk and qg for each. q k^T is the prefill output kernel's 64-row dot
+    (`chunk._intra_rows`, with its warps; on the block row's 16 rows of q, 58 of 560 rows differed from the
+    prefill's on the H200: runs 48-49), with q's row t loaded and the others zeros (a row of an MMA's result depends
+    only on that row of its first operand); its operands are the key head's, so it runs once for the P value heads
+    (`wy.gated_scores` then applies each head's decays, as `wy.intra`). refs: P gate refs g [C], then the outputs
+    aqk [P, C] and qg [P, K]."""
+    *g_refs, aqk_out, qg_out = refs
     n = len_ref[0]
-    i = jnp.maximum(n - 1, 0) // SUB
-    _, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
-    valid = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
-    aqk, qg = ck._intra_rows(valid, q_ref, k_ref, lambda: _placed_vector(gcs), scale=scale, use_l2=use_l2, cfg=cfg,
-                             interpret=interpret)
-    aqk_out[...] = _block_row(aqk, i)
-    qg_out[...] = _block_row(qg, i)
+    t = jnp.maximum(n - 1, 0)
+    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    q_row = rows == t
+    q = plt.load(q_ref.at[...], mask=jnp.broadcast_to(q_row[:, None], q_ref.shape), other=0).astype(jnp.float32)
+    q = jnp.where(q_row[:, None], wy.l2norm(q) if use_l2 else q, 0.0) * scale  # `chunk._load_key`'s, on row t
+    k = ck._load_key(k_ref, rows < n, use_l2)
+    qk_t = _row(wy.dot(q, k, cfg["p_qk"], interpret, trans_b=True), t)  # [C]: row t of q k^T
+    lower = rows <= t  # row t of `wy.causal_decay`'s mask (strict=False)
+    for j, g_ref in enumerate(g_refs):
+        gc = _placed_vector(_gc_slices(g_ref, n))
+        gc_t = _row(gc[:, None], t)  # [1]
+        # row t of `wy.intra`'s (`gated_scores`) element by element: the same operations on the same values
+        aqk_out[j] = jnp.where(lower, qk_t * jnp.exp(jnp.where(lower, gc_t - gc, 0.0)), 0.0)
+        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t)  # (on XLA:CPU, row t of q times exp(gc_t) differed)
 
 
-def _out_step_kernel(len_ref, w_ref, u_ref, aqk_ref, qg_ref, s_ref, vn_ref, o_ref, vn_out, *, prime, cfg, interpret):
+def _gc_slices(g_ref, n):
+    """The open chunk's gc in its four 16-row slices, as `chunk._chunk_slices` computes them (n valid rows)."""
+    gcs = []
+    for b in range(NB):
+        valid = b * SUB + lax.broadcasted_iota(jnp.int32, (SUB,), 0) < n
+        gcs.append(ck._gc_slice(g_ref.at[pl.ds(b * SUB, SUB)], valid, gcs[-1] if gcs else None))
+    return gcs
+
+
+def _row(x, t):
+    """Row t (traced) of x [C, n]: every other row summed in as -0.0, exact in any order (`_block_row`)."""
+    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.sum(jnp.where(rows == t, x, -0.0), axis=0)
+
+
+def _out_step_kernel(len_ref, w_ref, u_ref, *refs, prime, cfg, interpret):
     """Kernel 3, grid (V // bv, HV, B): v_new of the new row (of block row i's rows up to it when priming) and the
-    new token's output, for one V block. The dots are the prefill's on the 16 rows of block row i: a row of an MMA's
-    result does not depend on the instruction's M (the H200, 2026-11-30) or N."""
+    new token's output (not when priming: `prime` keeps only the caches), for one V block. The dots are the
+    prefill's on the 16 rows of block row i, with only the rows this call computes loaded (kernels 1 and 2 write
+    nothing else) and zeros elsewhere: a row of an MMA's result depends only on that row of its first operand, not
+    on the instruction's M (the H200, 2026-11-30) or N. refs: (aqk [C] and qg [K] of row t, unless priming), the
+    state block s [K, bv], the v_new cache [C, bv]; then the outputs (o [bv], unless priming) and the cache."""
+    if prime:
+        s_ref, vn_ref, vn_out = refs
+    else:
+        aqk_ref, qg_ref, s_ref, vn_ref, o_ref, vn_out = refs
     n = len_ref[0]
 
-    @pl.when(n == 0)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    if not prime:
+        @pl.when(n == 0)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
     @pl.when(n > 0)
     def _():
@@ -191,47 +237,59 @@ def _out_step_kernel(len_ref, w_ref, u_ref, aqk_ref, qg_ref, s_ref, vn_ref, o_re
         i = t // SUB  # the new token's block row and its row in it (traced: the placements below are selects)
         r = t - i * SUB
         bv = u_ref.shape[-1]
-        s0 = s_ref[...]  # [K, V] of this program's V block
-        rows_of = functools.partial(_mma_rows, i=i, interpret=interpret)
-        v = ck._v_new(rows_of(u_ref[...]), rows_of(w_ref[...]), s0, cfg, interpret)  # [16, bv] (in interpret mode
-        # [64, bv]): row r of block row i (rows <= r when priming)
-        v = _block_row(v, i) if interpret else v
-        rows = lax.broadcasted_iota(jnp.int32, (CHUNK, bv), 0)
         first = i * SUB if prime else t  # the rows this call computes: first .. t
-        cached = plt.load(vn_ref.at[...], mask=rows < first, other=0.0)  # rows < first (zeros from t on)
-        vn64 = jnp.where((rows >= first) & (rows <= t), _placed([(i, v)], bv), cached)
-        ht, vt = ck._transposed(cfg)
-        o = ck._out_dots(rows_of(aqk_ref[...]), rows_of(qg_ref[...]), lambda: s0.T if ht else s0,
-                         lambda: vn64.T if vt else vn64, cfg, interpret)
-        # row r (t in interpret mode): every other term -0.0, which leaves any value as it is, in any order (a signed
-        # zero too on the GPU: `_block_row`)
-        o_rows = lax.broadcasted_iota(jnp.int32, o.shape, 0)
-        o_ref[...] = jnp.sum(jnp.where(o_rows == (t if interpret else r), o, -0.0), axis=0).astype(o_ref.dtype)
-        # v_new of block row i's rows so far (zeros after row t) into the cache (at t = 63, for kernel 4)
+        s0 = s_ref[...]  # [K, bv] of this program's V block
+        rows_of = functools.partial(_mma_rows, i=i, interpret=interpret)
+        w = plt.load(w_ref.at[...], mask=_rows_between(w_ref.shape, first - i * SUB, r), other=0.0)
+        u = plt.load(u_ref.at[...], mask=_rows_between(u_ref.shape, first - i * SUB, r), other=0.0)
+        v = ck._v_new(rows_of(u), rows_of(w), s0, cfg, interpret)  # [16, bv] (in interpret mode [64, bv])
+        v = _block_row(v, i) if interpret else v
+        if not prime:
+            rows = lax.broadcasted_iota(jnp.int32, (CHUNK, bv), 0)
+            cached = plt.load(vn_ref.at[...], mask=rows < t, other=0.0)  # rows < t (zeros from t on)
+            vn64 = jnp.where(rows == t, _placed([(i, v)], bv), cached)
+            ht, vt = ck._transposed(cfg)
+            at_r = functools.partial(_at_row, r=r)
+            o = ck._out_dots(rows_of(at_r(aqk_ref[...])), rows_of(at_r(qg_ref[...])), lambda: s0.T if ht else s0,
+                             lambda: vn64.T if vt else vn64, cfg, interpret)
+            # row r (t in interpret mode): every other term -0.0, which leaves any value as it is, in any order (a
+            # signed zero too on the GPU: `_block_row`)
+            o_ref[...] = _row(o, t if interpret else r).astype(o_ref.dtype)
+        # v_new of block row i's rows this call computed into the cache (at t = 63, for kernel 4)
         block = pl.ds(pl.multiple_of(i * SUB, SUB), SUB)
-        r16 = lax.broadcasted_iota(jnp.int32, (SUB, bv), 0)
-        vn_out[block, :] = jnp.where((r16 >= first - i * SUB) & (r16 <= r), v, vn_ref[block, :])
+        plt.store(vn_out.at[block, :], v, mask=_rows_between(v.shape, first - i * SUB, r))
 
 
-def _state_step_kernel(len_ref, k_ref, g_ref, beta_ref, s_ref, vn_ref, s_out, vn_out, *, bv, use_l2, wk_dtype, cfg,
-                       interpret):
-    """Kernel 4, grid (HV, B): where the chunk completes (n = 64), the new boundary state from the whole chunk's
-    v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as
-    its recurrence does, V block by V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in
-    kernel 3 this rare branch set the registers of the whole kernel (on the H200: 255 per thread against 198);
-    one program per (row, value head), not per V block: half the programs that find nothing to do."""
+def _at_row(x, r):
+    """x [n] as row r (traced) of a [16, n] tile, zeros elsewhere (exact: a select)."""
+    rows = lax.broadcasted_iota(jnp.int32, (SUB, x.shape[-1]), 0)
+    return jnp.where(rows == r, jnp.broadcast_to(x[None, :], rows.shape), 0.0)
+
+
+def _state_step_kernel(len_ref, k_ref, *refs, bv, use_l2, wk_dtype, cfg, interpret):
+    """Kernel 4, grid (HV, B) (its body takes the P value heads of one key head, launched with P = 1): where the
+    chunk completes (n = 64), each head's new boundary state from the whole chunk's v_new (the cache) as the prefill
+    computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as its recurrence does, V block by
+    V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in kernel 3 this rare branch set the
+    registers of the whole kernel (on the H200: 255 per thread against 198); most programs find nothing to do.
+    refs: P gate refs g [C], the states [P, K, V] and caches [P, C, V]; then both again, written."""
+    *g_refs, s_ref, vn_ref, s_out, vn_out = refs
     n = len_ref[0]
 
     @pl.when(n == CHUNK)
     def _():
-        ks, gcs, _, _ = ck._chunk_slices(k_ref, g_ref, beta_ref, n, use_l2, start=0)
-        g_last = wy.last(gcs[-1])
-        kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)], k_ref.shape[-1],
-                     wk_dtype)
-        for j in range(s_ref.shape[-1] // bv):
-            block = pl.ds(j * bv, bv)
-            s_out[:, block] = ck._next_state(s_ref[:, block], g_last, kd, vn_ref[:, block], cfg, interpret)
-            vn_out[:, block] = jnp.zeros((CHUNK, bv), jnp.float32)
+        iota = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+        ks = [ck._load_key(k_ref.at[pl.ds(b * SUB, SUB)], b * SUB + iota < n, use_l2) for b in range(NB)]
+        for h, g_ref in enumerate(g_refs):
+            gcs = _gc_slices(g_ref, n)
+            g_last = wy.last(gcs[-1])
+            kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
+                         k_ref.shape[-1], wk_dtype)
+            for j in range(s_ref.shape[-1] // bv):
+                block = pl.ds(j * bv, bv)
+                s_out[h, :, block] = ck._next_state(s_ref[h, :, block], g_last, kd, vn_ref[h, :, block], cfg,
+                                                    interpret)
+                vn_out[h, :, block] = jnp.zeros((CHUNK, bv), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime"))
@@ -260,7 +318,14 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     token = pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h))
     length = pl.BlockSpec((1,), lambda h, b: (b,))
 
-    # kernel 1, grid (HV, B): the block row of the prep
+    def per_heads(P):  # (block spec maker, length, key, gates) for a grid (HV // P, B): P value heads per program
+        def heads(*tail):  # [B, HV, *tail], the program's P value heads
+            return pl.BlockSpec((None, P) + tail, lambda p, b: (b, p) + (0,) * len(tail))
+        gates = [pl.BlockSpec((None, CHUNK, None), lambda p, b, j=j: (b, 0, p * P + j)) for j in range(P)]
+        return (heads, pl.BlockSpec((1,), lambda p, b: (b,)),
+                pl.BlockSpec((None, CHUNK, None, K), lambda p, b: (b, 0, p * P // G, 0)), gates)
+
+    # kernel 1, grid (HV, B): the new row of the prep
     w16, u16, x_cache = pl.pallas_call(
         functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
@@ -277,61 +342,74 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         name="gdn_replay_prep",
     )(lengths, k, v, g, beta, x_cache)
 
-    # kernel 2, grid (HV, B): the block row of Aqk and qg
-    aqk16, qg16 = pl.pallas_call(
-        functools.partial(_intra_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
-        grid=(HV, B),
-        in_specs=[length, key, key, token, token],
-        out_specs=[head(SUB, CHUNK), head(SUB, K)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, CHUNK), jnp.float32),
-                   jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32)],
-        compiler_params=ck._triton_params(warps_intra, 1),
-        interpret=interpret,
-        name="gdn_replay_intra",
-    )(lengths, q, k, g, beta)
+    row_ops = []
+    if not prime:  # kernel 2, grid (HV // P, B): the new token's row of Aqk and qg (the output's; priming skips it),
+        P = G if G & (G - 1) == 0 else 1  # P value heads per program, those of one key head (when a power of two)
+        heads, length_p, key_p, gates = per_heads(P)
+        row_ops = pl.pallas_call(
+            functools.partial(_intra_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
+            grid=(HV // P, B),
+            in_specs=[length_p, key_p, key_p] + gates,
+            out_specs=[heads(CHUNK), heads(K)],
+            out_shape=[jax.ShapeDtypeStruct((B, HV, CHUNK), jnp.float32),
+                       jax.ShapeDtypeStruct((B, HV, K), jnp.float32)],
+            compiler_params=ck._triton_params(warps_intra, 1),
+            interpret=interpret,
+            name="gdn_replay_intra",
+        )(lengths, q, k, *([g] * P))
 
-    # kernel 3, grid (V // bv, HV, B): v_new and the output row
+    # kernel 3's operands, grid (V // bv, HV, B)
     def whole(*tail):  # [B, HV, *tail] whole, in a program of grid (V // bv, HV, B)
         return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * len(tail))
 
     row_length = pl.BlockSpec((1,), lambda j, h, b: (b,))
-    o, vn_cache = pl.pallas_call(
+    state_specs = [cols(K, bv), cols(CHUNK, bv)]
+    out_specs, out_shape = [cols(CHUNK, bv)], [jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)]
+    if not prime:
+        out_specs = [cols(bv)] + out_specs
+        out_shape = [jax.ShapeDtypeStruct((B, HV, V), v.dtype)] + out_shape
+
+    # kernel 3, grid (V // bv, HV, B): v_new and the output row
+    res = pl.pallas_call(
         functools.partial(_out_step_kernel, prime=prime, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
-        in_specs=[row_length, whole(SUB, K), cols(SUB, bv), whole(SUB, CHUNK), whole(SUB, K), cols(K, bv),
-                  cols(CHUNK, bv)],
-        out_specs=[cols(bv), cols(CHUNK, bv)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, V), v.dtype), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
-        input_output_aliases={6: 1},
+        in_specs=[row_length, whole(SUB, K), cols(SUB, bv)] + [whole(CHUNK), whole(K)][:len(row_ops)] + state_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={4 + len(row_ops): len(out_shape) - 1},
         compiler_params=ck._triton_params(warps_out, 1),
         interpret=interpret,
         name="gdn_replay_out",
-    )(lengths, w16, u16, aqk16, qg16, state, vn_cache)
-    if prime:  # an open chunk (< 64 tokens): never complete
-        return o, state, x_cache, vn_cache
+    )(lengths, w16, u16, *row_ops, state, vn_cache)
+    if prime:  # an open chunk (< 64 tokens): never complete; no output
+        return None, state, x_cache, res[0]
+    o, vn_cache = res
 
-    # kernel 4, grid (HV, B): the boundary state where the chunk completes
+    # kernel 4, grid (HV, B): the boundary state where the chunk completes. (Two heads per program took 33 against
+    # 18 us at B=64 on the H200, 2026-11-30: the kernel's time is its programs that do the work, one after another.)
+    one, length_1, key_1, gate_1 = per_heads(1)
     state, vn_cache = pl.pallas_call(
         functools.partial(_state_step_kernel, bv=bv, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
         grid=(HV, B),
-        in_specs=[length, key, token, token, head(K, V), head(CHUNK, V)],
-        out_specs=[head(K, V), head(CHUNK, V)],
+        in_specs=[length_1, key_1] + gate_1 + [one(K, V), one(CHUNK, V)],
+        out_specs=[one(K, V), one(CHUNK, V)],
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
-        input_output_aliases={4: 0, 5: 1},
+        input_output_aliases={3: 0, 4: 1},
         compiler_params=ck._triton_params(cfg["warps_state"], 1),
         interpret=interpret,
         name="gdn_replay_state",
-    )(lengths, k, g, beta, state, vn_cache)
+    )(lengths, k, g, state, vn_cache)
     return o, state, x_cache, vn_cache
 
 
 def _launch_warps(cfg: dict) -> tuple[int, int, int]:
-    """Warps of (prep, intra, out): the prefill's kernels' (prep; output; output, which must equal the recurrence's),
-    or the benchmark-only `warps_replay` (one for all, or a triple; `chunk.DEFAULT_CONFIG`'s notes)."""
+    """Warps of (prep, intra, out): the prefill's prep kernel's, `warps_replay_intra` (8: kernel 2 is faster with them,
+    its bits the same on the H200) and the output kernel's (which must equal the recurrence's); or the
+    benchmark-only `warps_replay` (one for all, or a triple; `chunk.DEFAULT_CONFIG`'s notes)."""
     wr = cfg.get("warps_replay")
     if wr is None:
-        return cfg["warps_prep"], cfg["warps_out"], cfg["warps_out"]
+        return cfg["warps_prep"], cfg["warps_replay_intra"], cfg["warps_out"]
     ws = (wr,) * 3 if isinstance(wr, int) else tuple(wr) if isinstance(wr, (tuple, list)) else ()
     if len(ws) != 3 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws):
         raise ValueError(f"warps_replay={wr!r}: a positive integer, or three (prep, intra, out)")

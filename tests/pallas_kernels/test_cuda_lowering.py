@@ -41,6 +41,7 @@ def lower_for_h200(f, *args):
         return res
 
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H200)
+    jax.clear_caches()  # a kernel lowered before (same shapes, another test in this worker) is not lowered again
     tl.lower_jaxpr_to_triton_module = capture
     try:
         with jax.sharding.use_abstract_mesh(mesh):
@@ -244,10 +245,11 @@ def replay_step_args(B, HK, HV, K, V):
 
 @pytest.mark.parametrize("B,HK,HV,K,V", [(64, 16, 32, 128, 128), (3, 1, 2, 32, 32)])
 def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
-    """The replay step (`gated_delta/replay.py`): four kernels (the block row's prep; its Aqk and qg; v_new and the
+    """The replay step (`gated_delta/replay.py`): four kernels (the new row's prep; its Aqk and qg; v_new and the
     output; the boundary state) whose dots all satisfy Triton's rules, with the x cache updated in place by the
     first, the v_new cache by the third, the state and the v_new cache by the fourth (four aliased outputs), and
-    `prime` the first three (a loop over the step in its priming form: an open chunk never completes)."""
+    `prime` the first and third (a loop over the step in its priming form: an open chunk never completes, and its
+    outputs are not wanted: no Aqk / qg kernel)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_prime_pallas, chunk_replay_step_pallas
 
     chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
@@ -256,8 +258,42 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     assert len(modules) == 4 and n > 20 and not bad, bad
     assert lowered.as_text().count("output_operand_aliases") == 3  # one attribute per custom call
     assert re.findall(r"output_tuple_indices = \[(\d)\]", lowered.as_text()) == ["2", "1", "0", "1"]
-    _, modules = lower_for_h200(chunk_replay_prime_pallas, *chunk, SDS((B,), jnp.int32))
-    assert len(modules) == 3
+    lowered, modules = lower_for_h200(chunk_replay_prime_pallas, *chunk, SDS((B,), jnp.int32))
+    assert re.findall(r'name = "(gdn_replay_\w+)"', lowered.as_text()) == ["gdn_replay_prep", "gdn_replay_out"]
+    assert lowered.as_text().count("output_operand_aliases") == 2  # the x cache, the v_new cache
+
+
+def _module(modules, name):
+    mod = [m for m in modules if any(name in str(op.attributes["sym_name"])
+                                     for op in m.body.operations if "sym_name" in op.attributes)]
+    assert len(mod) == 1, name
+    return mod[0]
+
+
+@pytest.mark.parametrize("HK,HV,per_program", [(16, 32, 2), (4, 16, 4), (2, 6, 1)])
+def test_replay_step_runs_q_k_once_per_key_head(HK, HV, per_program):
+    """Kernel 2 of the replay step runs the prefill's 64-row q k^T once per program for the value heads of one key
+    head (G = HV / HK of them when G is a power of two, else one), and writes each head's row of Aqk and qg: one
+    [64, 64] dot and 2 G stores of a row. Kernel 3 loads the rows of w and u it computes with a mask (the others
+    are never written) and the new row's Aqk and qg as vectors, not 16-row tiles."""
+    from jax._src.lib.mlir import ir
+
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
+
+    B, K, V = 4, 128, 128
+    chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
+    lowered, modules = lower_for_h200(chunk_replay_step_pallas, *chunk, xc, vc, SDS((B,), jnp.int32))
+    intra = list(_walk(_module(modules, "gdn_replay_intra").operation))
+    dots = [tuple(ir.RankedTensorType(op.result.type).shape) for op in intra if op.name == "tt.dot"]
+    assert dots == [(64, 64)], dots
+    stores = [str(op.operands[1].type) for op in intra if op.name == "tt.store"]
+    assert sorted(stores) == sorted(["tensor<64xf32>", "tensor<128xf32>"] * per_program), stores
+    loads = {}  # result type -> [masked?] of the loads whose values are used (a store's own load of the old value,
+    for op in _walk(_module(modules, "gdn_replay_out").operation):  # unused, is Pallas's swap: Triton drops it)
+        if op.name == "tt.load" and list(op.result.uses):
+            loads.setdefault(str(op.result.type), []).append(len(op.operands) > 1)
+    assert loads["tensor<16x128xf32>"] == [True] and loads["tensor<16x64xf32>"] == [True], loads  # w; u's V block
+    assert loads["tensor<64xf32>"] == [False] and loads["tensor<128xf32>"] == [False], loads  # Aqk's, qg's row
 
 
 def test_replay_step_v_new_dot_reads_w_in_fp32():
@@ -320,11 +356,11 @@ def test_replay_step_out_kernel_takes_its_v_block(bv):
     assert dots("gdn_replay_state") == [(128, bv)] * (V // bv)  # one program per (row, value head), V blocks of bv
 
 
-@pytest.mark.parametrize("warps,want", [(None, [4, 4, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
+@pytest.mark.parametrize("warps,want", [(None, [4, 8, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
 def test_replay_step_kernels_take_their_warps(warps, want):
-    """The replay step's kernels launch with the prefill's warps by default (prep, output, output, recurrence) and
-    with the benchmark-only `warps_replay` when given, in the order prep, intra, out; the boundary state's kernel
-    always with the recurrence's (its dot is the recurrence's)."""
+    """The replay step's kernels launch with the prefill's warps by default (prep; 8 for the intra kernel,
+    `warps_replay_intra`; output; recurrence) and with the benchmark-only `warps_replay` when given, in the order
+    prep, intra, out; the boundary state's kernel always with the recurrence's (its dot is the recurrence's)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
 
     B, HK, HV, K, V = 4, 16, 32, 128, 128

@@ -70,6 +70,7 @@ def _decode(x, s0, prompt, steps):
     (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V),  # HV = 2 HK; a row from an empty state
     (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V),  # HV = 4 HK, bf16 inputs, beta in {0, 1, sigmoid}
     (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V),  # a row starting exactly on a block row
+    (1, 3, np.float32, "realistic", "realistic", (40, 50), 30, V),  # HV = 3 HK: kernel 2 per value head, not key head
     (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128),  # V = 128: the last kernel's two V blocks of 64
     # per row and head (the one-kernel step of runs 36-37 raced on a shared tile cache here; now kernel 1 owns it)
 ])
@@ -131,8 +132,9 @@ def test_bad_shapes_are_refused():
 
 def test_launch_keys_take_effect_and_are_checked():
     """`bv_replay` (the last kernel's V block) and the benchmark-only `warps_replay` are accepted and checked: other
-    warps give the same bits (interpret mode ignores warps: this checks the plumbing; the H200 runs check the bits,
-    test_cuda_lowering the launches), V = 64 in blocks of 16 the same values to 1e-5 (XLA:CPU's dots round
+    warps (also kernel 2's own, `warps_replay_intra`) give the same bits (interpret mode ignores warps: this
+    checks the plumbing; the H200 runs check the bits, test_cuda_lowering the launches), V = 64 in blocks of 16 the
+    same values to 1e-5 (XLA:CPU's dots round
     differently for another N; the GPU's MMAs do not: `gpu_kernels.py --only replay_step`; the blocks' dot shapes:
     test_cuda_lowering), and bad values of either are refused (a list of warps, as JSON gives it, is taken)."""
     rng = np.random.default_rng(5)
@@ -141,7 +143,7 @@ def test_launch_keys_take_effect_and_are_checked():
     xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray([20, 47]), interpret=True)
     lengths = jnp.asarray([21, 48])  # the second row completes block row 2: the v_new cache is written
     want = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True)
-    for cfg in ({"warps_replay": (8, 4, 4)}, {"warps_replay": 8}):
+    for cfg in ({"warps_replay": (8, 4, 4)}, {"warps_replay": 8}, {"warps_replay_intra": 4}):
         got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=cfg)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want)), cfg
     got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 16})
