@@ -35,8 +35,9 @@ block, and kernel 2 computed the whole 64-row Aqk once per value head.
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's (kernel 2's
 decays by the same operations on row t alone), with the same warps (but kernel 2's: 8 against the output kernel's 4,
-the same bits on the H200), and the chunked kernels are row-causal bit for bit (a row's results do not depend on later rows, which
-are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU script checks). The dots run on
+the same bits on the H200), and the chunked kernels are row-causal bit for bit (a row's results do not depend on
+later rows, which are padding here and real tokens in a prefill: the "j < 64 rows" property the GPU script checks).
+The dots run on
 other shapes than the prefill's: a row of an MMA's result depends only on that row of its first operand, and on the
 H200 its bits depend neither on the instruction's N (the V blocks: `bv_replay` against the prefill's 64 / 32 / 128;
 BENCHMARKS.md, runs 6, 21, 37) nor on its M (kernel 3's dots on 16 rows against the prefill's 64; runs 46-53),
