@@ -12,7 +12,8 @@ SIGSEGV, the rerun passing): the worker died inside XLA:CPU's compile of `score`
 passes alone and passed in the other two full runs (one of them verbose, to see the order the worker ran: nothing
 stood out). Again in c6926f4's run (SIGSEGV, rerun passing), in another test and another program: XLA:CPU's compile
 of `prefill_chunk` in test_replay.py's `test_recurrent_gdn_prefill_splits_anywhere_bitwise` — so not one test's
-program. Not understood; a test that crashes twice fails.
+program. And in 765ea00's (SIGSEGV, rerun passing): test_replay.py's `test_multi_turn_reuses_answer_prefixes_bitwise`.
+Not understood; a test that crashes twice fails.
 """
 
 from __future__ import annotations
