@@ -30,7 +30,7 @@ def merged_config(kernel: str, defaults: dict, config, *, blocks: dict[str, int]
         if cfg[key] < 16 or not _pow2(cfg[key]):
             raise ValueError(f"{kernel}: {key}={cfg[key]} must be a power of two >= 16")
     for key in ("num_warps", "num_stages", "warps_prep", "stages_prep", "warps_state", "stages_state", "warps_out",
-                "stages_out", "warps_apply"):
+                "stages_out", "warps_apply", "warps_replay_intra"):
         if key in cfg and (not isinstance(cfg[key], int) or cfg[key] < 1):
             raise ValueError(f"{kernel}: {key}={cfg[key]!r} must be a positive integer")
     return cfg

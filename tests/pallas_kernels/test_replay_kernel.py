@@ -152,6 +152,8 @@ def test_launch_keys_take_effect_and_are_checked():
     assert not np.array_equal(np.asarray(want[3]), np.asarray(vc))
     with pytest.raises(ValueError, match="bv_replay"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
+    with pytest.raises(ValueError, match="warps_replay_intra"):
+        chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay_intra": 0})
     for bad in (0, -3, (8, 4), (8, 4, 0), "8"):
         with pytest.raises(ValueError, match="warps_replay"):
             chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay": bad})
