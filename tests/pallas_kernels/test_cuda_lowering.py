@@ -41,11 +41,11 @@ def lower_for_h200(f, *args):
         return res
 
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H200)
-    jax.clear_caches()  # a kernel lowered before (same shapes, another test in this worker) is not lowered again
     tl.lower_jaxpr_to_triton_module = capture
     try:
-        with jax.sharding.use_abstract_mesh(mesh):
-            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        with jax.sharding.use_abstract_mesh(mesh):  # a fresh function: `f` lowered before with the same shapes (in
+            # another test of this worker) would come from jit's cache, its kernels not lowered again, not captured
+            lowered = jax.jit(lambda *a: f(*a)).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         tl.lower_jaxpr_to_triton_module = orig
     return lowered, modules
