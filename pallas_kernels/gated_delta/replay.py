@@ -178,9 +178,9 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpr
     else 1): the new token's row t of Aqk and qg for each. q k^T is the prefill output kernel's 64-row dot
     (`chunk._intra_rows`, with its warps; on the block row's 16 rows of q, 58 of 560 rows differed from the
     prefill's on the H200: runs 48-49), with q's row t loaded and the others zeros (a row of an MMA's result depends
-    only on that row of its first operand); its operands are the key head's, so it runs once for the P value heads
-    (`wy.gated_scores` then applies each head's decays, as `wy.intra`). refs: P gate refs g [C], then the outputs
-    aqk [P, C] and qg [P, K]."""
+    only on that row of its first operand); its operands are the key head's, so it runs once for the P value heads,
+    and each head's decays follow on row t alone (`wy.intra`'s operations). refs: P gate refs g [C], then the
+    outputs aqk [P, C] and qg [P, K]."""
     *g_refs, aqk_out, qg_out = refs
     n = len_ref[0]
     t = jnp.maximum(n - 1, 0)
@@ -194,7 +194,7 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpr
     for j, g_ref in enumerate(g_refs):
         gc = _placed_vector(_gc_slices(g_ref, n))
         gc_t = _row(gc[:, None], t)  # [1]
-        # row t of `wy.intra`'s (`gated_scores`) element by element: the same operations on the same values
+        # row t of `wy.intra`'s Aqk element by element: the same operations on the same values
         aqk_out[j] = jnp.where(lower, qk_t * jnp.exp(jnp.where(lower, gc_t - gc, 0.0)), 0.0)
         qg_out[j] = _row(q * jnp.exp(gc)[:, None], t)  # (on XLA:CPU, row t of q times exp(gc_t) differed)
 
@@ -238,11 +238,11 @@ def _out_step_kernel(len_ref, w_ref, u_ref, *refs, prime, cfg, interpret):
         i = t // SUB  # the new token's block row and its row in it (traced: the placements below are selects)
         r = t - i * SUB
         bv = u_ref.shape[-1]
-        first = i * SUB if prime else t  # the rows this call computes: first .. t
+        r0 = 0 if prime else r  # the rows this call computes: r0 .. r of block row i
         s0 = s_ref[...]  # [K, bv] of this program's V block
         rows_of = functools.partial(_mma_rows, i=i, interpret=interpret)
-        w = plt.load(w_ref.at[...], mask=_rows_between(w_ref.shape, first - i * SUB, r), other=0.0)
-        u = plt.load(u_ref.at[...], mask=_rows_between(u_ref.shape, first - i * SUB, r), other=0.0)
+        w = plt.load(w_ref.at[...], mask=_rows_between(w_ref.shape, r0, r), other=0.0)
+        u = plt.load(u_ref.at[...], mask=_rows_between(u_ref.shape, r0, r), other=0.0)
         v = ck._v_new(rows_of(u), rows_of(w), s0, cfg, interpret)  # [16, bv] (in interpret mode [64, bv])
         v = _block_row(v, i) if interpret else v
         if not prime:
@@ -258,7 +258,7 @@ def _out_step_kernel(len_ref, w_ref, u_ref, *refs, prime, cfg, interpret):
             o_ref[...] = _row(o, t if interpret else r).astype(o_ref.dtype)
         # v_new of block row i's rows this call computed into the cache (at t = 63, for kernel 4)
         block = pl.ds(pl.multiple_of(i * SUB, SUB), SUB)
-        plt.store(vn_out.at[block, :], v, mask=_rows_between(v.shape, first - i * SUB, r))
+        plt.store(vn_out.at[block, :], v, mask=_rows_between(v.shape, r0, r))
 
 
 def _at_row(x, r):
@@ -267,30 +267,28 @@ def _at_row(x, r):
     return jnp.where(rows == r, jnp.broadcast_to(x[None, :], rows.shape), 0.0)
 
 
-def _state_step_kernel(len_ref, k_ref, *refs, bv, use_l2, wk_dtype, cfg, interpret):
-    """Kernel 4, grid (HV, B) (its body takes the P value heads of one key head, launched with P = 1): where the
-    chunk completes (n = 64), each head's new boundary state from the whole chunk's v_new (the cache) as the prefill
-    computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as its recurrence does, V block by
-    V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in kernel 3 this rare branch set the
-    registers of the whole kernel (on the H200: 255 per thread against 198); most programs find nothing to do.
-    refs: P gate refs g [C], the states [P, K, V] and caches [P, C, V]; then both again, written."""
-    *g_refs, s_ref, vn_ref, s_out, vn_out = refs
+def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, bv, use_l2, wk_dtype, cfg,
+                       interpret):
+    """Kernel 4, grid (HV, B): where the chunk completes (n = 64), the new boundary state from the whole chunk's
+    v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as
+    its recurrence does, V block by V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in
+    kernel 3 this rare branch set the registers of the whole kernel (on the H200: 255 per thread against 198); most
+    programs find nothing to do. (Two heads per program took 33 against 18 us at B=64 on the H200, 2026-11-30: the
+    kernel's time is that of its programs that do the work, each doing them one after another.)"""
     n = len_ref[0]
 
     @pl.when(n == CHUNK)
     def _():
         iota = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
         ks = [ck._load_key(k_ref.at[pl.ds(b * SUB, SUB)], b * SUB + iota < n, use_l2) for b in range(NB)]
-        for h, g_ref in enumerate(g_refs):
-            gcs = _gc_slices(g_ref, n)
-            g_last = wy.last(gcs[-1])
-            kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
-                         k_ref.shape[-1], wk_dtype)
-            for j in range(s_ref.shape[-1] // bv):
-                block = pl.ds(j * bv, bv)
-                s_out[h, :, block] = ck._next_state(s_ref[h, :, block], g_last, kd, vn_ref[h, :, block], cfg,
-                                                    interpret)
-                vn_out[h, :, block] = jnp.zeros((CHUNK, bv), jnp.float32)
+        gcs = _gc_slices(g_ref, n)
+        g_last = wy.last(gcs[-1])
+        kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
+                     k_ref.shape[-1], wk_dtype)
+        for j in range(s_ref.shape[-1] // bv):
+            block = pl.ds(j * bv, bv)
+            s_out[:, block] = ck._next_state(s_ref[:, block], g_last, kd, vn_ref[:, block], cfg, interpret)
+            vn_out[:, block] = jnp.zeros((CHUNK, bv), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime"))
@@ -319,13 +317,6 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     token = pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h))
     length = pl.BlockSpec((1,), lambda h, b: (b,))
 
-    def per_heads(P):  # (block spec maker, length, key, gates) for a grid (HV // P, B): P value heads per program
-        def heads(*tail):  # [B, HV, *tail], the program's P value heads
-            return pl.BlockSpec((None, P) + tail, lambda p, b: (b, p) + (0,) * len(tail))
-        gates = [pl.BlockSpec((None, CHUNK, None), lambda p, b, j=j: (b, 0, p * P + j)) for j in range(P)]
-        return (heads, pl.BlockSpec((1,), lambda p, b: (b,)),
-                pl.BlockSpec((None, CHUNK, None, K), lambda p, b: (b, 0, p * P // G, 0)), gates)
-
     # kernel 1, grid (HV, B): the new row of the prep
     w16, u16, x_cache = pl.pallas_call(
         functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
@@ -346,11 +337,16 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     row_ops = []
     if not prime:  # kernel 2, grid (HV // P, B): the new token's row of Aqk and qg (the output's; priming skips it),
         P = G if G & (G - 1) == 0 else 1  # P value heads per program, those of one key head (when a power of two)
-        heads, length_p, key_p, gates = per_heads(P)
+
+        def heads(*tail):  # [B, HV, *tail], the program's P value heads
+            return pl.BlockSpec((None, P) + tail, lambda p, b: (b, p) + (0,) * len(tail))
+
+        key_p = pl.BlockSpec((None, CHUNK, None, K), lambda p, b: (b, 0, p * P // G, 0))
+        gates = [pl.BlockSpec((None, CHUNK, None), lambda p, b, j=j: (b, 0, p * P + j)) for j in range(P)]
         row_ops = pl.pallas_call(
             functools.partial(_intra_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
             grid=(HV // P, B),
-            in_specs=[length_p, key_p, key_p] + gates,
+            in_specs=[pl.BlockSpec((1,), lambda p, b: (b,)), key_p, key_p] + gates,
             out_specs=[heads(CHUNK), heads(K)],
             out_shape=[jax.ShapeDtypeStruct((B, HV, CHUNK), jnp.float32),
                        jax.ShapeDtypeStruct((B, HV, K), jnp.float32)],
@@ -386,15 +382,13 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         return None, state, x_cache, res[0]
     o, vn_cache = res
 
-    # kernel 4, grid (HV, B): the boundary state where the chunk completes. (Two heads per program took 33 against
-    # 18 us at B=64 on the H200, 2026-11-30: the kernel's time is its programs that do the work, one after another.)
-    one, length_1, key_1, gate_1 = per_heads(1)
+    # kernel 4, grid (HV, B): the boundary state where the chunk completes
     state, vn_cache = pl.pallas_call(
         functools.partial(_state_step_kernel, bv=bv, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
         grid=(HV, B),
-        in_specs=[length_1, key_1] + gate_1 + [one(K, V), one(CHUNK, V)],
-        out_specs=[one(K, V), one(CHUNK, V)],
+        in_specs=[length, key, token, head(K, V), head(CHUNK, V)],
+        out_specs=[head(K, V), head(CHUNK, V)],
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
         input_output_aliases={3: 0, 4: 1},
         compiler_params=ck._triton_params(cfg["warps_state"], 1),

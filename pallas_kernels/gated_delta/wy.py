@@ -256,11 +256,4 @@ def intra(q, k, gc, cfg, interpret):
     """Masked intra-chunk attention Aqk[i, j] = q_i . k_j exp(gc_i - gc_j) (j <= i) [C, C] and qg = q exp(gc)."""
     lower, decay = causal_decay(gc, strict=False)
     qk = dot(q, k, cfg["p_qk"], interpret, trans_b=True)
-    return gated_scores(qk, q, gc, lower, decay)
-
-
-def gated_scores(qk, q, gc, lower, decay):
-    """`intra` after its dot: Aqk from q k^T [C, C] and (lower, decay) = `causal_decay(gc, strict=False)`, and qg.
-    The replay step runs the dot once per key head and this once per value head (a dot's bits do not depend on the
-    value head: its operands do not)."""
     return jnp.where(lower, qk * decay, 0.0), q * jnp.exp(gc)[:, None]

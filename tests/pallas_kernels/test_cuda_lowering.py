@@ -346,10 +346,7 @@ def test_replay_step_out_kernel_takes_its_v_block(bv):
                                 SDS((B,), jnp.int32))
 
     def dots(name):
-        mod = [m for m in modules if any(name in str(op.attributes["sym_name"])
-                                         for op in m.body.operations if "sym_name" in op.attributes)]
-        assert len(mod) == 1
-        return sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(mod[0].operation)
+        return sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(_module(modules, name).operation)
                       if op.name == "tt.dot")
 
     assert dots("gdn_replay_out") == [(16, bv)] * 3

@@ -134,9 +134,9 @@ def test_launch_keys_take_effect_and_are_checked():
     """`bv_replay` (the last kernel's V block) and the benchmark-only `warps_replay` are accepted and checked: other
     warps (also kernel 2's own, `warps_replay_intra`) give the same bits (interpret mode ignores warps: this
     checks the plumbing; the H200 runs check the bits, test_cuda_lowering the launches), V = 64 in blocks of 16 the
-    same values to 1e-5 (XLA:CPU's dots round
-    differently for another N; the GPU's MMAs do not: `gpu_kernels.py --only replay_step`; the blocks' dot shapes:
-    test_cuda_lowering), and bad values of either are refused (a list of warps, as JSON gives it, is taken)."""
+    same values to 1e-5 (XLA:CPU's dots round differently for another N; the GPU's MMAs do not: `gpu_kernels.py
+    --only replay_step`; the blocks' dot shapes: test_cuda_lowering), and bad values of each are refused (a list
+    of warps, as JSON gives it, is taken)."""
     rng = np.random.default_rng(5)
     x, s0 = _inputs(rng, 2, C, 1, 2, v_dim=64)
     args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
