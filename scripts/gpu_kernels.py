@@ -870,7 +870,7 @@ def replay_step_timing():
                     return s, xc, vc, q, k
                 return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
 
-            if B == 64:  # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
+            if True:  # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
                 from scripts.gpu_model_bench import profiled_kernels
                 per = profiled_kernels(lambda: step_loop(v, g, beta, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)
                 ours = [(n, t) for n, t, _ in per if n.startswith("gdn_replay")]
@@ -898,7 +898,10 @@ def replay_step_timing():
 # (251.4 against 248.5 us at B=64), bv_replay 32 (227.3 against 225.9), kernel 2 with 4 warps (237.0 against 227.3
 # with 8, now the default), kernel 2 inside kernel 1 (250.5 against 237.0), kernel 1's right-hand sides built where
 # read (238.1 against 225.9), kernel 4 on two heads per program (33.3 against 18.4 us for that kernel); bits PASS for
-# all. Add candidates here.
+# all. Run 62 (2026-11-30 UTC 23:07): kernel 3's two dots with S0 as one ({"replay_s0_dots": 1}, the default since:
+# 212.6 against 222.1 us at B=64, 692.7 against 724.6 at B=256), with bv_replay 32 (209.1 / 743.4) and with prep
+# and intra on 8 warps ({"warps_replay": (8, 8, 4)}: prep 99.5 against 64.6 us per step); bits PASS for all.
+# Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 
 

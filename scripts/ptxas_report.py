@@ -3,6 +3,7 @@ conversions of the chunked prefill's kernels for the H200, on a CPU machine.
 
   .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
+  PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py --replay --shape 64,64,16,32   # the replay step's kernels
 
 Each kernel is lowered to Triton IR for an abstract H200 (as `tests/pallas_kernels/test_cuda_lowering.py` does),
 compiled for sm_90a by PyPI's Triton with the kernel's num_warps / num_stages, and its PTX assembled by `ptxas -v`.
@@ -25,7 +26,7 @@ import tempfile
 
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta import chunk
+from pallas_kernels.gated_delta import chunk, replay
 from tests.pallas_kernels.test_cuda_lowering import chunk_args, lower_for_h200
 
 
@@ -35,7 +36,10 @@ def launch(cfg: dict) -> dict:
             "gdn_chunk_inverse": (cfg["warps_prep"], cfg["stages_prep"]),
             "gdn_chunk_apply": (cfg["warps_apply"], 1),
             "gdn_chunk_state": (cfg["warps_state"], cfg["stages_state"]),
-            "gdn_chunk_out": (cfg["warps_out"], cfg["stages_out"])}
+            "gdn_chunk_out": (cfg["warps_out"], cfg["stages_out"]),
+            # the replay step's kernels (`replay._launch_warps`; each with one stage)
+            **{f"gdn_replay_{n}": (w, 1) for n, w in zip(("prep", "intra", "out"), replay._launch_warps(cfg))},
+            "gdn_replay_state": (cfg["warps_state"], 1)}
 
 
 def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
@@ -82,6 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8,4096,16,32", help="B,T,HK,HV (K = V = 128, bf16 inputs)")
     ap.add_argument("--config", default="", help="JSON: chunk.DEFAULT_CONFIG keys to override")
+    ap.add_argument("--replay", action="store_true", help="the replay step's kernels (B from --shape) instead")
     args = ap.parse_args()
     try:
         import triton  # noqa: F401
@@ -90,9 +95,15 @@ def main():
     B, T, HK, HV = (int(x) for x in args.shape.split(","))
     config = json.loads(args.config) if args.config else None
     cfg = chunk._recurrence_blocks(chunk._checked_config(config, 128), config, B, HV, 128, False)
-    f = lambda q, k, v, g, b, s0, n: chunk.chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0,  # noqa: E731
-                                                                         lengths=n, config=config)
-    _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, 128, 128, jnp.bfloat16))
+    if args.replay:  # one decode step over open chunks of B rows
+        q, k, v, g, b, s0, n = chunk_args(B, 64, HK, HV, 128, 128, jnp.bfloat16)
+        xc, vc = replay.replay_caches(B, HV, 128)
+        _, modules = lower_for_h200(lambda *a: replay.chunk_replay_step_pallas(*a, config=config),
+                                    q, k, v, g, b, s0, xc, vc, n)
+    else:
+        f = lambda q, k, v, g, b, s0, n: chunk.chunk_gated_delta_rule_pallas(  # noqa: E731
+            q, k, v, g, b, initial_state=s0, lengths=n, config=config)
+        _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, 128, 128, jnp.bfloat16))
     print(f"shape {args.shape}, config {config or 'default'}")
     for module in modules:
         name = module.operation.attributes["sym_name"].value

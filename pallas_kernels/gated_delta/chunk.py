@@ -93,6 +93,11 @@ from .wy import CHUNK
 # bv_replay: the V block of the replay step's last kernel (`replay.py`: its v_new, output and state dots); the
 # prefill does not read it; on the GPU the bits do not depend on it (an MMA element does not depend on the
 # instruction's N: runs 40 and 45); in interpret mode XLA:CPU's dots can round differently for another N.
+# replay_s0_dots: how the replay step's kernel 3 multiplies by S0: 1 (default since run 62), one [16, K] x [K, bv]
+# dot on w's row r and qg's row placed at another row of the tile (a row of an MMA's result depends only on that row
+# of its first operand); 2, w S0 and qg S0 as two dots (the prefill's v_new and output forms). The same bits on the
+# H200 (run 62) and in interpret mode; one dot took kernel 3 from 69.5 to 60.4 us per step at B=64 and from 254.6
+# to 218.6 at B=256 (offline ptxas: 146 -> 80 registers per thread). Needs p_ws == p_qs.
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 8, 37.6 against 45.0 us per step at B=64 with 4, the same bits (the H200,
 # 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
@@ -105,6 +110,7 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=8,
+    replay_s0_dots=1,
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 

@@ -23,7 +23,7 @@ prefill splits its own; between them only the new row's values travel:
   3. `gdn_replay_out`, grid (V // bv_replay, HV, B): v_new of row t (`chunk._v_new`) and the output row
      (`chunk._out_dots`), as dots on block row i's 16 rows holding the new row (loaded masked) and zeros; writes
      v_new's row into the cache (priming: the rows 16 i .. t, and no output);
-  4. `gdn_replay_state`, grid (HV, B), the recurrence's warps: where the chunk completes (t = 63),
+  4. `gdn_replay_state`, grid (V // bv_replay, HV, B), the recurrence's warps: where the chunk completes (t = 63),
      the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
      over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
      the x cache), so that the caches hold exactly what `prime` leaves for the same tokens.
@@ -190,13 +190,16 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpr
     q = jnp.where(q_row[:, None], wy.l2norm(q) if use_l2 else q, 0.0) * scale  # `chunk._load_key`'s, on row t
     k = ck._load_key(k_ref, rows < n, use_l2)
     qk_t = _row(wy.dot(q, k, cfg["p_qk"], interpret, trans_b=True), t)  # [C]: row t of q k^T
+    q_t = None if interpret else _row(q, t)  # [K]
     lower = rows <= t  # row t of `wy.causal_decay`'s mask (strict=False)
     for j, g_ref in enumerate(g_refs):
         gc = _placed_vector(_gc_slices(g_ref, n))
         gc_t = _row(gc[:, None], t)  # [1]
-        # row t of `wy.intra`'s Aqk element by element: the same operations on the same values
+        # row t of `wy.intra`'s Aqk and qg element by element: the same operations on the same values. (On XLA:CPU,
+        # row t of q times exp(gc_t) differed from that row of q exp(gc) over the chunk, so interpret mode takes
+        # the row of the product; on the H200 the row's own product has the prefill's bits: BENCHMARKS.md, run 63.)
         aqk_out[j] = jnp.where(lower, qk_t * jnp.exp(jnp.where(lower, gc_t - gc, 0.0)), 0.0)
-        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t)  # (on XLA:CPU, row t of q times exp(gc_t) differed)
+        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t) if interpret else q_t * jnp.exp(gc_t)
 
 
 def _gc_slices(g_ref, n):
@@ -243,19 +246,31 @@ def _out_step_kernel(len_ref, w_ref, u_ref, *refs, prime, cfg, interpret):
         rows_of = functools.partial(_mma_rows, i=i, interpret=interpret)
         w = plt.load(w_ref.at[...], mask=_rows_between(w_ref.shape, r0, r), other=0.0)
         u = plt.load(u_ref.at[...], mask=_rows_between(u_ref.shape, r0, r), other=0.0)
-        v = ck._v_new(rows_of(u), rows_of(w), s0, cfg, interpret)  # [16, bv] (in interpret mode [64, bv])
+        one_dot = cfg["replay_s0_dots"] == 1 and not prime
+        if one_dot:  # qg's row goes into w's tile at row r2 (another row than r): one dot with S0 gives both rows
+            r2 = (r + SUB // 2) % SUB
+            w = jnp.where(lax.broadcasted_iota(jnp.int32, w.shape, 0) == r2, qg_ref[...][None, :], w)
+        ws = wy.dot(rows_of(w), s0, cfg["p_ws"], interpret)  # `chunk._v_new`'s dot: [16, bv] (interpret: [64, bv])
+        v = rows_of(u) - ws
         v = _block_row(v, i) if interpret else v
         if not prime:
             rows = lax.broadcasted_iota(jnp.int32, (CHUNK, bv), 0)
             cached = plt.load(vn_ref.at[...], mask=rows < t, other=0.0)  # rows < t (zeros from t on)
             vn64 = jnp.where(rows == t, _placed([(i, v)], bv), cached)
             ht, vt = ck._transposed(cfg)
-            at_r = functools.partial(_at_row, r=r)
-            o = ck._out_dots(rows_of(at_r(aqk_ref[...])), rows_of(at_r(qg_ref[...])), lambda: s0.T if ht else s0,
-                             lambda: vn64.T if vt else vn64, cfg, interpret)
-            # row r (t in interpret mode): every other term -0.0, which leaves any value as it is, in any order (a
-            # signed zero too on the GPU: `_block_row`)
-            o_ref[...] = _row(o, t if interpret else r).astype(o_ref.dtype)
+            if one_dot:  # `chunk._out_dots` with its first dot's row r2 taken from ws
+                at_r2 = functools.partial(_at_row, r=r2)
+                o = ws + wy.dot(rows_of(at_r2(aqk_ref[...])), vn64.T if vt else vn64, cfg["p_av"], interpret,
+                                trans_b=vt)
+                o_row = (t - r + r2) if interpret else r2
+            else:
+                at_r = functools.partial(_at_row, r=r)
+                o = ck._out_dots(rows_of(at_r(aqk_ref[...])), rows_of(at_r(qg_ref[...])), lambda: s0.T if ht else s0,
+                                 lambda: vn64.T if vt else vn64, cfg, interpret)
+                o_row = t if interpret else r
+            # row o_row: every other term -0.0, which leaves any value as it is, in any order (a signed zero too on
+            # the GPU: `_block_row`)
+            o_ref[...] = _row(o, o_row).astype(o_ref.dtype)
         # v_new of block row i's rows this call computed into the cache (at t = 63, for kernel 4)
         block = pl.ds(pl.multiple_of(i * SUB, SUB), SUB)
         plt.store(vn_out.at[block, :], v, mask=_rows_between(v.shape, r0, r))
@@ -267,14 +282,14 @@ def _at_row(x, r):
     return jnp.where(rows == r, jnp.broadcast_to(x[None, :], rows.shape), 0.0)
 
 
-def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, bv, use_l2, wk_dtype, cfg,
-                       interpret):
-    """Kernel 4, grid (HV, B): where the chunk completes (n = 64), the new boundary state from the whole chunk's
-    v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as
-    its recurrence does, V block by V block of `bv` — and the cache cleared; elsewhere nothing. Its own kernel: in
-    kernel 3 this rare branch set the registers of the whole kernel (on the H200: 255 per thread against 198); most
-    programs find nothing to do. (Two heads per program took 33 against 18 us at B=64 on the H200, 2026-11-30: the
-    kernel's time is that of its programs that do the work, each doing them one after another.)"""
+def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg, interpret):
+    """Kernel 4, grid (V // bv, HV, B): where the chunk completes (n = 64), the new boundary state's V block from the
+    whole chunk's v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`),
+    the update as its recurrence does — and the cache's block cleared; elsewhere nothing. Its own kernel: in kernel 3
+    this rare branch set the registers of the whole kernel (on the H200: 255 per thread against 198); most programs
+    find nothing to do, and the kernel's time is that of the programs that do the work (two heads per program took
+    33 against 18 us at B=64 on the H200; one V block per program instead of each head's blocks one after another:
+    BENCHMARKS.md, run 62)."""
     n = len_ref[0]
 
     @pl.when(n == CHUNK)
@@ -285,10 +300,8 @@ def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, b
         g_last = wy.last(gcs[-1])
         kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
                      k_ref.shape[-1], wk_dtype)
-        for j in range(s_ref.shape[-1] // bv):
-            block = pl.ds(j * bv, bv)
-            s_out[:, block] = ck._next_state(s_ref[:, block], g_last, kd, vn_ref[:, block], cfg, interpret)
-            vn_out[:, block] = jnp.zeros((CHUNK, bv), jnp.float32)
+        s_out[...] = ck._next_state(s_ref[...], g_last, kd, vn_ref[...], cfg, interpret)
+        vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime"))
@@ -300,6 +313,9 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     cfg = ck._checked_config(config, V)
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
+    if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):
+        raise ValueError(f"replay_s0_dots={cfg['replay_s0_dots']!r}: 2, or 1 when p_ws == p_qs (one dot computes "
+                         f"w S0 and qg S0)")
     if cfg["warps_state"] != cfg["warps_out"]:
         raise ValueError("the replay step's kernel 3 runs the recurrence's v_new dot and the output's dots: it needs "
                          "warps_state == warps_out (the prefill runs them with those warps)")
@@ -382,13 +398,14 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         return None, state, x_cache, res[0]
     o, vn_cache = res
 
-    # kernel 4, grid (HV, B): the boundary state where the chunk completes
+    # kernel 4, grid (V // bv, HV, B): the boundary state where the chunk completes
+    key_j = pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0))
+    token_j = pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h))
     state, vn_cache = pl.pallas_call(
-        functools.partial(_state_step_kernel, bv=bv, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
-                          interpret=interpret),
-        grid=(HV, B),
-        in_specs=[length, key, token, head(K, V), head(CHUNK, V)],
-        out_specs=[head(K, V), head(CHUNK, V)],
+        functools.partial(_state_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
+        grid=(V // bv, HV, B),
+        in_specs=[row_length, key_j, token_j] + state_specs,
+        out_specs=state_specs,
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
         input_output_aliases={3: 0, 4: 1},
         compiler_params=ck._triton_params(cfg["warps_state"], 1),

@@ -45,7 +45,7 @@ def _open(x, start, n):
     return [_window(x[name], start, n) for name in ("q", "k", "v", "g", "beta")]
 
 
-def _decode(x, s0, prompt, steps):
+def _decode(x, s0, prompt, steps, config=None):
     """Prefill to each row's last grid boundary, prime the open rest, then `steps` replay steps. Returns the outputs
     [B, steps, HV, V], the boundary states crossed {(row, position): state} and the final (state, caches)."""
     prompt = np.asarray(prompt)
@@ -53,7 +53,7 @@ def _decode(x, s0, prompt, steps):
     _, s = _chunk(x, s0, bnd)
     s = jnp.asarray(s)
     xc, vc = chunk_replay_prime_pallas(*_open(x, bnd, prompt - bnd), s, jnp.asarray(prompt - bnd), interpret=True)
-    step = jax.jit(lambda *a: chunk_replay_step_pallas(*a, interpret=True))
+    step = jax.jit(lambda *a: chunk_replay_step_pallas(*a, interpret=True, config=config))
     outs, crossed, pos = [], {}, prompt.copy()
     for _ in range(steps):
         start = pos // C * C
@@ -66,20 +66,21 @@ def _decode(x, s0, prompt, steps):
     return np.stack(outs, axis=1), crossed, (s, xc, vc)
 
 
-@pytest.mark.parametrize("HK,HV,dtype,g_kind,beta_kind,prompt,steps,v_dim", [
-    (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V),  # HV = 2 HK; a row from an empty state
-    (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V),  # HV = 4 HK, bf16 inputs, beta in {0, 1, sigmoid}
-    (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V),  # a row starting exactly on a block row
-    (1, 3, np.float32, "realistic", "realistic", (40, 50), 30, V),  # HV = 3 HK: kernel 2 per value head, not key head
-    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128),  # V = 128: the last kernel's two V blocks of 64
+@pytest.mark.parametrize("HK,HV,dtype,g_kind,beta_kind,prompt,steps,v_dim,s0_dots", [
+    (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V, 1),  # HV = 2 HK; a row from an empty state
+    (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V, 1),  # HV = 4 HK, bf16 inputs, beta in {0, 1, sigmoid}
+    (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V, 1),  # a row starting exactly on a block row
+    (1, 3, np.float32, "realistic", "realistic", (40, 50), 30, V, 1),  # HV = 3 HK: kernel 2 per value head
+    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128, 1),  # V = 128: the last kernels' two V blocks of 64
     # per row and head (the one-kernel step of runs 36-37 raced on a shared tile cache here; now kernel 1 owns it)
+    (1, 2, jnp.bfloat16, "realistic", "mixed", (37, 70, 8), 75, 128, 2),  # kernel 3's w S0 and qg S0 as two dots
 ])
-def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim):
+def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, s0_dots):
     rng = np.random.default_rng(HV + steps)
     B, T = len(prompt), max(prompt) + steps
     x, s0 = _inputs(rng, B, T, HK, HV, dtype, v_dim=v_dim, g_kind=g_kind, beta_kind=beta_kind)
     o_full, _, cks = _chunk(x, s0, np.asarray(prompt) + steps, stride=C)
-    outs, crossed, _ = _decode(x, s0, prompt, steps)
+    outs, crossed, _ = _decode(x, s0, prompt, steps, config={"replay_s0_dots": s0_dots})
     for b, p in enumerate(prompt):
         assert np.array_equal(outs[b], o_full[b, p:p + steps]), b  # every decoded row, bitwise
     assert len(crossed) >= B  # every row crossed a boundary
