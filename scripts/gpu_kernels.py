@@ -900,7 +900,9 @@ def replay_step_timing():
 # read (238.1 against 225.9), kernel 4 on two heads per program (33.3 against 18.4 us for that kernel); bits PASS for
 # all. Run 62 (2026-11-30 UTC 23:07): kernel 3's two dots with S0 as one ({"replay_s0_dots": 1}, the default since:
 # 212.6 against 222.1 us at B=64, 692.7 against 724.6 at B=256), with bv_replay 32 (209.1 / 743.4) and with prep
-# and intra on 8 warps ({"warps_replay": (8, 8, 4)}: prep 99.5 against 64.6 us per step); bits PASS for all.
+# and intra on 8 warps ({"warps_replay": (8, 8, 4)}: prep 99.5 against 64.6 us per step); run 64 (UTC 23:22) kernel
+# 1 as four launches, one per block row, each with its branch's registers (an option then, removed: prep 72.6
+# against 64.6 us per step at B=64, 203.0 against 219.8 at B=256); bits PASS for all.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 

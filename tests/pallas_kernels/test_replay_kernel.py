@@ -66,21 +66,22 @@ def _decode(x, s0, prompt, steps, config=None):
     return np.stack(outs, axis=1), crossed, (s, xc, vc)
 
 
-@pytest.mark.parametrize("HK,HV,dtype,g_kind,beta_kind,prompt,steps,v_dim,s0_dots", [
-    (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V, 1),  # HV = 2 HK; a row from an empty state
-    (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V, 1),  # HV = 4 HK, bf16 inputs, beta in {0, 1, sigmoid}
-    (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V, 1),  # a row starting exactly on a block row
-    (1, 3, np.float32, "realistic", "realistic", (40, 50), 30, V, 1),  # HV = 3 HK: kernel 2 per value head
-    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128, 1),  # V = 128: the last kernels' two V blocks of 64
+@pytest.mark.parametrize("HK,HV,dtype,g_kind,beta_kind,prompt,steps,v_dim,config", [
+    (1, 2, np.float32, "realistic", "realistic", (70, 37, 0), 100, V, None),  # HV = 2 HK; a row from an empty state
+    (1, 4, jnp.bfloat16, "near_zero", "mixed", (63, 5), 75, V, None),  # HV = 4 HK, bf16 inputs, beta 0 / 1 / sigmoid
+    (2, 2, np.float32, "very_negative", "one", (16, 47), 50, V, None),  # a row starting exactly on a block row
+    (1, 3, np.float32, "realistic", "realistic", (40, 50), 30, V, None),  # HV = 3 HK: kernel 2 per value head
+    (1, 2, np.float32, "realistic", "mixed", (37, 70), 60, 128, None),  # V = 128: the last kernels' two V blocks of 64
     # per row and head (the one-kernel step of runs 36-37 raced on a shared tile cache here; now kernel 1 owns it)
-    (1, 2, jnp.bfloat16, "realistic", "mixed", (37, 70, 8), 75, 128, 2),  # kernel 3's w S0 and qg S0 as two dots
+    (1, 2, jnp.bfloat16, "realistic", "mixed", (37, 70, 8), 75, 128, {"replay_s0_dots": 2}),  # kernel 3's w S0 and
+    # qg S0 as two dots
 ])
-def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, s0_dots):
+def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
     rng = np.random.default_rng(HV + steps)
     B, T = len(prompt), max(prompt) + steps
     x, s0 = _inputs(rng, B, T, HK, HV, dtype, v_dim=v_dim, g_kind=g_kind, beta_kind=beta_kind)
     o_full, _, cks = _chunk(x, s0, np.asarray(prompt) + steps, stride=C)
-    outs, crossed, _ = _decode(x, s0, prompt, steps, config={"replay_s0_dots": s0_dots})
+    outs, crossed, _ = _decode(x, s0, prompt, steps, config=config)
     for b, p in enumerate(prompt):
         assert np.array_equal(outs[b], o_full[b, p:p + steps]), b  # every decoded row, bitwise
     assert len(crossed) >= B  # every row crossed a boundary
@@ -153,6 +154,9 @@ def test_launch_keys_take_effect_and_are_checked():
     assert not np.array_equal(np.asarray(want[3]), np.asarray(vc))
     with pytest.raises(ValueError, match="bv_replay"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
+    for bad in ({"replay_s0_dots": 3}, {"replay_s0_dots": 1, "p_qs": "ieee"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=bad)
     with pytest.raises(ValueError, match="warps_replay_intra"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"warps_replay_intra": 0})
     for bad in (0, -3, (8, 4), (8, 4, 0), "8"):
