@@ -902,7 +902,7 @@ def replay_step_timing():
 # 212.6 against 222.1 us at B=64, 692.7 against 724.6 at B=256), with bv_replay 32 (209.1 / 743.4) and with prep
 # and intra on 8 warps ({"warps_replay": (8, 8, 4)}: prep 99.5 against 64.6 us per step); run 64 (UTC 23:22) kernel
 # 1 as four launches, one per block row, each with its branch's registers (an option then, removed: prep 72.6
-# against 64.6 us per step at B=64, 203.0 against 219.8 at B=256); run 65 (UTC 23:33) kernel 3 loading the v_new
+# against 64.6 us per step at B=64, 203.0 against 219.8 at B=256); run 65 (UTC 23:25) kernel 3 loading the v_new
 # cache before its S0 dot (an option then, removed: 66.7 against 60.3 us at B=64, 240.6 against 218.6 at B=256),
 # kernel 3 on 8 warps ({"warps_replay": (4, 8, 8)}: 61.8 / 227.3) and both (67.6 / 250.3); bits PASS for all.
 # Add candidates here.
