@@ -19,10 +19,13 @@ prefill splits its own; between them only the new row's values travel:
   2. `gdn_replay_intra`, grid (HV // P, B), P = HV // HK value heads of one key head per program (when a power of
      two; else 1), `warps_replay_intra` warps: row t of Aqk and qg for each head, from one 64-row q k^T dot (the
      prefill output kernel's, with q's row t and zeros; its operands are the key head's) and each head's decays on
-     that row (`wy.intra`'s operations, element by element); not run when priming;
+     that row (`wy.intra`'s operations, element by element; on the GPU qg from q's row t alone); not run when
+     priming;
   3. `gdn_replay_out`, grid (V // bv_replay, HV, B): v_new of row t (`chunk._v_new`) and the output row
-     (`chunk._out_dots`), as dots on block row i's 16 rows holding the new row (loaded masked) and zeros; writes
-     v_new's row into the cache (priming: the rows 16 i .. t, and no output);
+     (`chunk._out_dots`), as dots on block row i's 16 rows holding the new row (loaded masked) and zeros; by
+     default (`replay_s0_dots` = 1) w S0 and qg S0 are one dot, qg's row placed at row r + 8 (mod 16) of w's
+     tile, and the output row is taken from there; writes v_new's row into the cache (priming: the rows
+     16 i .. t, and no output);
   4. `gdn_replay_state`, grid (V // bv_replay, HV, B), the recurrence's warps: where the chunk completes (t = 63),
      the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
      over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
@@ -31,7 +34,9 @@ Kernel 4 is its own kernel because its rare branch set the registers of kernel 3
 thread with it, 198 without: runs 47-48). Each token's work is one row's (since 2026-11-30's runs 46-54; before,
 the step recomputed its whole block row every step: the 15-step substitution, v_new of 16 rows), and since runs
 55-60 (same day) only that row moves between the kernels: kernel 3 had read 16-row tiles of w, Aqk and qg per V
-block, and kernel 2 computed the whole 64-row Aqk once per value head.
+block, and kernel 2 computed the whole 64-row Aqk once per value head. Runs 62-63 made kernel 3's two S0 dots one
+(122 registers per thread on the H200's compiler by ncu, four programs per SM; offline ptxas 80 against 146 for the
+two dots) and gave kernel 4 one V block per program (each head's blocks had run one after another).
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's (kernel 2's
 decays by the same operations on row t alone), with the same warps (but kernel 2's: 8 against the output kernel's 4,
@@ -43,10 +48,12 @@ H200 its bits depend neither on the instruction's N (the V blocks: `bv_replay` a
 BENCHMARKS.md, runs 6, 21, 37) nor on its M (kernel 3's dots on 16 rows against the prefill's 64; runs 46-53),
 with exceptions found: a 16-row dot whose first operand was fp16 (w as the prefill stores it) differed from the
 64-row one in one element of 560 rows x 128 (runs 48-51), so w reaches kernel 3 in fp32, holding its fp16 values;
-q k^T on 16 rows differed (58 rows of 560: runs 48-49), so kernel 2 keeps the prefill's 64 rows. In interpret mode
-XLA:CPU's dots can round differently for another M or N, so there kernel 3's operands are placed at rows 16 i ..
-16 i + 15 among zeros and the dots run on 64 rows (`_mma_rows`). On the GPU the equality is a property of the
-compiled code, checked bitwise on the H200 by `scripts/gpu_kernels.py --only replay_step` and the model's
+q k^T on 16 rows differed (58 rows of 560: runs 48-49), so kernel 2 keeps the prefill's 64 rows. Nor do a row's
+bits depend on which row of the tile it sits in (kernel 3's one S0 dot, qg at row r + 8: run 62, and the interpret
+tests), nor, on the GPU, does qg's row depend on being taken before or after the product (kernel 2: run 63). In
+interpret mode XLA:CPU's dots can round differently for another M or N, so there kernel 3's operands are placed at
+rows 16 i .. 16 i + 15 among zeros and the dots run on 64 rows (`_mma_rows`). On the GPU the equality is a property
+of the compiled code, checked bitwise on the H200 by `scripts/gpu_kernels.py --only replay_step` and the model's
 `gpu_model_bench.py --stages replay_bitwise`, for bf16 q / k / v (the model's); on CPU (interpret mode) by the tests.
 With fp32 q / k / v on the H200 the step's rows differed from the prefill's in the last bits (run 49: 401 of 560
 rows, 7 of 8 boundary states, in every variant tried): not understood, not used by the model.
@@ -222,7 +229,8 @@ def _out_step_kernel(len_ref, w_ref, u_ref, *refs, prime, cfg, interpret):
     new token's output (not when priming: `prime` keeps only the caches), for one V block. The dots are the
     prefill's on the 16 rows of block row i, with only the rows this call computes loaded (kernels 1 and 2 write
     nothing else) and zeros elsewhere: a row of an MMA's result depends only on that row of its first operand, not
-    on the instruction's M (the H200, 2026-11-30) or N. refs: (aqk [C] and qg [K] of row t, unless priming), the
+    on the instruction's M (the H200, 2026-11-30) or N, nor on the row's place in the tile (`replay_s0_dots` = 1:
+    qg's row beside w's in one dot with S0). refs: (aqk [C] and qg [K] of row t, unless priming), the
     state block s [K, bv], the v_new cache [C, bv]; then the outputs (o [bv], unless priming) and the cache."""
     if prime:
         s_ref, vn_ref, vn_out = refs
