@@ -904,7 +904,9 @@ def replay_step_timing():
 # 1 as four launches, one per block row, each with its branch's registers (an option then, removed: prep 72.6
 # against 64.6 us per step at B=64, 203.0 against 219.8 at B=256); run 65 (UTC 23:25) kernel 3 loading the v_new
 # cache before its S0 dot (an option then, removed: 66.7 against 60.3 us at B=64, 240.6 against 218.6 at B=256),
-# kernel 3 on 8 warps ({"warps_replay": (4, 8, 8)}: 61.8 / 227.3) and both (67.6 / 250.3); bits PASS for all.
+# kernel 3 on 8 warps ({"warps_replay": (4, 8, 8)}: 61.8 / 227.3) and both (67.6 / 250.3); run 66 (UTC 23:33)
+# kernels 1 and 2 with their loads first (an option then, the default since: prep 62.7 against 64.5 us at B=64,
+# 211.4 against 219.2 at B=256; intra 32.4 / 122.7 against 34.5 / 130.9); bits PASS for all.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 

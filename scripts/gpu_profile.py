@@ -8,12 +8,14 @@
       --section LaunchStats --section Occupancy --section WarpStateStats \
       python3 scripts/gpu_profile.py --kernel chunk --shape 8,4096,16,32
 
-  # the replay step's three kernels (`pallas_kernels.gated_delta.replay`: prep, intra, out), B rows at mixed phases
-  PYTHONPATH=. ncu --kernel-name regex:gdn_replay --launch-skip 3 --launch-count 3 --section SpeedOfLight \
-      --section LaunchStats --section Occupancy python3 scripts/gpu_profile.py --kernel replay --shape 64,64,16,32
+  # the replay step's four kernels (`pallas_kernels.gated_delta.replay`: prep, intra, out, state), B rows at mixed
+  # phases (run 63: --clock-control none, as the machine's notes ask)
+  PYTHONPATH=. ncu --clock-control none --kernel-name regex:gdn_replay --launch-skip 4 --launch-count 4 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy \
+      python3 scripts/gpu_profile.py --kernel replay --shape 64,64,16,32
 
-(--launch-skip / --launch-count 3: the default's three kernels; prep_kernels=2 launches four, the fused design two.
-The replay step: T is the open chunk (64); lengths 1..64 at random.)
+(--launch-skip / --launch-count 3: the chunked prefill's three kernels; prep_kernels=2 launches four, the fused
+design two. The replay step: T is the open chunk (64); lengths 1..64 at random.)
 Runs the kernel(s) twice on random Qwen3.5-shaped inputs (the first call compiles and warms up; profile the second)
 and prints the wall time of a third call, so the profile can be matched to a timing.
 """

@@ -331,26 +331,28 @@ def test_chunk_output_kernel_loads_states_after_q_k():
     assert dots[0] < states[0] < dots[1] < states[1] < dots[2], seq
 
 
-@pytest.mark.parametrize("bv", [64, 32])
-def test_replay_step_out_kernel_takes_its_v_block(bv):
-    """`bv_replay` sets the V block of the replay step's last two kernels: kernel 3's dots are [16, bv] (v_new and
-    the output's two, on the new token's block row: a row of an MMA does not depend on M or N on the H200) and
-    kernel 4's [128, bv] per V block (the boundary state, the prefill's shape with N = bv)."""
+@pytest.mark.parametrize("bv,s0_dots", [(64, 1), (32, 1), (64, 2)])
+def test_replay_step_out_kernel_takes_its_v_block(bv, s0_dots):
+    """`bv_replay` sets the V block of the replay step's last two kernels: kernel 3's dots are [16, bv] (on the new
+    token's block row: a row of an MMA does not depend on M or N on the H200) — w S0 and qg S0 as one dot and the
+    output's A v_new (`replay_s0_dots` = 1, the default), or w S0, qg S0 and A v_new (2) — and kernel 4's one
+    [128, bv] dot per program (the boundary state's V block, the prefill's shape with N = bv)."""
     from jax._src.lib.mlir import ir
 
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
 
     B, HK, HV, K, V = 4, 16, 32, 128, 128
     chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
-    _, modules = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"bv_replay": bv}), *chunk, xc, vc,
+    config = {"bv_replay": bv, "replay_s0_dots": s0_dots}
+    _, modules = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config=config), *chunk, xc, vc,
                                 SDS((B,), jnp.int32))
 
     def dots(name):
         return sorted(tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(_module(modules, name).operation)
                       if op.name == "tt.dot")
 
-    assert dots("gdn_replay_out") == [(16, bv)] * 3
-    assert dots("gdn_replay_state") == [(128, bv)] * (V // bv)  # one program per (row, value head), V blocks of bv
+    assert dots("gdn_replay_out") == [(16, bv)] * (1 + s0_dots)
+    assert dots("gdn_replay_state") == [(128, bv)]  # one program per (V block, value head, row)
 
 
 @pytest.mark.parametrize("warps,want", [(None, [4, 8, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
