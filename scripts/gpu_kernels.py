@@ -906,7 +906,10 @@ def replay_step_timing():
 # cache before its S0 dot (an option then, removed: 66.7 against 60.3 us at B=64, 240.6 against 218.6 at B=256),
 # kernel 3 on 8 warps ({"warps_replay": (4, 8, 8)}: 61.8 / 227.3) and both (67.6 / 250.3); run 66 (UTC 23:33)
 # kernels 1 and 2 with their loads first (an option then, the default since: prep 62.7 against 64.5 us at B=64,
-# 211.4 against 219.2 at B=256; intra 32.4 / 122.7 against 34.5 / 130.9); bits PASS for all.
+# 211.4 against 219.2 at B=256; intra 32.4 / 122.7 against 34.5 / 130.9); run 68 (UTC 23:44) kernel 2 loading k
+# before q too (intra 41.7 / 165.8 us), kernel 3 loading S0 before its branch on n (59.7 / 218.1 against 60.3 /
+# 218.6: noise), kernel 1's loads before its branches (prep 85.6 / 306.2 against 62.4 / 211.3); none kept, bits PASS
+# for all.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 
