@@ -97,7 +97,8 @@ from .wy import CHUNK
 # dot on w's row r and qg's row placed at another row of the tile (a row of an MMA's result depends only on that row
 # of its first operand); 2, w S0 and qg S0 as two dots (the prefill's v_new and output forms). The same bits on the
 # H200 (run 62) and in interpret mode; one dot took kernel 3 from 69.5 to 60.4 us per step at B=64 and from 254.6
-# to 218.6 at B=256 (offline ptxas: 146 -> 80 registers per thread). Needs p_ws == p_qs.
+# to 218.6 at B=256 (offline ptxas: 146 -> 80 registers per thread; ncu on the H200: 122, run 63). Needs
+# p_ws == p_qs.
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 8, 37.6 against 45.0 us per step at B=64 with 4, the same bits (the H200,
 # 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
