@@ -12,8 +12,9 @@ SIGSEGV, the rerun passing): the worker died inside XLA:CPU's compile of `score`
 passes alone and passed in the other two full runs (one of them verbose, to see the order the worker ran: nothing
 stood out). Again in c6926f4's run (SIGSEGV, rerun passing), in another test and another program: XLA:CPU's compile
 of `prefill_chunk` in test_replay.py's `test_recurrent_gdn_prefill_splits_anywhere_bitwise` — so not one test's
-program. And in 765ea00's (SIGSEGV, rerun passing): test_replay.py's `test_multi_turn_reuses_answer_prefixes_bitwise`.
-Not understood; a test that crashes twice fails.
+program. And in 765ea00's (SIGSEGV, rerun passing): test_replay.py's `test_multi_turn_reuses_answer_prefixes_bitwise`;
+and in 71569a4's (SIGABRT, "Fatal Python error: Aborted" inside XLA:CPU's compile, rerun passing): again
+`test_recurrent_gdn_prefill_splits_anywhere_bitwise`. Not understood; a test that crashes twice fails.
 """
 
 from __future__ import annotations
