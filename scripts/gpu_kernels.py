@@ -848,8 +848,10 @@ def new_token_row(x, i):
 def replay_step_timing():
     """The replay step against the recurrent decode kernel at HK=16 HV=32 K=V=128, B=64 and 256, rows at mixed
     phases of the open chunk (lengths 1..64, fixed over the loop: a row at 64 writes its boundary state every step),
-    20 steps in one compiled loop with the state and caches donated."""
+    20 steps in one compiled loop with the state and caches donated; and each kernel's device time per step, from
+    a profile of the same loop."""
     from pallas_kernels.gated_delta import replay as rp
+    from scripts.gpu_model_bench import profiled_kernels
 
     nstep = 20
     for B in (64, 256):
@@ -870,16 +872,15 @@ def replay_step_timing():
                     return s, xc, vc, q, k
                 return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
 
-            if True:  # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
-                from scripts.gpu_model_bench import profiled_kernels
-                per = profiled_kernels(lambda: step_loop(v, g, beta, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)
-                ours = [(n, t) for n, t, _ in per if n.startswith("gdn_replay")]
-                other = sum(t for n, t, _ in per if not n.startswith("gdn_replay"))
-                RESULTS.setdefault("replay_step_profile", []).append(
-                    dict(B=B, config=name, kernels={n[:80]: t / nstep for n, t, _ in per}))
-                log(f"B={B} [{name}] device time per step: " + ", ".join(f"{n} {t / nstep:.1f} us" for n, t in ours)
-                    + f"; other kernels {other / nstep:.1f} us (with the copies this profiled call makes of its "
-                    f"arguments, outside the loop)")
+            # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
+            per = profiled_kernels(lambda: step_loop(v, g, beta, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)
+            ours = [(n, t) for n, t, _ in per if n.startswith("gdn_replay")]
+            other = sum(t for n, t, _ in per if not n.startswith("gdn_replay"))
+            RESULTS.setdefault("replay_step_profile", []).append(
+                dict(B=B, config=name, kernels={n[:80]: t / nstep for n, t, _ in per}))
+            log(f"B={B} [{name}] device time per step: " + ", ".join(f"{n} {t / nstep:.1f} us" for n, t in ours)
+                + f"; other kernels {other / nstep:.1f} us (with the copies this profiled call makes of its "
+                f"arguments, outside the loop)")
             t_step = bench_state_loop(step_loop, (v, g, beta), (s0 + 0, xc, vc, q + 0, k + 0), nstep, inner=1)[0]
             prime = jax.jit(functools.partial(rp.chunk_replay_prime_pallas, config=cfg))
             t_prime = bench_jax(prime, q, k, v, g, beta, s0, lengths - 1, n=5)

@@ -1,5 +1,5 @@
 """Registers, spills, shared memory, transposed shared-memory copies, dot instructions (wgmma or not) and layout
-conversions of the chunked prefill's kernels for the H200, on a CPU machine.
+conversions of the chunked prefill's kernels (or, with --replay, the replay step's) for the H200, on a CPU machine.
 
   .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']

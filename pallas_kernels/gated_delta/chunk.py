@@ -90,7 +90,7 @@ from .wy import CHUNK
 # 1.80 against 2.19 ms, (1, 32768, 16, 32) 6.92-6.99 against 8.30-8.34 (runs 14-15); at (8, 4096) the same setting
 # was 2% slower, hence the rule.
 # The bits do not depend on it (`_recurrence_blocks`).
-# bv_replay: the V block of the replay step's last kernel (`replay.py`: its v_new, output and state dots); the
+# bv_replay: the V block of the replay step's last two kernels (`replay.py`: the v_new, output and state dots); the
 # prefill does not read it; on the GPU the bits do not depend on it (an MMA element does not depend on the
 # instruction's N: runs 40 and 45); in interpret mode XLA:CPU's dots can round differently for another N.
 # replay_s0_dots: how the replay step's kernel 3 multiplies by S0: 1 (default since run 62), one [16, K] x [K, bv]

@@ -367,7 +367,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
                          "warps_state == warps_out (the prefill runs them with those warps)")
     warps_prep, warps_intra, warps_out = _launch_warps(cfg)
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
-    bv = min(cfg["bv_replay"], V)  # the last kernel's V block (on the GPU its dots' bits do not depend on it: N)
+    bv = min(cfg["bv_replay"], V)  # kernels 3 and 4's V block (on the GPU their dots' bits do not depend on it: N)
 
     def head(*tail):  # a per-(row, value head) array [B, HV, *tail], whole (grid (HV, B))
         return pl.BlockSpec((None, None) + tail, lambda h, b: (b, h) + (0,) * len(tail))
