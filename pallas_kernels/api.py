@@ -308,6 +308,43 @@ def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, sc
                       (h,) * 4)
 
 
+def chunk_replay_step_packed(qkv, gates, state, x_cache, vn_cache, lengths, *, heads, groups: int, scale=None,
+                             use_qk_l2norm=True, backend: str | None = None):
+    """`chunk_replay_step` on the open chunk as a model keeps it: qkv [B,64,2·HK·K + HV·V] in `groups` groups of
+    [q_g | k_g | v_g] and gates [B,64,2,HV] (g, beta; fp32); heads = (HK, K, HV, V). The Pallas kernels read the
+    buffers in place (`gated_delta/open_chunk.py`; no q / k / v copies). Returns (o, state, x_cache, vn_cache) as
+    `chunk_replay_step` does, then (qkv, gates) with the rows whose chunk completed (lengths == 64) zeroed — in place
+    on the Pallas backends when the caller donates them."""
+    from .gated_delta import open_chunk as oc
+
+    backend = resolve_backend(backend)
+    heads = oc.Heads(*heads)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+    def split_then_step():  # q, k, v sliced out (copies), then the step on separate arrays
+        q, k, v = oc.split_packed(qkv, heads, groups)
+        out = chunk_replay_step(q, k, v, gates[:, :, 0], gates[:, :, 1], state, x_cache, vn_cache, lengths,
+                                backend=backend, **kw)
+        return out + oc._clear_by_select(qkv, gates, lengths)
+
+    mesh = _tp_mesh(heads.HK)
+    tp = 1 if mesh is None else mesh.shape[TP_AXIS]
+    local = oc.Heads(heads.HK // tp, heads.HK_dim, heads.HV // tp, heads.HV_dim)
+    if backend == "reference" or groups % tp or not oc.packable(local, groups // tp):
+        return split_then_step()
+    from .gated_delta.replay import chunk_replay_step_packed_pallas
+
+    kw.update(heads=local, groups=groups // tp, interpret=backend == "interpret")
+    args = (qkv, gates, state, x_cache, vn_cache, lengths)
+    if mesh is None:
+        return chunk_replay_step_packed_pallas(*args, **kw)
+    h = P(None, TP_AXIS)
+    return _per_shard(lambda *a: chunk_replay_step_packed_pallas(*a, **kw), mesh, args,
+                      (P(None, None, TP_AXIS), P(None, None, None, TP_AXIS), h, h, h, P()),
+                      (h,) * 4 + (P(None, None, TP_AXIS), P(None, None, None, TP_AXIS)))
+
+
 def chunk_replay_prime(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l2norm=True,
                        backend: str | None = None):
     """The caches of `chunk_replay_step` for open chunks a prefill left: lengths[b] (0..63) tokens of q, k, v, g, beta

@@ -784,9 +784,19 @@ def _open_window(x, start, n):
     return _gather_rows(x, start[:, None] + rows, rows < n[:, None])
 
 
-def replay_decode_run(x, prompt, steps, rows=None, config=None):
+def pack_open_chunk(q, k, v, g, beta, groups):
+    """The open chunk as the model keeps it: qkv [B, 64, 2 HK K + HV V] in `groups` groups of [q_g | k_g | v_g]
+    and gates [B, 64, 2, HV]."""
+    B, C = q.shape[:2]
+    split = lambda a: a.reshape(B, C, groups, -1)  # noqa: E731 (a group's heads' channels, contiguous)
+    qkv = jnp.concatenate([split(q), split(k), split(v)], axis=-1).reshape(B, C, -1)
+    return qkv, jnp.stack([g, beta], axis=2)
+
+
+def replay_decode_run(x, prompt, steps, rows=None, config=None, packed=None):
     """Prefill each row to prompt[b] (chunked kernels to the last grid boundary, `prime` on the rest), then `steps`
-    replay steps. Returns (outputs [B, steps, HV, V], {(row, position): state at every boundary crossed})."""
+    replay steps (packed = G: the step on the model's packed buffers in G groups, `chunk_replay_step_packed_pallas`).
+    Returns (outputs [B, steps, HV, V], {(row, position): state at every boundary crossed})."""
     from pallas_kernels.gated_delta import replay as rp
 
     rows = slice(None) if rows is None else rows
@@ -797,6 +807,13 @@ def replay_decode_run(x, prompt, steps, rows=None, config=None):
     win = jax.jit(lambda start, n: tuple(_open_window(a, start, n) for a in (q, k, v, g, beta)))
     xc, vc = rp.chunk_replay_prime_pallas(*win(bnd, prompt - bnd), s, prompt - bnd, config=config)
     step = jax.jit(functools.partial(rp.chunk_replay_step_pallas, config=config), donate_argnums=(5, 6, 7))
+    if packed is not None:
+        heads = (q.shape[2], q.shape[3], v.shape[2], v.shape[3])
+        step_packed = jax.jit(functools.partial(rp.chunk_replay_step_packed_pallas, config=config, heads=heads,
+                                                groups=packed), donate_argnums=(2, 3, 4))
+
+        def step(q, k, v, g, beta, s, xc, vc, n):  # noqa: F811 (the packed form of the same step)
+            return step_packed(*pack_open_chunk(q, k, v, g, beta, packed), s, xc, vc, n)[:4]
     outs, crossed, pos = [], {}, np.asarray(prompt)
     for _ in range(steps):
         start = (pos // 64) * 64
@@ -834,6 +851,12 @@ def replay_step_checks():
         if cfg is None:
             alone, _ = replay_decode_run(x, prompt[:1], 70, rows=slice(0, 1))
             check("replay step: row alone == row in batch", np.array_equal(alone[0], outs[0, :70]))
+            for groups in (16, 1):  # the model's packed buffers (grouped layout, Hugging Face's)
+                p_outs, p_crossed = replay_decode_run(x, prompt, steps, packed=groups)
+                same = np.array_equal(p_outs, outs) and p_crossed.keys() == crossed.keys() and all(
+                    np.array_equal(p_crossed[key], crossed[key]) for key in crossed)
+                check(f"replay step on packed buffers ({groups} groups) == on separate arrays (outputs, states)",
+                      same)
 
 
 def new_token_row(x, i):
@@ -910,9 +933,11 @@ def replay_step_timing():
 # 211.4 against 219.2 at B=256; intra 32.4 / 122.7 against 34.5 / 130.9); run 68 (UTC 23:44) kernel 2 loading k
 # before q too (intra 41.7 / 165.8 us), kernel 3 loading S0 before its branch on n (59.7 / 218.1 against 60.3 /
 # 218.6: noise), kernel 1's loads before its branches (prep 85.6 / 306.2 against 62.4 / 211.3); none kept, bits PASS
-# for all.
+# for all. Run 69 (2026-12-01 UTC 01:30) kernel 4 on (V block, head, rows) grids, each program looking after
+# `replay_state_rows` rows (1: 13.9 / 42.0 us per step at B=64 / 256; 4: 22.0 / 27.6; 16: 16.9 / 24.1), whence the
+# "auto" default (1 on grids of <= 4096 programs, else 16; run 71: 14.0 / 24.1); bits PASS for all.
 # Add candidates here.
-REPLAY_STEP_CONFIGS = {"default": None}
+REPLAY_STEP_CONFIGS = {"default": None, "state_rows_16": {"replay_state_rows": 16}}
 
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels import CHUNK
+from pallas_kernels.gated_delta.open_chunk import split_packed
 
 from ..config import ModelConfig
 from ..params import GDNParams
@@ -20,14 +21,13 @@ from .norm import gated_rms_norm
 def _split_qkv(cfg: ModelConfig, mixed: jax.Array):
     """[..., C] -> q, k [..., HK, K], v [..., HV, V]. C holds G = cfg.gdn_qkv_groups groups of [q_g | k_g | v_g]
     (G = 1: Hugging Face's [q | k | v]); slicing inside a group keeps a split by whole groups local to each shard."""
-    G = cfg.gdn_qkv_groups
-    kd = cfg.gdn_key_dim // G
-    lead = mixed.shape[:-1]
-    grouped = mixed.reshape(*lead, G, mixed.shape[-1] // G)
-    q = grouped[..., :kd].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    k = grouped[..., kd:2 * kd].reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-    v = grouped[..., 2 * kd:].reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-    return q, k, v
+    return split_packed(mixed, _heads(cfg), cfg.gdn_qkv_groups)
+
+
+def _heads(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(HK, K, HV, V) of the GDN layer."""
+    return (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim)
 
 
 def _input_projection(cfg: ModelConfig, x: jax.Array, det: str | bool):
@@ -160,24 +160,22 @@ def _replay_one_token(cfg: ModelConfig, p: GDNParams, conv, gates, z, state: GDN
     the chunk, the new boundary state (otherwise the boundary and the state array are left as they are).
 
     The open chunk's buffers hold zeros after their open_len valid rows (`GDNLayerState`), so the new token is one
-    row written at open_len, and a chunk the token completes empties its row of the buffers: scatters of B rows
-    instead of the splice and gathers over [B, 64, C] that longer calls use. (In a compiled decode loop XLA still
-    copies the buffer around them, to keep the step's reads apart from the in-place writes: BENCHMARKS.md, run 54.)"""
+    row written at open_len (a scatter of B rows instead of the splice and gathers over [B, 64, C] that longer
+    calls use); the step reads the buffers as they are and empties the rows whose chunk the token completes, in
+    place (`pallas_kernels.chunk_replay_step_packed`: no q / k / v copies, and no pass of XLA's scatter over the
+    whole buffer; BENCHMARKS.md, run 71)."""
     B = open_len.shape[0]
     rows = jnp.arange(B)
     active = lengths > 0  # a row with no token (lengths 0) writes zeros where it already holds them
     qkv_all = state.open_qkv.at[rows, open_len].set(jnp.where(active[:, None], conv[0][:, 0], 0))
     gates_all = state.open_gates.at[rows, open_len].set(jnp.where(active[:, None, None], gates[:, 0], 0))
-    total = open_len + lengths
-    q, k, v = _split_qkv(cfg, qkv_all)
-    o_new, recurrent, open_x, open_vnew = pallas_kernels.chunk_replay_step(
-        q, k, v, gates_all[:, :, 0], gates_all[:, :, 1], state.recurrent, state.open_x, state.open_vnew, total,
-        backend=backend)
-    emptied = jnp.where(total == CHUNK, rows, B)  # rows whose chunk completed; B: out of bounds, dropped
-    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent,
-                              open_qkv=qkv_all.at[emptied].set(0, mode="drop"),
-                              open_gates=gates_all.at[emptied].set(0, mode="drop"), open_x=open_x,
-                              open_vnew=open_vnew)
+    # the kernels read q, k and v out of the packed buffer, and the step empties the rows whose chunk it completes,
+    # in place (`pallas_kernels.chunk_replay_step_packed`)
+    o_new, recurrent, open_x, open_vnew, open_qkv, open_gates = pallas_kernels.chunk_replay_step_packed(
+        qkv_all, gates_all, state.recurrent, state.open_x, state.open_vnew, open_len + lengths, heads=_heads(cfg),
+        groups=cfg.gdn_qkv_groups, backend=backend)
+    new_state = GDNLayerState(conv=conv[1], recurrent=recurrent, open_qkv=open_qkv, open_gates=open_gates,
+                              open_x=open_x, open_vnew=open_vnew)
     return _output(cfg, p, o_new[:, None], z, det), new_state, None
 
 

@@ -99,6 +99,12 @@ from .wy import CHUNK
 # H200 (run 62) and in interpret mode; one dot took kernel 3 from 69.5 to 60.4 us per step at B=64 and from 254.6
 # to 218.6 at B=256 (offline ptxas: 146 -> 80 registers per thread; ncu on the H200: 122, run 63). Needs
 # p_ws == p_qs.
+# replay_state_rows: the batch rows each program of the replay step's kernel 4 (the boundary states of the rows whose
+# chunk completes) looks after (the largest power of two <= it that divides B); 1 is one program per row, as before
+# 2026-12-01. Its work and bits do not depend on it: only how many programs find nothing to do, and how long the one
+# that folds a row takes (in a loop over its rows: longer). "auto" (default): 1 while the grid has at most 4096
+# programs with it (B * HV * V / bv_replay), else 16. Run 69 (H200, one row in 64 completing per step, kernel 4 us
+# per step): B=64 13.9 with 1, 22.0 with 4, 16.9 with 16; B=256 42.0, 27.6 and 24.1.
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 8, 37.6 against 45.0 us per step at B=64 with 4, the same bits (the H200,
 # 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
@@ -111,7 +117,7 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=8,
-    replay_s0_dots=1,
+    replay_s0_dots=1, replay_state_rows="auto",
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 

@@ -75,6 +75,7 @@ from jax.experimental.pallas import triton as plt
 
 from . import chunk as ck
 from . import wy
+from .open_chunk import Heads, OpenChunk, clear_completed
 from .wy import CHUNK, SUB
 
 NB = CHUNK // SUB  # block rows of the tiled inverse
@@ -328,15 +329,52 @@ def _at_row(x, r):
     return jnp.where(rows == r, jnp.broadcast_to(x[None, :], rows.shape), 0.0)
 
 
-def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg, interpret):
-    """Kernel 4, grid (V // bv, HV, B): where the chunk completes (n = 64), the new boundary state's V block from the
-    whole chunk's v_new (the cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`),
-    the update as its recurrence does — and the cache's block cleared; elsewhere nothing. Its own kernel: in kernel 3
-    this rare branch set the registers of the whole kernel (on the H200: 255 per thread against 198); most programs
-    find nothing to do, and the kernel's time is that of the programs that do the work (two heads per program took
-    33 against 18 us at B=64 on the H200; one V block per program instead of each head's blocks one after another:
-    BENCHMARKS.md, run 62)."""
-    n = len_ref[0]
+class _RowRef:
+    """One batch row of a ref that holds every row ([B, ...]: kernel 4's programs pick their rows inside), behind the
+    part of the ref interface the prefill's helpers use — `x.at[pl.ds(..)]`, `x[...]`, `x[...] = value`, `x.shape` —
+    each access one index into the whole ref (Pallas' Triton lowering takes one indexer per load or store)."""
+
+    def __init__(self, ref, index: tuple):
+        self._ref, self._index = ref, index
+
+    @property
+    def shape(self):
+        dims = list(self._ref.shape)
+        out = []
+        for d, idx in enumerate(self._index):
+            if not isinstance(idx, pl.Slice):  # an integer index drops its axis
+                continue
+            out.append(idx.size)
+        return tuple(out) + tuple(dims[len(self._index):])
+
+    @property
+    def at(self):
+        return _RowRefSlices(self)
+
+    def _full(self, idx):
+        return self._index if idx is Ellipsis else self._index + (idx if isinstance(idx, tuple) else (idx,))
+
+    def __getitem__(self, idx):
+        return self._ref[self._full(idx)]
+
+    def __setitem__(self, idx, value):
+        self._ref[self._full(idx)] = value
+
+
+class _RowRefSlices:
+    """`_RowRef.at`: a slice of the row as a `_RowRef`."""
+
+    def __init__(self, row_ref: _RowRef):
+        self._row_ref = row_ref
+
+    def __getitem__(self, idx):
+        return _RowRef(self._row_ref._ref, self._row_ref._full(idx))
+
+
+def _fold_row(n, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg, interpret):
+    """Where the row's chunk completes (n = 64), its new boundary state's V block from the whole chunk's v_new (the
+    cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as its
+    recurrence does — and the cache's block cleared; elsewhere nothing. The refs are the row's (`_RowRef`)."""
 
     @pl.when(n == CHUNK)
     def _():
@@ -350,11 +388,38 @@ def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, u
         vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime"))
+def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, rows, **kw):
+    """Kernel 4, grid (V // bv, HV, B // rows): the boundary states of the rows whose chunk this step completes,
+    for one V block of one value head, over `rows` consecutive batch rows per program (`_fold_row` for each). The
+    refs hold every row ([B, ...]); the program loads its rows' lengths at once and returns at once when none of them
+    completes. Its own kernel: in kernel 3 this rare branch set the registers of the whole kernel (on the H200: 255
+    per thread against 198). One row per program (rows = 1) had most programs find nothing to do at two programs per
+    SM: 13.9 us per step at B=64 and 41.8 at B=256 for one completing row in 64 (the H200, run 67)."""
+    first = pl.program_id(2) * rows
+    iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    lens = len_ref[pl.ds(first, rows)]  # rows divides B
+
+    @pl.when(jnp.max(jnp.where(lens == CHUNK, 1, 0)) > 0)
+    def _():
+        def one(m, carry):
+            row = first + m
+            n = jnp.sum(jnp.where(iota == m, lens, 0))
+            at = functools.partial(_RowRef, index=(row,))
+            _fold_row(n, at(k_ref), at(g_ref), at(s_ref), at(vn_ref), at(s_out), at(vn_out), **kw)
+            return carry
+
+        lax.fori_loop(0, rows, one, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "config", "prime", "packed"))
 def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, use_qk_l2norm, interpret, config,
-               prime=False):
-    B, _, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+               prime=False, packed=None):
+    """The step's four kernels (three when priming). packed: None (q, k, v, g, beta separate arrays) or (Heads,
+    groups) when q is k is v = the packed qkv buffer and g is beta = the gates buffer (`open_chunk.py`)."""
+    src = (OpenChunk.separate(q, k, v, g, beta) if packed is None
+           else OpenChunk(q, k, v, g, beta, Heads(*packed[0]), packed[1]))
+    B = src.batch
+    HK, K, HV, V = src.heads
     G = HV // HK
     cfg = ck._checked_config(config, V)
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
@@ -375,8 +440,8 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     def cols(*tail):  # the same, its last axis in this program's V block (grid (V // bv, HV, B))
         return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * (len(tail) - 1) + (j,))
 
-    key = pl.BlockSpec((None, CHUNK, None, K), lambda h, b: (b, 0, h // G, 0))
-    token = pl.BlockSpec((None, CHUNK, None), lambda h, b: (b, 0, h))
+    key_of_head = lambda h, b: (b, h // G)  # noqa: E731 (grid (HV, B): the row and the value head's key head)
+    value_head = lambda h, b: (b, h)  # noqa: E731
     length = pl.BlockSpec((1,), lambda h, b: (b,))
 
     # kernel 1, grid (HV, B): the new row of the prep
@@ -384,8 +449,8 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
         grid=(HV, B),
-        in_specs=[length, key, pl.BlockSpec((None, CHUNK, None, V), lambda h, b: (b, 0, h, 0)), token, token,
-                  head(CHUNK, CHUNK)],
+        in_specs=[length, src.spec("k", key_of_head), src.spec("v", value_head), src.spec("g", value_head),
+                  src.spec("beta", value_head), head(CHUNK, CHUNK)],
         out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
                    jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
@@ -394,7 +459,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         compiler_params=ck._triton_params(warps_prep, 1),
         interpret=interpret,
         name="gdn_replay_prep",
-    )(lengths, k, v, g, beta, x_cache)
+    )(lengths, src.k, src.v, src.g, src.beta, x_cache)
 
     row_ops = []
     if not prime:  # kernel 2, grid (HV // P, B): the new token's row of Aqk and qg (the output's; priming skips it),
@@ -403,19 +468,19 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         def heads(*tail):  # [B, HV, *tail], the program's P value heads
             return pl.BlockSpec((None, P) + tail, lambda p, b: (b, p) + (0,) * len(tail))
 
-        key_p = pl.BlockSpec((None, CHUNK, None, K), lambda p, b: (b, 0, p * P // G, 0))
-        gates = [pl.BlockSpec((None, CHUNK, None), lambda p, b, j=j: (b, 0, p * P + j)) for j in range(P)]
+        key_p = lambda p, b: (b, p * P // G)  # noqa: E731 (the program's key head)
+        gates = [src.spec("g", lambda p, b, j=j: (b, p * P + j)) for j in range(P)]
         row_ops = pl.pallas_call(
             functools.partial(_intra_step_kernel, scale=scale, use_l2=use_qk_l2norm, cfg=cfg, interpret=interpret),
             grid=(HV // P, B),
-            in_specs=[pl.BlockSpec((1,), lambda p, b: (b,)), key_p, key_p] + gates,
+            in_specs=[pl.BlockSpec((1,), lambda p, b: (b,)), src.spec("q", key_p), src.spec("k", key_p)] + gates,
             out_specs=[heads(CHUNK), heads(K)],
             out_shape=[jax.ShapeDtypeStruct((B, HV, CHUNK), jnp.float32),
                        jax.ShapeDtypeStruct((B, HV, K), jnp.float32)],
             compiler_params=ck._triton_params(warps_intra, 1),
             interpret=interpret,
             name="gdn_replay_intra",
-        )(lengths, q, k, *([g] * P))
+        )(lengths, src.q, src.k, *([src.g] * P))
 
     # kernel 3's operands, grid (V // bv, HV, B)
     def whole(*tail):  # [B, HV, *tail] whole, in a program of grid (V // bv, HV, B)
@@ -444,21 +509,34 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         return None, state, x_cache, res[0]
     o, vn_cache = res
 
-    # kernel 4, grid (V // bv, HV, B): the boundary state where the chunk completes
-    key_j = pl.BlockSpec((None, CHUNK, None, K), lambda j, h, b: (b, 0, h // G, 0))
-    token_j = pl.BlockSpec((None, CHUNK, None), lambda j, h, b: (b, 0, h))
+    # kernel 4, grid (V // bv, HV, B // rows): the boundary state where the chunk completes
+    rows = cfg["replay_state_rows"]
+    rows = _rows_per_program((1 if B * HV * (V // bv) <= 4096 else 16) if rows == "auto" else rows, B)
+    every = lambda *tail: pl.BlockSpec((B, None) + tail, lambda j, h, s: (0, h) + (0,) * (len(tail) - 1) + (j,))
+    state_rows = [every(K, bv), every(CHUNK, bv)]  # [B, K, bv], [B, C, bv]: this program's head and V block
     state, vn_cache = pl.pallas_call(
-        functools.partial(_state_step_kernel, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
-        grid=(V // bv, HV, B),
-        in_specs=[row_length, key_j, token_j] + state_specs,
-        out_specs=state_specs,
+        functools.partial(_state_step_kernel, rows=rows, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
+                          interpret=interpret),
+        grid=(V // bv, HV, B // rows),
+        in_specs=[pl.BlockSpec((B,), lambda j, h, s: (0,)), src.spec("k", lambda j, h, s: (0, h // G), rows=B),
+                  src.spec("g", lambda j, h, s: (0, h), rows=B)] + state_rows,
+        out_specs=state_rows,
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
         input_output_aliases={3: 0, 4: 1},
         compiler_params=ck._triton_params(cfg["warps_state"], 1),
         interpret=interpret,
         name="gdn_replay_state",
-    )(lengths, k, g, state, vn_cache)
+    )(lengths, src.k, src.g, state, vn_cache)
     return o, state, x_cache, vn_cache
+
+
+def _rows_per_program(limit: int, B: int) -> int:
+    """Kernel 4's batch rows per program: the largest power of two <= limit that divides B (its programs load their
+    rows' lengths as one block)."""
+    rows = 1
+    while rows * 2 <= limit and B % (rows * 2) == 0:
+        rows *= 2
+    return rows
 
 
 def _launch_warps(cfg: dict) -> tuple[int, int, int]:
@@ -478,19 +556,38 @@ def _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale):
     if q.ndim != 4 or k.shape != q.shape or q.shape[1] != CHUNK or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"expected the open chunk: q, k [B,{CHUNK},HK,K] and v [B,{CHUNK},HV,V]; got {q.shape}, "
                          f"{k.shape}, {v.shape}")
-    B, _, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    heads = Heads(q.shape[2], q.shape[3], v.shape[2], v.shape[3])
+    B, HV = q.shape[0], heads.HV
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, CHUNK, HV):
+            raise ValueError(f"{name} must be {[B, CHUNK, HV]}; got {list(x.shape)}")
+    return _checked_rest(heads, B, state, x_cache, vn_cache, lengths, scale)
+
+
+def _checked_rest(heads: Heads, B: int, state, x_cache, vn_cache, lengths, scale):
+    """The head shape, the boundary state, the caches and lengths checked; returns the scale."""
+    HK, K, HV, V = heads
     if HV % HK:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
-    want = {"g": (g.shape, (B, CHUNK, HV)), "beta": (beta.shape, (B, CHUNK, HV)), "state": (state.shape, (B, HV, K, V)),
-            "x_cache": (x_cache.shape, (B, HV, CHUNK, CHUNK)), "vn_cache": (vn_cache.shape, (B, HV, CHUNK, V)),
-            "lengths": (jnp.shape(lengths), (B,))}
+    want = {"state": (state.shape, (B, HV, K, V)), "x_cache": (x_cache.shape, (B, HV, CHUNK, CHUNK)),
+            "vn_cache": (vn_cache.shape, (B, HV, CHUNK, V)), "lengths": (jnp.shape(lengths), (B,))}
     for name, (got, shape) in want.items():
         if tuple(got) != shape:
             raise ValueError(f"{name} must be {list(shape)}; got {list(got)}")
     ck._check_pow2("K", K)
     ck._check_pow2("V", V)
     return float(K**-0.5 if scale is None else scale)
+
+
+def _static_config(config):
+    """The caller's config as a hashable tuple (jit's static argument), with what jit's cache would hide checked
+    first: in its keys True == 1 and 2.0 == 2."""
+    rows = dict(config or ()).get("replay_state_rows", "auto")
+    if rows != "auto" and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+        raise ValueError(f"replay_state_rows={rows!r}: 'auto' or a positive integer (kernel 4's batch rows per "
+                         f"program)")
+    return None if config is None else tuple(sorted((key, tuple(val) if isinstance(val, list) else val)
+                                                    for key, val in dict(config).items()))
 
 
 def replay_caches(B: int, HV: int, V: int):
@@ -511,12 +608,35 @@ def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths
     same; x_cache, vn_cache updated). The state and caches are updated in place when the caller donates them.
     """
     scale = _checked(q, k, v, g, beta, state, x_cache, vn_cache, lengths, scale)
-    config = None if config is None else tuple(sorted((key, tuple(val) if isinstance(val, list) else val)
-                                                      for key, val in dict(config).items()))  # hashable: static
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
     return _step_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32),
                       x_cache, vn_cache, lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                      interpret=bool(interpret), config=config, prime=bool(_prime))
+                      interpret=bool(interpret), config=_static_config(config), prime=bool(_prime))
+
+
+def chunk_replay_step_packed_pallas(qkv, gates, state, x_cache, vn_cache, lengths, *, heads, groups: int,
+                                    scale=None, use_qk_l2norm=True, interpret=False, config=None):
+    """`chunk_replay_step_pallas` on the model's packed open-chunk buffers (`open_chunk.py`), which the kernels read
+    in place (the same bits: only the addresses differ), and which come back with the rows whose chunk completed
+    emptied, in place when the caller donates them.
+
+    qkv: [B, 64, 2 HK K + HV V] in `groups` groups of [q_g | k_g | v_g]; gates: [B, 64, 2, HV] (g, beta), fp32;
+    heads: (HK, K, HV, V). Returns (o, state, x_cache, vn_cache) as `chunk_replay_step_pallas` does, then (qkv,
+    gates) with rows where lengths == 64 zeroed (the next chunk starts empty)."""
+    heads = Heads(*heads)
+    OpenChunk.packed(qkv, gates, heads, groups)  # checks the buffers' shapes and layout
+    scale = _checked_rest(heads, qkv.shape[0], state, x_cache, vn_cache, lengths, scale)
+    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
+    gates = gates.astype(jnp.float32)
+    o, state, x_cache, vn_cache = _step_impl(
+        qkv, qkv, qkv, gates, gates, state.astype(jnp.float32), x_cache, vn_cache, lengths, scale=scale,
+        use_qk_l2norm=bool(use_qk_l2norm), interpret=bool(interpret), config=_static_config(config),
+        packed=(tuple(heads), int(groups)))
+    # the clearing writes the buffers the kernels read: computed from their outputs (a barrier ties them), it comes
+    # after their reads by data dependence, so XLA writes in place instead of copying the buffers around it
+    done, o, state, x_cache, vn_cache = lax.optimization_barrier((lengths, o, state, x_cache, vn_cache))
+    qkv, gates = clear_completed(qkv, gates, done, interpret=bool(interpret))
+    return o, state, x_cache, vn_cache, qkv, gates
 
 
 def chunk_replay_prime_pallas(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l2norm=True, interpret=False,

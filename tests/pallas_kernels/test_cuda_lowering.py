@@ -263,6 +263,31 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     assert lowered.as_text().count("output_operand_aliases") == 2  # the x cache, the v_new cache
 
 
+@pytest.mark.parametrize("groups", [16, 1])
+def test_packed_replay_step_lowers_for_h200_in_place(groups):
+    """The replay step on the model's packed buffers (`open_chunk.py`, Qwen3.5-9B's GDN shape; the grouped layout
+    and Hugging Face's): the four kernels read q, k and v out of the one qkv buffer, and a fifth empties the rows
+    whose chunk completed, in place (its two aliased outputs: the qkv and gates buffers)."""
+    from functools import partial
+
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_packed_pallas
+
+    B, HK, HV, K, V = 64, 16, 32, 128, 128
+    _, xc, vc = replay_step_args(B, HK, HV, K, V)
+    qkv = SDS((B, 64, 2 * HK * K + HV * V), jnp.bfloat16)
+    gates = SDS((B, 64, 2, HV), jnp.float32)
+    step = partial(chunk_replay_step_packed_pallas, heads=(HK, K, HV, V), groups=groups)
+    lowered, modules = lower_for_h200(step, qkv, gates, SDS((B, HV, K, V), jnp.float32), xc, vc,
+                                      SDS((B,), jnp.int32))
+    n, bad = dot_problems(modules)
+    assert len(modules) == 5 and n > 20 and not bad, bad
+    names = re.findall(r'name = "(gdn_\w+)"', lowered.as_text())
+    assert sorted(names) == ["gdn_open_chunk_clear", "gdn_replay_intra", "gdn_replay_out", "gdn_replay_prep",
+                             "gdn_replay_state"], names
+    assert lowered.as_text().count("output_operand_aliases") == 4  # prep, out, state, the clearing
+    assert sorted(re.findall(r"output_tuple_indices = \[(\d)\]", lowered.as_text())) == ["0", "0", "1", "1", "1", "2"]
+
+
 def _module(modules, name):
     mod = [m for m in modules if any(name in str(op.attributes["sym_name"])
                                      for op in m.body.operations if "sym_name" in op.attributes)]

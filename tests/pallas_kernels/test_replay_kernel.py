@@ -193,3 +193,88 @@ def test_one_substitution_step_per_row_equals_the_loop():
         cached = np.where(np.arange(16)[:, None] <= r, np.asarray(step(kb, gc, beta, cached, r)), cached)
     assert np.array_equal(cached, loop)
     assert not np.array_equal(loop, np.eye(16, dtype=np.float32))  # a real inverse, not the identity
+
+
+def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_program():
+    """Kernel 4 looks after `replay_state_rows` batch rows per program (the largest power of two <= it dividing B):
+    three of four rows completing their chunk in the same step — one per program by default ("auto" on a small
+    grid), all in one program with 4, two per program with 2 — give the same bits, each row's new boundary state equals the prefill's, the
+    row that does not complete keeps its state and caches, and bad values are refused."""
+    rng = np.random.default_rng(9)
+    x, s0 = _inputs(rng, 4, C, 1, 2)
+    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
+    lengths = np.asarray([64, 64, 30, 64])
+    xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray(lengths - 1), interpret=True)
+    outs = [chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True, config=cfg)
+            for cfg in (None, {"replay_state_rows": 4}, {"replay_state_rows": 2})]
+    for got in outs[1:]:
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, outs[0]))
+    _, s_ref = _chunk(x, s0, lengths)
+    st, vn = np.asarray(outs[0][1]), np.asarray(outs[0][3])
+    for b in (0, 1, 3):
+        assert np.array_equal(st[b], s_ref[b]), b  # the prefill's state after the whole chunk
+        assert not vn[b].any(), b  # the next chunk starts with an empty v_new cache
+    assert np.array_equal(st[2], s0[2]) and vn[2].any()  # row 2 (30 tokens) keeps its boundary and its cache
+    for bad in (0, -1, 2.0, True, "many"):
+        with pytest.raises(ValueError, match="replay_state_rows"):
+            chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True,
+                                     config={"replay_state_rows": bad})
+
+
+def _pack(x, groups):
+    """The open chunk's q, k, v [B, 64, H, D] as the model packs them: `groups` groups of [q_g | k_g | v_g]."""
+    B, HK, HV = x["q"].shape[0], x["q"].shape[2], x["v"].shape[2]
+    parts = []
+    for gi in range(groups):
+        for name, H in (("q", HK), ("k", HK), ("v", HV)):
+            per = H // groups
+            parts.append(np.asarray(x[name])[:, :, gi * per:(gi + 1) * per].reshape(B, C, -1))
+    return jnp.asarray(np.concatenate(parts, axis=-1)), jnp.asarray(np.stack([x["g"], x["beta"]], axis=2))
+
+
+@pytest.mark.parametrize("HK,HV,groups,backend", [(2, 4, 1, "interpret"), (2, 4, 2, "interpret"),
+                                                  (1, 3, 1, "interpret"), (2, 4, 2, "reference")])
+def test_packed_step_equals_the_step_on_separate_arrays(HK, HV, groups, backend):
+    """`chunk_replay_step_packed` (the model's packed q|k|v and gates buffers, read in place by the kernels'
+    block specs) gives the bits of `chunk_replay_step` on the arrays sliced out, Hugging Face's layout (1 group)
+    and the grouped one, and comes back with the buffers of the rows whose chunk completed zeroed, the others
+    untouched (a Pallas kernel; XLA's select where the gates' row is not a power-of-two block, HV = 3); the
+    reference backend likewise."""
+    from pallas_kernels import chunk_replay_step, chunk_replay_step_packed
+
+    rng = np.random.default_rng(HV + groups)
+    B = 4
+    x, s0 = _inputs(rng, B, C, HK, HV, jnp.bfloat16)
+    lengths = np.asarray([64, 20, 64, 1])
+    for name in ("q", "k", "v"):  # the model's buffers hold zeros after the valid rows
+        for b in range(B):
+            x[name][b, lengths[b]:] = 0
+    qkv, gates = _pack(x, groups)
+    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
+    xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray(lengths - 1), interpret=True)
+    want = chunk_replay_step(*args, xc, vc, jnp.asarray(lengths), backend=backend)
+    got = chunk_replay_step_packed(qkv, gates, jnp.asarray(s0), xc, vc, jnp.asarray(lengths),
+                                   heads=(HK, K, HV, V), groups=groups, backend=backend)
+    for a, b in zip(got[:4], want):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    done = lengths == C
+    assert not np.asarray(got[4])[done].any() and not np.asarray(got[5])[done].any()
+    assert np.array_equal(np.asarray(got[4])[~done], np.asarray(qkv)[~done])
+    assert np.array_equal(np.asarray(got[5])[~done], np.asarray(gates)[~done])
+
+
+def test_packed_step_refuses_bad_buffers():
+    from pallas_kernels import chunk_replay_step_packed
+    from pallas_kernels.gated_delta.open_chunk import Heads, packable
+
+    rng = np.random.default_rng(12)
+    x, s0 = _inputs(rng, 2, C, 2, 4)
+    qkv, gates = _pack(x, 2)
+    xc, vc = replay_caches(2, 4, V)
+    kw = dict(heads=(2, K, 4, V), groups=2, backend="interpret")
+    with pytest.raises(ValueError, match="qkv must be"):
+        chunk_replay_step_packed(qkv[:, :, :-1], gates, jnp.asarray(s0), xc, vc, jnp.asarray([3, 4]), **kw)
+    with pytest.raises(ValueError, match="gates must be"):
+        chunk_replay_step_packed(qkv, gates[:, :, :1], jnp.asarray(s0), xc, vc, jnp.asarray([3, 4]), **kw)
+    assert packable(Heads(2, 32, 4, 32), 2) and not packable(Heads(2, 32, 4, 32), 3)
+    assert not packable(Heads(1, 16, 1, 48), 1)  # v's columns start at 32: not a multiple of 48
