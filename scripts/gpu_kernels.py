@@ -935,9 +935,11 @@ def replay_step_timing():
 # 218.6: noise), kernel 1's loads before its branches (prep 85.6 / 306.2 against 62.4 / 211.3); none kept, bits PASS
 # for all. Run 69 (2026-12-01 UTC 01:30) kernel 4 on (V block, head, rows) grids, each program looking after
 # `replay_state_rows` rows (1: 13.9 / 42.0 us per step at B=64 / 256; 4: 22.0 / 27.6; 16: 16.9 / 24.1), whence the
-# "auto" default (1 on grids of <= 4096 programs, else 16; run 71: 14.0 / 24.1); bits PASS for all.
+# "auto" default (1 on grids of <= 4096 programs, else 16; run 71: 14.0 / 24.1); bits PASS for all. Run 72 (UTC
+# 01:53) kernels 1 and 2 as one launch on the prep's 4 warps, each program running one of them (an option then,
+# removed: 104.3 against 63.6 + 32.5 us per step at B=64, 378.6 against 214.5 + 123.4 at B=256); bits PASS.
 # Add candidates here.
-REPLAY_STEP_CONFIGS = {"default": None, "state_rows_16": {"replay_state_rows": 16}}
+REPLAY_STEP_CONFIGS = {"default": None}
 
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
