@@ -937,7 +937,9 @@ def replay_step_timing():
 # `replay_state_rows` rows (1: 13.9 / 42.0 us per step at B=64 / 256; 4: 22.0 / 27.6; 16: 16.9 / 24.1), whence the
 # "auto" default (1 on grids of <= 4096 programs, else 16; run 71: 14.0 / 24.1); bits PASS for all. Run 72 (UTC
 # 01:53) kernels 1 and 2 as one launch on the prep's 4 warps, each program running one of them (an option then,
-# removed: 104.3 against 63.6 + 32.5 us per step at B=64, 378.6 against 214.5 + 123.4 at B=256); bits PASS.
+# removed: 104.3 against 63.6 + 32.5 us per step at B=64, 378.6 against 214.5 + 123.4 at B=256); run 73 (UTC
+# 01:56) kernel 1's merged tiles in the order m = 0 .. i - 1 with w's and u's terms after each (an option then,
+# removed: prep 63.3 / 212.0 against 63.6 / 214.8 us); bits PASS for both.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 
