@@ -939,7 +939,9 @@ def replay_step_timing():
 # 01:53) kernels 1 and 2 as one launch on the prep's 4 warps, each program running one of them (an option then,
 # removed: 104.3 against 63.6 + 32.5 us per step at B=64, 378.6 against 214.5 + 123.4 at B=256); run 73 (UTC
 # 01:56) kernel 1's merged tiles in the order m = 0 .. i - 1 with w's and u's terms after each (an option then,
-# removed: prep 63.3 / 212.0 against 63.6 / 214.8 us); bits PASS for both.
+# removed: prep 63.3 / 212.0 against 63.6 / 214.8 us); bits PASS for both. Run 74 (UTC 02:02) kernel 2's q k^T
+# row as column 0 of k q16^T ({"replay_qk_cols": True}: intra 27.3 / 104.6 against 32.2 / 121.3 us at B=64 / 256)
+# and the same on 4 warps (18.2 / 64.4: the default since); bits PASS for both.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 

@@ -105,8 +105,15 @@ from .wy import CHUNK
 # that folds a row takes (in a loop over its rows: longer). "auto" (default): 1 while the grid has at most 4096
 # programs with it (B * HV * V / bv_replay), else 16. Run 69 (H200, one row in 64 completing per step, kernel 4 us
 # per step): B=64 13.9 with 1, 22.0 with 4, 16.9 with 16; B=256 42.0, 27.6 and 24.1.
+# replay_qk_cols: the replay step's kernel 2 takes row t of q k^T as column 0 of k q16^T ([C, K] x [K, 16], q16 holding
+# q's row t and zeros; the same 64-row wgmma, the operands' roles swapped) instead of row t of the 64-row q k^T: a
+# [16, K] operand in shared memory instead of [64, K]. The same bits on the H200 (run 74: the 560 rows and 8
+# boundary states), not on XLA:CPU (1.5e-8 off), so "auto" (default) takes it on the GPU and the 64-row form in
+# interpret mode; True / False force either. Run 74, kernel 2 us per step at B=64 / 256: 32.2 / 121.3 before, 27.3
+# / 104.6 with it (8 warps), 18.2 / 64.4 with it on 4 warps (the default since).
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
-# the prefill runs it with warps_out): 8, 37.6 against 45.0 us per step at B=64 with 4, the same bits (the H200,
+# the prefill runs it with warps_out): 4 with replay_qk_cols (run 74); before it, 8 (37.6 against 45.0 us per
+# step at B=64 with 4), the same bits (the H200,
 # 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
 # warps variants changing the bits either).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
@@ -116,8 +123,8 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=8,
-    replay_s0_dots=1, replay_state_rows="auto",
+    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
+    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto",
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 

@@ -18,9 +18,10 @@ prefill splits its own; between them only the new row's values travel:
      only row r of w and u (rows 0 .. r when priming);
   2. `gdn_replay_intra`, grid (HV // P, B), P = HV // HK value heads of one key head per program (when a power of
      two; else 1), `warps_replay_intra` warps: row t of Aqk and qg for each head, from one 64-row q k^T dot (the
-     prefill output kernel's, with q's row t and zeros; its operands are the key head's) and each head's decays on
-     that row (`wy.intra`'s operations, element by element; on the GPU qg from q's row t alone); not run when
-     priming;
+     prefill output kernel's wgmma; on the GPU as column 0 of k q16^T, q16 holding q's row t and zeros, the
+     operands' roles swapped: `replay_qk_cols`; in interpret mode as row t of q k^T with q's row t and zeros; its
+     operands are the key head's) and each head's decays on that row (`wy.intra`'s operations, element by element;
+     on the GPU qg from q's row t alone); not run when priming;
   3. `gdn_replay_out`, grid (V // bv_replay, HV, B): v_new of row t (`chunk._v_new`) and the output row
      (`chunk._out_dots`), as dots on block row i's 16 rows holding the new row (loaded masked) and zeros; by
      default (`replay_s0_dots` = 1) w S0 and qg S0 are one dot, qg's row placed at row r + 8 (mod 16) of w's
@@ -221,9 +222,10 @@ def _mma_rows(x16, *, i, interpret):
 def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpret):
     """Kernel 2, grid (HV // P, B), P value heads of one key head per program (P = HV // HK when a power of two,
     else 1): the new token's row t of Aqk and qg for each. q k^T is the prefill output kernel's 64-row dot
-    (`chunk._intra_rows`, with its warps; on the block row's 16 rows of q, 58 of 560 rows differed from the
-    prefill's on the H200: runs 48-49), with q's row t loaded and the others zeros (a row of an MMA's result depends
-    only on that row of its first operand); its operands are the key head's, so it runs once for the P value heads,
+    (`chunk._intra_rows`; on the block row's 16 rows of q, 58 of 560 rows differed from the prefill's on the H200:
+    runs 48-49), with q's row t loaded and the others zeros (a row of an MMA's result depends only on that row of
+    its first operand) — on the GPU as column 0 of k q16^T instead (the same 64-row wgmma, k the first operand: the
+    same bits, run 74; `replay_qk_cols`); its operands are the key head's, so it runs once for the P value heads,
     and each head's decays follow on row t alone (`wy.intra`'s operations). refs: P gate refs g [C], then the
     outputs aqk [P, C] and qg [P, K]."""
     *g_refs, aqk_out, qg_out = refs
@@ -235,8 +237,15 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpr
     q = plt.load(q_ref.at[...], mask=jnp.broadcast_to(q_row[:, None], q_ref.shape), other=0).astype(jnp.float32)
     q = jnp.where(q_row[:, None], wy.l2norm(q) if use_l2 else q, 0.0) * scale  # `chunk._load_key`'s, on row t
     k = ck._load_key(k_ref, rows < n, use_l2)
-    qk_t = _row(wy.dot(q, k, cfg["p_qk"], interpret, trans_b=True), t)  # [C]: row t of q k^T
-    q_t = None if interpret else _row(q, t)  # [K]
+    cols = cfg["replay_qk_cols"] is True or (cfg["replay_qk_cols"] == "auto" and not interpret)
+    q_t = None if interpret and not cols else _row(q, t)  # [K]
+    if cols:  # k (q_t and zeros)^T: [C, 16], its column 0 = row t of q k^T (`replay_qk_cols`; the H200: the bits of
+        # the 64-row q k^T's row t, run 74)
+        q16 = jnp.where(lax.broadcasted_iota(jnp.int32, (SUB, q.shape[1]), 0) == 0, q_t[None, :], 0.0)
+        qk_c = wy.dot(k, q16, cfg["p_qk"], interpret, trans_b=True)
+        qk_t = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, qk_c.shape, 1) == 0, qk_c, -0.0), axis=1)
+    else:
+        qk_t = _row(wy.dot(q, k, cfg["p_qk"], interpret, trans_b=True), t)  # [C]: row t of q k^T
     lower = rows <= t  # row t of `wy.causal_decay`'s mask (strict=False)
     for j, g_ref in enumerate(g_refs):
         gc = _placed_vector(_gc_slices(g_ref, n))
@@ -245,7 +254,7 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpr
         # row t of q times exp(gc_t) differed from that row of q exp(gc) over the chunk, so interpret mode takes
         # the row of the product; on the H200 the row's own product has the prefill's bits: BENCHMARKS.md, run 63.)
         aqk_out[j] = jnp.where(lower, qk_t * jnp.exp(jnp.where(lower, gc_t - gc, 0.0)), 0.0)
-        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t) if interpret else q_t * jnp.exp(gc_t)
+        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t) if interpret else q_t * jnp.exp(gc_t)  # (q_t: GPU form)
 
 
 def _gc_slices(g_ref, n):
@@ -427,6 +436,9 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):
         raise ValueError(f"replay_s0_dots={cfg['replay_s0_dots']!r}: 2, or 1 when p_ws == p_qs (one dot computes "
                          f"w S0 and qg S0)")
+    if cfg["replay_qk_cols"] not in ("auto", True, False) or isinstance(cfg["replay_qk_cols"], int) and \
+            not isinstance(cfg["replay_qk_cols"], bool):
+        raise ValueError(f"replay_qk_cols={cfg['replay_qk_cols']!r}: 'auto', True or False")
     if cfg["warps_state"] != cfg["warps_out"]:
         raise ValueError("the replay step's kernel 3 runs the recurrence's v_new dot and the output's dots: it needs "
                          "warps_state == warps_out (the prefill runs them with those warps)")
@@ -540,9 +552,9 @@ def _rows_per_program(limit: int, B: int) -> int:
 
 
 def _launch_warps(cfg: dict) -> tuple[int, int, int]:
-    """Warps of (prep, intra, out): the prefill's prep kernel's, `warps_replay_intra` (8: kernel 2 is faster with them,
-    its bits the same on the H200) and the output kernel's (which must equal the recurrence's); or the
-    benchmark-only `warps_replay` (one for all, or a triple; `chunk.DEFAULT_CONFIG`'s notes)."""
+    """Warps of (prep, intra, out): the prefill's prep kernel's, `warps_replay_intra` (4 since run 74's column form;
+    the bits the same on the H200 for every count tried) and the output kernel's (which must equal the
+    recurrence's); or the benchmark-only `warps_replay` (one for all, or a triple; `chunk.DEFAULT_CONFIG`'s notes)."""
     wr = cfg.get("warps_replay")
     if wr is None:
         return cfg["warps_prep"], cfg["warps_replay_intra"], cfg["warps_out"]

@@ -299,7 +299,8 @@ def _module(modules, name):
 def test_replay_step_runs_q_k_once_per_key_head(HK, HV, per_program):
     """Kernel 2 of the replay step runs the prefill's 64-row q k^T once per program for the value heads of one key
     head (G = HV / HK of them when G is a power of two, else one), and writes each head's row of Aqk and qg: one
-    [64, 64] dot and 2 G stores of a row. Kernel 3 loads the rows of w and u it computes with a mask (the others
+    64-row dot — [64, 16] on the GPU, k q16^T (`replay_qk_cols`), [64, 64] with the interpret form forced — and 2 G
+    stores of a row. Kernel 3 loads the rows of w and u it computes with a mask (the others
     are never written) and the new row's Aqk and qg as vectors, not 16-row tiles."""
     from jax._src.lib.mlir import ir
 
@@ -310,7 +311,12 @@ def test_replay_step_runs_q_k_once_per_key_head(HK, HV, per_program):
     lowered, modules = lower_for_h200(chunk_replay_step_pallas, *chunk, xc, vc, SDS((B,), jnp.int32))
     intra = list(_walk(_module(modules, "gdn_replay_intra").operation))
     dots = [tuple(ir.RankedTensorType(op.result.type).shape) for op in intra if op.name == "tt.dot"]
-    assert dots == [(64, 64)], dots
+    assert dots == [(64, 16)], dots
+    _, rows_form = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"replay_qk_cols": False}), *chunk, xc,
+                                  vc, SDS((B,), jnp.int32))
+    assert [tuple(ir.RankedTensorType(op.result.type).shape) for op in _walk(_module(rows_form, "gdn_replay_intra")
+                                                                                .operation) if op.name == "tt.dot"] \
+        == [(64, 64)]
     stores = [str(op.operands[1].type) for op in intra if op.name == "tt.store"]
     assert sorted(stores) == sorted(["tensor<64xf32>", "tensor<128xf32>"] * per_program), stores
     loads = {}  # result type -> [masked?] of the loads whose values are used (a store's own load of the old value,
@@ -380,9 +386,9 @@ def test_replay_step_out_kernel_takes_its_v_block(bv, s0_dots):
     assert dots("gdn_replay_state") == [(128, bv)]  # one program per (V block, value head, row)
 
 
-@pytest.mark.parametrize("warps,want", [(None, [4, 8, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
+@pytest.mark.parametrize("warps,want", [(None, [4, 4, 4, 4]), ((8, 4, 2), [8, 4, 2, 4]), (8, [8, 8, 8, 4])])
 def test_replay_step_kernels_take_their_warps(warps, want):
-    """The replay step's kernels launch with the prefill's warps by default (prep; 8 for the intra kernel,
+    """The replay step's kernels launch with the prefill's warps by default (prep; 4 for the intra kernel,
     `warps_replay_intra`; output; recurrence) and with the benchmark-only `warps_replay` when given, in the order
     prep, intra, out; the boundary state's kernel always with the recurrence's (its dot is the recurrence's)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas

@@ -135,10 +135,11 @@ def test_bad_shapes_are_refused():
 def test_launch_keys_take_effect_and_are_checked():
     """`bv_replay` (the last kernel's V block) and the benchmark-only `warps_replay` are accepted and checked: other
     warps (also kernel 2's own, `warps_replay_intra`) give the same bits (interpret mode ignores warps: this
-    checks the plumbing; the H200 runs check the bits, test_cuda_lowering the launches), V = 64 in blocks of 16 the
-    same values to 1e-5 (XLA:CPU's dots round differently for another N; the GPU's MMAs do not: `gpu_kernels.py
-    --only replay_step`; the blocks' dot shapes: test_cuda_lowering), and bad values of each are refused (a list
-    of warps, as JSON gives it, is taken)."""
+    checks the plumbing; the H200 runs check the bits, test_cuda_lowering the launches), V = 64 in blocks of 16 and
+    kernel 2's q k^T row as a column of k q^T (`replay_qk_cols`, the GPU's form) the same values to 1e-5 (XLA:CPU's
+    dots round differently for other shapes; the GPU's MMAs do not: `gpu_kernels.py --only replay_step`; the dot
+    shapes: test_cuda_lowering), and bad values of each are refused (a list of warps, as JSON gives it, is
+    taken)."""
     rng = np.random.default_rng(5)
     x, s0 = _inputs(rng, 2, C, 1, 2, v_dim=64)
     args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
@@ -148,13 +149,15 @@ def test_launch_keys_take_effect_and_are_checked():
     for cfg in ({"warps_replay": (8, 4, 4)}, {"warps_replay": 8}, {"warps_replay_intra": 4}):
         got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=cfg)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want)), cfg
-    got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 16})
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    for cfg in ({"bv_replay": 16}, {"replay_qk_cols": True}):
+        got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=cfg)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
     assert not np.array_equal(np.asarray(want[3]), np.asarray(vc))
     with pytest.raises(ValueError, match="bv_replay"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
-    for bad in ({"replay_s0_dots": 3}, {"replay_s0_dots": 1, "p_qs": "ieee"}):
+    for bad in ({"replay_s0_dots": 3}, {"replay_s0_dots": 1, "p_qs": "ieee"}, {"replay_qk_cols": "yes"},
+                {"replay_qk_cols": 2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=bad)
     with pytest.raises(ValueError, match="warps_replay_intra"):
@@ -198,8 +201,8 @@ def test_one_substitution_step_per_row_equals_the_loop():
 def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_program():
     """Kernel 4 looks after `replay_state_rows` batch rows per program (the largest power of two <= it dividing B):
     three of four rows completing their chunk in the same step — one per program by default ("auto" on a small
-    grid), all in one program with 4, two per program with 2 — give the same bits, each row's new boundary state equals the prefill's, the
-    row that does not complete keeps its state and caches, and bad values are refused."""
+    grid), all in one program with 4, two per program with 2 — give the same bits, each row's new boundary state
+    equals the prefill's, the row that does not complete keeps its state and caches, and bad values are refused."""
     rng = np.random.default_rng(9)
     x, s0 = _inputs(rng, 4, C, 1, 2)
     args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(s0)]
