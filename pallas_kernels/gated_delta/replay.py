@@ -27,17 +27,21 @@ prefill splits its own; between them only the new row's values travel:
      default (`replay_s0_dots` = 1) w S0 and qg S0 are one dot, qg's row placed at row r + 8 (mod 16) of w's
      tile, and the output row is taken from there; writes v_new's row into the cache (priming: the rows
      16 i .. t, and no output);
-  4. `gdn_replay_state`, grid (V // bv_replay, HV, B), the recurrence's warps: where the chunk completes (t = 63),
-     the new boundary state `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written
-     over S0 (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears
-     the x cache), so that the caches hold exactly what `prime` leaves for the same tokens.
+  4. `gdn_replay_state`, grid (V // bv_replay, HV, B // rows), the recurrence's warps, `rows` batch rows per
+     program (`replay_state_rows`): where a row's chunk completes (t = 63), the new boundary state
+     `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written over S0
+     (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears the x
+     cache), so that the caches hold exactly what `prime` leaves for the same tokens.
+The kernels read the open chunk from separate q, k, v, g, beta arrays or, in place, from the model's packed buffers
+(`open_chunk.py`; `chunk_replay_step_packed_pallas`, which also empties a completed chunk's rows of them).
 Kernel 4 is its own kernel because its rare branch set the registers of kernel 3 (on the H200's compiler 255 per
 thread with it, 198 without: runs 47-48). Each token's work is one row's (since 2026-11-30's runs 46-54; before,
 the step recomputed its whole block row every step: the 15-step substitution, v_new of 16 rows), and since runs
 55-60 (same day) only that row moves between the kernels: kernel 3 had read 16-row tiles of w, Aqk and qg per V
 block, and kernel 2 computed the whole 64-row Aqk once per value head. Runs 62-63 made kernel 3's two S0 dots one
 (122 registers per thread on the H200's compiler by ncu, four programs per SM; offline ptxas 80 against 146 for the
-two dots) and gave kernel 4 one V block per program (each head's blocks had run one after another).
+two dots) and gave kernel 4 one V block per program (each head's blocks had run one after another). 2026-12-01's
+runs 69-75 gave kernel 4 several rows per program on large grids and kernel 2 its q k^T row as a column of k q^T.
 
 Why the bits equal the prefill's: every value is traced by the same helper functions as the prefill's (kernel 2's
 decays by the same operations on row t alone), with the same warps (but kernel 2's: 8 against the output kernel's 4,
@@ -254,7 +258,7 @@ def _intra_step_kernel(len_ref, q_ref, k_ref, *refs, scale, use_l2, cfg, interpr
         # row t of q times exp(gc_t) differed from that row of q exp(gc) over the chunk, so interpret mode takes
         # the row of the product; on the H200 the row's own product has the prefill's bits: BENCHMARKS.md, run 63.)
         aqk_out[j] = jnp.where(lower, qk_t * jnp.exp(jnp.where(lower, gc_t - gc, 0.0)), 0.0)
-        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t) if interpret else q_t * jnp.exp(gc_t)  # (q_t: GPU form)
+        qg_out[j] = _row(q * jnp.exp(gc)[:, None], t) if interpret else q_t * jnp.exp(gc_t)
 
 
 def _gc_slices(g_ref, n):
@@ -347,14 +351,9 @@ class _RowRef:
         self._ref, self._index = ref, index
 
     @property
-    def shape(self):
-        dims = list(self._ref.shape)
-        out = []
-        for d, idx in enumerate(self._index):
-            if not isinstance(idx, pl.Slice):  # an integer index drops its axis
-                continue
-            out.append(idx.size)
-        return tuple(out) + tuple(dims[len(self._index):])
+    def shape(self):  # an integer index drops its axis, a slice keeps its size
+        kept = tuple(idx.size for idx in self._index if isinstance(idx, pl.Slice))
+        return kept + tuple(self._ref.shape[len(self._index):])
 
     @property
     def at(self):
@@ -436,8 +435,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):
         raise ValueError(f"replay_s0_dots={cfg['replay_s0_dots']!r}: 2, or 1 when p_ws == p_qs (one dot computes "
                          f"w S0 and qg S0)")
-    if cfg["replay_qk_cols"] not in ("auto", True, False) or isinstance(cfg["replay_qk_cols"], int) and \
-            not isinstance(cfg["replay_qk_cols"], bool):
+    if not (cfg["replay_qk_cols"] == "auto" or isinstance(cfg["replay_qk_cols"], bool)):
         raise ValueError(f"replay_qk_cols={cfg['replay_qk_cols']!r}: 'auto', True or False")
     if cfg["warps_state"] != cfg["warps_out"]:
         raise ValueError("the replay step's kernel 3 runs the recurrence's v_new dot and the output's dots: it needs "
@@ -524,8 +522,10 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     # kernel 4, grid (V // bv, HV, B // rows): the boundary state where the chunk completes
     rows = cfg["replay_state_rows"]
     rows = _rows_per_program((1 if B * HV * (V // bv) <= 4096 else 16) if rows == "auto" else rows, B)
-    every = lambda *tail: pl.BlockSpec((B, None) + tail, lambda j, h, s: (0, h) + (0,) * (len(tail) - 1) + (j,))
-    state_rows = [every(K, bv), every(CHUNK, bv)]  # [B, K, bv], [B, C, bv]: this program's head and V block
+    def every(*tail):  # [B, HV, *tail]: every row, this program's value head, its last axis in its V block
+        return pl.BlockSpec((B, None) + tail, lambda j, h, s: (0, h) + (0,) * (len(tail) - 1) + (j,))
+
+    state_rows = [every(K, bv), every(CHUNK, bv)]  # [B, K, bv], [B, C, bv]
     state, vn_cache = pl.pallas_call(
         functools.partial(_state_step_kernel, rows=rows, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
