@@ -14,7 +14,10 @@ stood out). Again in c6926f4's run (SIGSEGV, rerun passing), in another test and
 of `prefill_chunk` in test_replay.py's `test_recurrent_gdn_prefill_splits_anywhere_bitwise` — so not one test's
 program. And in 765ea00's (SIGSEGV, rerun passing): test_replay.py's `test_multi_turn_reuses_answer_prefixes_bitwise`;
 and in 71569a4's (SIGABRT, "Fatal Python error: Aborted" inside XLA:CPU's compile, rerun passing): again
-`test_recurrent_gdn_prefill_splits_anywhere_bitwise`. Not understood; a test that crashes twice fails.
+`test_recurrent_gdn_prefill_splits_anywhere_bitwise`. On 2026-12-01, twice with the README's command in the working
+tree (76b0d23: SIGSEGV, `test_multi_turn_reuses_answer_prefixes_bitwise`; 1b27e6e: SIGSEGV inside XLA:CPU's compile
+of `generate` in `test_generation_logprobs_equal_teacher_forced_scoring`), the reruns passing. Not understood; a
+test that crashes twice fails.
 """
 
 from __future__ import annotations

@@ -241,6 +241,7 @@ def _worker() -> dict:
                 "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh)),
                 "replay_shard_maps": jrp.count("shard_map["),
                 "replay_step_in_jaxpr": "gdn_replay_prep" in jrp and "gdn_replay_out" in jrp,
+                "replay_packed_in_jaxpr": "gdn_open_chunk_clear" in jrp,
                 "replay_decode_logits": diff(lg_rp, lg_rp1),
                 "replay_state_misplaced": S.check_placement(s_rp, S.state_specs(srp.config, mesh, replay=True))}
 
@@ -496,6 +497,7 @@ def test_pallas_kernels_run_per_shard_in_shard_map(results):
     assert r["state_misplaced"] == [], r
     assert r["scan_shard_maps"] == n and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
     assert r["replay_shard_maps"] == n and r["replay_step_in_jaxpr"] and r["replay_decode_logits"] <= TOL, r
+    assert r["replay_packed_in_jaxpr"], r  # the step on each shard's packed open-chunk buffers (their groups)
     assert r["replay_state_misplaced"] == [], r  # the replay caches split over the heads as planned
     # deterministic mode: every projection's fixed-tile kernel per shard too (tp=2 splits every axis of "tiny")
     # (the Pallas kernel inside at least as many as on one device; products too small for its tiles take the
