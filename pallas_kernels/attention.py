@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .config import merged_config
+from .config import merged_config, static_config
 from .invariant import softmax
 
 # Measured on the H200 (BENCHMARKS.md), decode B=64 over 1088 slots: 3 stages 90.5 us (2 stages 123 us; XLA's
@@ -151,5 +151,5 @@ def attention_invariant_pallas(q, keys, values, pos, *, rows: int = 64, interpre
     if not supports(H, keys.shape[2], Dh, rows):
         raise ValueError(f"unsupported layout: H={H}, HKV={keys.shape[2]}, Dh={Dh}, rows={rows} (powers of two, "
                          "H / HKV <= rows, rows >= 16, Dh >= 16)")
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = static_config(config)
     return _attention_impl(q, keys, values, pos, rows=rows, interpret=bool(interpret), config=config)

@@ -4,6 +4,38 @@ part of an output unwritten (a block that does not divide its axis) or failing d
 from __future__ import annotations
 
 
+class StaticConfig(tuple):
+    """A caller's config dict as a jitted kernel's static argument: its (key, value) items, sorted (a list value as
+    a tuple), hashable, and equal only to a config with the same keys, values and value types. jit's cache compares
+    static arguments with ==, under which {"x": True} equals {"x": 1} and 2.0 equals 2: a value that `merged_config`
+    refuses would reuse an equal value's compiled kernel and never be checked."""
+
+    def __new__(cls, config):
+        return super().__new__(cls, sorted((key, tuple(val) if isinstance(val, list) else val)
+                                           for key, val in dict(config).items()))
+
+    def _typed(self):
+        return tuple((key, _typed(val)) for key, val in self)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticConfig) and self._typed() == other._typed()
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(self._typed())
+
+
+def _typed(val):
+    return tuple(_typed(v) for v in val) if isinstance(val, tuple) else (type(val).__name__, val)
+
+
+def static_config(config):
+    """None, or the config as a `StaticConfig`."""
+    return None if config is None else StaticConfig(config)
+
+
 def _pow2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 

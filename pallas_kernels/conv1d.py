@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .config import merged_config
+from .config import merged_config, static_config
 
 DEFAULT_CONFIG = dict(bc=1024, num_warps=4, num_stages=1)
 
@@ -82,5 +82,5 @@ def causal_conv1d_update_pallas(x, conv_state, weight, *, interpret=False, confi
     bc = min(dict(DEFAULT_CONFIG, **dict(config or {}))["bc"], C)
     if bc & (bc - 1) or C % bc:
         raise ValueError(f"C={C} must be a multiple of a power-of-two block (block {bc})")
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = static_config(config)
     return _update_impl(x, conv_state, weight, interpret=bool(interpret), config=config)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .config import merged_config
+from .config import merged_config, static_config
 
 # BM is fixed (never chosen by M); BN and the split S come from the weight's shape (`_tiling`).
 # Measured on the H200 (BENCHMARKS.md, run 3, with target_programs=0): bm=128 with 8 warps reaches 0.90-0.98 of
@@ -178,7 +178,7 @@ def matmul_invariant_pallas(x: jax.Array, w: jax.Array, *, interpret: bool = Fal
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if x.size == 0 or N == 0:
         return jnp.zeros(lead + (N,), out_dtype)
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = static_config(config)
     y = _matmul_impl(x.reshape(-1, x.shape[-1]), w, interpret=bool(interpret), config=config, out_dtype=out_dtype,
                      w_rows_out=bool(w_transposed))
     return y.reshape(lead + (N,))

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..config import merged_config
+from ..config import merged_config, static_config
 from . import wy
 from .wy import CHUNK
 
@@ -698,7 +698,7 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, initial_state
         raise ValueError(f"initial_state must be [B,HV,K,V]={(B, HV, K, V)}; got {initial_state.shape}")
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T))  # a negative length: an empty row
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = static_config(config)
     return _chunk_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
                        initial_state.astype(jnp.float32), lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
                        checkpoint_stride=checkpoint_stride, interpret=bool(interpret), config=config)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..config import merged_config
+from ..config import merged_config, static_config
 from ..invariant import tree_sum
 
 _EPS = 1e-6
@@ -213,6 +213,6 @@ def recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, initial_state, scale=
     if fused != (dt_bias is not None):
         raise ValueError("A_log and dt_bias go together")
     scale = float(K**-0.5 if scale is None else scale)
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = static_config(config)
     return _decode_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, scale=scale,
                         use_qk_l2norm=bool(use_qk_l2norm), fused=fused, interpret=bool(interpret), config=config)

@@ -78,6 +78,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..config import static_config
 from . import chunk as ck
 from . import wy
 from .open_chunk import Heads, OpenChunk, clear_completed
@@ -592,14 +593,12 @@ def _checked_rest(heads: Heads, B: int, state, x_cache, vn_cache, lengths, scale
 
 
 def _static_config(config):
-    """The caller's config as a hashable tuple (jit's static argument), with what jit's cache would hide checked
-    first: in its keys True == 1 and 2.0 == 2."""
+    """The caller's config as jit's static argument (`config.static_config`), with kernel 4's rows checked first."""
     rows = dict(config or ()).get("replay_state_rows", "auto")
     if rows != "auto" and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
         raise ValueError(f"replay_state_rows={rows!r}: 'auto' or a positive integer (kernel 4's batch rows per "
                          f"program)")
-    return None if config is None else tuple(sorted((key, tuple(val) if isinstance(val, list) else val)
-                                                    for key, val in dict(config).items()))
+    return static_config(config)
 
 
 def replay_caches(B: int, HV: int, V: int):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..config import merged_config
+from ..config import merged_config, static_config
 from .recurrent import DEFAULT_CONFIG as _DECODE_CONFIG
 from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slices, token_update
 
@@ -174,7 +174,7 @@ def fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, *, scale=None, ini
     scale = float(K**-0.5 if scale is None else scale)
     lengths = (jnp.full((B,), T, jnp.int32) if lengths is None
                else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T))  # the kernel's loops index o with them
-    config = None if config is None else tuple(sorted(dict(config).items()))
+    config = static_config(config)
     return _scan_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), initial_state.astype(jnp.float32),
                       lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), checkpoint_stride=checkpoint_stride,
                       interpret=bool(interpret), config=config)

@@ -284,6 +284,24 @@ def test_bad_config_is_refused(config, match):
                                       interpret=True, config=config)
 
 
+def test_a_bad_value_equal_to_a_good_one_is_refused_after_it_compiled():
+    """jit's cache compares static arguments with ==, where True == 1 and 4.0 == 4: a config compiled with the good
+    value must not let the equal bad one through unchecked (`config.StaticConfig` compares the values' types too)."""
+    from pallas_kernels.config import StaticConfig
+
+    z = jnp.zeros((1, 64, 1, K))
+    args = (z, z, jnp.zeros((1, 64, 2, V)), jnp.zeros((1, 64, 2)), jnp.zeros((1, 64, 2)))
+    for good, bad, match in (({"states_t": True}, {"states_t": 1}, "states_t"),
+                             ({"warps_prep": 4}, {"warps_prep": 4.0}, "warps_prep")):
+        chunk_gated_delta_rule_pallas(*args, interpret=True, config=good)
+        with pytest.raises(ValueError, match=match):
+            chunk_gated_delta_rule_pallas(*args, interpret=True, config=bad)
+    a, b = StaticConfig({"x": 1, "y": [2, 3]}), StaticConfig({"y": (2, 3), "x": 1})
+    assert a == b and hash(a) == hash(b) and dict(a) == {"x": 1, "y": (2, 3)}
+    assert StaticConfig({"x": True}) != StaticConfig({"x": 1}) and StaticConfig({"y": (2, 3)}) != StaticConfig(
+        {"y": (2.0, 3)})
+
+
 @pytest.mark.parametrize("states_t", [None, "h", "v_new"])
 def test_transposed_states_compute_the_same_bits(seq, states_t):
     """states_t=True (the default: h and v_new written transposed between the recurrence and the output kernel), or
