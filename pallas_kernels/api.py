@@ -326,7 +326,7 @@ def chunk_replay_step_packed(qkv, gates, state, x_cache, vn_cache, lengths, *, h
         q, k, v = oc.split_packed(qkv, heads, groups)
         out = chunk_replay_step(q, k, v, gates[:, :, 0], gates[:, :, 1], state, x_cache, vn_cache, lengths,
                                 backend=backend, **kw)
-        return out + oc._clear_by_select(qkv, gates, lengths)
+        return out + oc.clear_by_select(qkv, gates, lengths)
 
     mesh = _tp_mesh(heads.HK)
     tp = 1 if mesh is None else mesh.shape[TP_AXIS]

@@ -141,7 +141,8 @@ def _clear_kernel(len_ref, qkv_ref, gates_ref, qkv_out, gates_out):
         gates_out[...] = jnp.zeros(gates_out.shape, gates_out.dtype)
 
 
-def _pow2_divisor(n: int, limit: int) -> int:
+def pow2_divisor(n: int, limit: int) -> int:
+    """The largest power of two <= limit that divides n."""
     b = 1
     while b * 2 <= limit and n % (b * 2) == 0:
         b *= 2
@@ -156,10 +157,10 @@ def clear_completed(qkv, gates, lengths, *, interpret: bool = False):
     B = qkv.shape[0]
     flat_q = qkv.reshape(B, -1)  # a row's buffer is contiguous: blocks of a power of two that divides it
     flat_g = gates.reshape(B, -1)
-    bq = _pow2_divisor(flat_q.shape[1], 16384)
-    bg = _pow2_divisor(flat_g.shape[1], 16384)
+    bq = pow2_divisor(flat_q.shape[1], 16384)
+    bg = pow2_divisor(flat_g.shape[1], 16384)
     if flat_g.shape[1] != bg:  # the gates in one block (a power of two); else XLA
-        return _clear_by_select(qkv, gates, lengths)
+        return clear_by_select(qkv, gates, lengths)
     nq = flat_q.shape[1] // bq
     q_out, g_out = pl.pallas_call(
         _clear_kernel,
@@ -175,7 +176,9 @@ def clear_completed(qkv, gates, lengths, *, interpret: bool = False):
     return q_out.reshape(qkv.shape), g_out.reshape(gates.shape)
 
 
-def _clear_by_select(qkv, gates, lengths):
+def clear_by_select(qkv, gates, lengths):
+    """`clear_completed` by XLA's select (a pass over the buffers): the reference backend's, and where the gates'
+    row is not one power-of-two block."""
     done = lengths == CHUNK
     return (jnp.where(done[:, None, None], jnp.zeros((), qkv.dtype), qkv),
             jnp.where(done[:, None, None, None], jnp.zeros((), gates.dtype), gates))

@@ -81,7 +81,7 @@ from jax.experimental.pallas import triton as plt
 from ..config import static_config
 from . import chunk as ck
 from . import wy
-from .open_chunk import Heads, OpenChunk, clear_completed
+from .open_chunk import Heads, OpenChunk, clear_completed, pow2_divisor
 from .wy import CHUNK, SUB
 
 NB = CHUNK // SUB  # block rows of the tiled inverse
@@ -436,6 +436,10 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):
         raise ValueError(f"replay_s0_dots={cfg['replay_s0_dots']!r}: 2, or 1 when p_ws == p_qs (one dot computes "
                          f"w S0 and qg S0)")
+    per = cfg["replay_state_rows"]
+    if per != "auto" and (not isinstance(per, int) or isinstance(per, bool) or per < 1):
+        raise ValueError(f"replay_state_rows={per!r}: 'auto' or a positive integer (kernel 4's batch rows per "
+                         f"program)")
     if not (cfg["replay_qk_cols"] == "auto" or isinstance(cfg["replay_qk_cols"], bool)):
         raise ValueError(f"replay_qk_cols={cfg['replay_qk_cols']!r}: 'auto', True or False")
     if cfg["warps_state"] != cfg["warps_out"]:
@@ -521,8 +525,8 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     o, vn_cache = res
 
     # kernel 4, grid (V // bv, HV, B // rows): the boundary state where the chunk completes
-    rows = cfg["replay_state_rows"]
-    rows = _rows_per_program((1 if B * HV * (V // bv) <= 4096 else 16) if rows == "auto" else rows, B)
+    rows = cfg["replay_state_rows"]  # the largest power of two <= it dividing B: a program's rows are one block
+    rows = pow2_divisor(B, (1 if B * HV * (V // bv) <= 4096 else 16) if rows == "auto" else rows)
     def every(*tail):  # [B, HV, *tail]: every row, this program's value head, its last axis in its V block
         return pl.BlockSpec((B, None) + tail, lambda j, h, s: (0, h) + (0,) * (len(tail) - 1) + (j,))
 
@@ -541,15 +545,6 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         name="gdn_replay_state",
     )(lengths, src.k, src.g, state, vn_cache)
     return o, state, x_cache, vn_cache
-
-
-def _rows_per_program(limit: int, B: int) -> int:
-    """Kernel 4's batch rows per program: the largest power of two <= limit that divides B (its programs load their
-    rows' lengths as one block)."""
-    rows = 1
-    while rows * 2 <= limit and B % (rows * 2) == 0:
-        rows *= 2
-    return rows
 
 
 def _launch_warps(cfg: dict) -> tuple[int, int, int]:
@@ -592,15 +587,6 @@ def _checked_rest(heads: Heads, B: int, state, x_cache, vn_cache, lengths, scale
     return float(K**-0.5 if scale is None else scale)
 
 
-def _static_config(config):
-    """The caller's config as jit's static argument (`config.static_config`), with kernel 4's rows checked first."""
-    rows = dict(config or ()).get("replay_state_rows", "auto")
-    if rows != "auto" and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
-        raise ValueError(f"replay_state_rows={rows!r}: 'auto' or a positive integer (kernel 4's batch rows per "
-                         f"program)")
-    return static_config(config)
-
-
 def replay_caches(B: int, HV: int, V: int):
     """Empty caches for rows whose open chunk is empty: x_cache [B, HV, C, C] (the inverse's tiles) and vn_cache
     [B, HV, C, V], fp32."""
@@ -622,7 +608,7 @@ def chunk_replay_step_pallas(q, k, v, g, beta, state, x_cache, vn_cache, lengths
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, CHUNK)
     return _step_impl(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32),
                       x_cache, vn_cache, lengths, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                      interpret=bool(interpret), config=_static_config(config), prime=bool(_prime))
+                      interpret=bool(interpret), config=static_config(config), prime=bool(_prime))
 
 
 def chunk_replay_step_packed_pallas(qkv, gates, state, x_cache, vn_cache, lengths, *, heads, groups: int,
@@ -641,7 +627,7 @@ def chunk_replay_step_packed_pallas(qkv, gates, state, x_cache, vn_cache, length
     gates = gates.astype(jnp.float32)
     o, state, x_cache, vn_cache = _step_impl(
         qkv, qkv, qkv, gates, gates, state.astype(jnp.float32), x_cache, vn_cache, lengths, scale=scale,
-        use_qk_l2norm=bool(use_qk_l2norm), interpret=bool(interpret), config=_static_config(config),
+        use_qk_l2norm=bool(use_qk_l2norm), interpret=bool(interpret), config=static_config(config),
         packed=(tuple(heads), int(groups)))
     # the clearing writes the buffers the kernels read: computed from their outputs (a barrier ties them), it comes
     # after their reads by data dependence, so XLA writes in place instead of copying the buffers around it
