@@ -73,3 +73,21 @@ def test_mma_rows_screen_runs_in_interpret_mode():
     assert sorted(res) == sorted([f"av M={m} warps={w}" for m, w in ((16, 4), (16, 2), (16, 1), (32, 4), (64, 8))]
                                  + ["substitution step"])
     assert res["substitution step"] == 0
+
+
+def test_replay_timing_writes_each_new_row_from_its_source():
+    """The replay step's timing loop (`gpu_kernels.new_token_row`) feeds each step a new row at i % 64, taken from
+    another buffer (so that XLA can write it in place, as the model's scatter does), and leaves every other row."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from scripts.gpu_kernels import new_token_row
+
+    x = jnp.arange(2 * 64 * 3, dtype=jnp.float32).reshape(2, 64, 3)
+    src = -x - 1
+    for i in (0, 5, 63, 64 + 7):
+        got = np.asarray(new_token_row(x, src, i))
+        want = np.asarray(x).copy()
+        want[:, i % 64] = np.asarray(src)[:, (i % 64 + 1) % 64]
+        assert np.array_equal(got, want), i
