@@ -16,13 +16,20 @@ program. And in 765ea00's (SIGSEGV, rerun passing): test_replay.py's `test_multi
 and in 71569a4's (SIGABRT, "Fatal Python error: Aborted" inside XLA:CPU's compile, rerun passing): again
 `test_recurrent_gdn_prefill_splits_anywhere_bitwise`. On 2026-12-01, twice with the README's command in the working
 tree (76b0d23: SIGSEGV, `test_multi_turn_reuses_answer_prefixes_bitwise`; 1b27e6e: SIGSEGV inside XLA:CPU's compile
-of `generate` in `test_generation_logprobs_equal_teacher_forced_scoring`), the reruns passing. Not understood; a
+of `generate` in `test_generation_logprobs_equal_teacher_forced_scoring`), the reruns passing. A
 test that crashes twice fails.
 
-One guess, not established: the native stack running out while LLVM compiles the large interpret-mode programs.
-Since 2026-12-01 this module raises the soft stack limit to 64 MiB (within the hard limit) when the controller
-imports it, before xdist starts its workers, which inherit it (glibc also sizes new threads' stacks from it);
-`test_stack_limit_is_raised` checks that a worker has it. Whether the crashes stop is for later full runs to show.
+What happens, from a core dump of the crashed worker (2026-12-01, the README's command at 334a842; gdb on the core):
+XLA:CPU's compile of `generate`'s program in test_replay.py's `test_multi_turn_reuses_answer_prefixes_bitwise`
+returned "INTERNAL: Failed to materialize symbols: { (<xla_jit_dylib_16>, { slice_bitcast_fusion }) }" (its JIT
+failed to link one kernel); jaxlib turned that into a C++ exception (`xla::ValueOrThrow` -> `XlaRuntimeError`), and
+throwing it crashed libgcc's unwinder on the main thread: it read an FDE of a registered EH frame at a page-aligned
+address no longer mapped (JIT code memory freed while its unwind info stayed registered). Both are XLA:CPU's; the
+first is the cause, and without the second the test would fail with that error instead. Stack exhaustion, a guess
+before, is ruled out: that run had the soft stack limit raised to 64 MiB for the workers and their threads. An
+untested idea: `--xla_cpu_parallel_codegen_split_count=1` (one JIT dylib per program; test_replay.py and
+test_generate.py took 3 min 8 s with it against 2 min 53 s without, and passed) — seeing whether it stops the
+crashes needs several full runs.
 """
 
 from __future__ import annotations
@@ -37,25 +44,6 @@ import jaxgdn
 from tests.xla_cache import use_persistent_cache_if_asked
 
 use_persistent_cache_if_asked()  # opt-in: JAXGDN_TEST_XLA_CACHE=DIR (tests/xla_cache.py says why)
-
-STACK_BYTES = 64 << 20  # the soft stack limit the suite runs with (the module docstring says why)
-
-
-def raise_stack_limit(target: int = STACK_BYTES) -> int:
-    """Raise this process's soft RLIMIT_STACK to `target` bytes (never above the hard limit, never lowered; an
-    unlimited soft limit stays unlimited); returns the soft limit now in force (-1: unlimited or no `resource`)."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        soft = target if hard == resource.RLIM_INFINITY else min(target, hard)
-        resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
-    return -1 if soft == resource.RLIM_INFINITY else soft
-
-
-raise_stack_limit()
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_NAMES = ("qwen3_5_tiny", "qwen3_next_tiny")
