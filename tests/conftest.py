@@ -4,10 +4,12 @@ Loaded models are session-scoped and every model test uses the same few shapes (
 so each state function is compiled once per shape for the whole session: the tiny presets and the fixture
 checkpoints have equal (hashable) configs and therefore share compiled programs.
 
-Crashed workers: `pyproject.toml` runs a test once more when its xdist worker process dies (pytest-rerunfailures'
-crash recovery, `--reruns 1`) and never reruns an ordinary failure (`--only-rerun` with a pattern that matches no
-error). Seen on 2026-11-30 in three of five full runs from fresh clones (6c47954: SIGABRT; 83d781a and 8396626:
-SIGSEGV, the rerun passing): the worker died inside XLA:CPU's compile of `score` in
+Crashed workers: `pyproject.toml` runs a test again when its xdist worker process dies (pytest-rerunfailures' crash
+recovery, `--reruns 2`: up to twice more, since 2026-12-01; once before) and never reruns an ordinary failure
+(`--only-rerun` with a pattern that matches no error).
+
+Seen on 2026-11-30 in three of five full runs from fresh clones (6c47954: SIGABRT; 83d781a and 8396626: SIGSEGV, the
+rerun passing): the worker died inside XLA:CPU's compile of `score` in
 `test_score_agrees_with_generation`, right after its `generate`, with no message and no persistent cache. The test
 passes alone and passed in the other two full runs (one of them verbose, to see the order the worker ran: nothing
 stood out). Again in c6926f4's run (SIGSEGV, rerun passing), in another test and another program: XLA:CPU's compile
@@ -16,8 +18,7 @@ program. And in 765ea00's (SIGSEGV, rerun passing): test_replay.py's `test_multi
 and in 71569a4's (SIGABRT, "Fatal Python error: Aborted" inside XLA:CPU's compile, rerun passing): again
 `test_recurrent_gdn_prefill_splits_anywhere_bitwise`. On 2026-12-01, twice with the README's command in the working
 tree (76b0d23: SIGSEGV, `test_multi_turn_reuses_answer_prefixes_bitwise`; 1b27e6e: SIGSEGV inside XLA:CPU's compile
-of `generate` in `test_generation_logprobs_equal_teacher_forced_scoring`), the reruns passing. A
-test that crashes twice fails.
+of `generate` in `test_generation_logprobs_equal_teacher_forced_scoring`), the reruns passing.
 
 What happens, from a core dump of the crashed worker (2026-12-01, the README's command at 334a842; gdb on the core):
 XLA:CPU's compile of `generate`'s program in test_replay.py's `test_multi_turn_reuses_answer_prefixes_bitwise`
@@ -29,7 +30,10 @@ first is the cause, and without the second the test would fail with that error i
 before, is ruled out: that run had the soft stack limit raised to 64 MiB for the workers and their threads. An
 untested idea: `--xla_cpu_parallel_codegen_split_count=1` (one JIT dylib per program; test_replay.py and
 test_generate.py took 3 min 8 s with it against 2 min 53 s without, and passed) — seeing whether it stops the
-crashes needs several full runs.
+crashes needs several full runs. The fresh-clone run of d75f0a1 had two crashes (SIGSEGV in test_replay.py's
+`test_one_token_calls_leave_rows_without_a_token_untouched`, SIGABRT in
+`test_recurrent_gdn_prefill_splits_anywhere_bitwise`), each rerun passing; so a crashed test now runs up to twice
+more (a test that crashes three times fails).
 """
 
 from __future__ import annotations
