@@ -1227,6 +1227,13 @@ def main():
         # per chunk), so the recurrence's kd^T v_new read its first operand from shared memory as loaded, without the
         # transposed copy through registers — the same bits (both equality checks), slower: the recurrence 0.532 /
         # 1.245 / 2.077 against 0.497 / 1.146 / 1.885 ms at (1, 8192) / (8, 4096) / (1, 32768)
+        # run 82 (2026-12-01 UTC 08:24) timed the recurrence's gc loaded a chunk ahead (`gc_ahead`, an option then,
+        # now the code), kd^T stored in fp32 by the prep and copied asynchronously into shared memory by the
+        # recurrence as its dot reads it (`kd_t`, an option then, removed: no faster), and both with 3 load stages and
+        # V blocks of 16 on small grids; all with the default's bits. Since run 83, the default takes V blocks of 16
+        # with 3 stages on grids of at most `tiny_grid` programs with them (B=1 at HV=32); "no_tiny" is the launch
+        # before it (V blocks of 32, 2 stages)
+        "no_tiny": dict(tiny_grid=0),
     }
     if args.quick:
         chunk_configs = {"default": None}

@@ -13,7 +13,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    and applies it in `_apply_kernel`; inv="block16" is the earlier [64, 64] form (diagonal blocks on a
    [4, 16, 16] stack, block-Neumann merge).
 2. `_state_split_kernel`, grid (V // BV, HV, B) (BV = 64; 32 with two load stages on grids of at most 132 programs,
-   `_recurrence_blocks`), sequential over chunks with the fp32 state block S [K, BV] on chip:
+   16 with three where that gives at most 264: `_recurrence_blocks`), sequential over chunks with the fp32 state
+   block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
@@ -88,8 +89,11 @@ from .wy import CHUNK
 # one per SM of the H200), it runs with V blocks of `bv_small` and `stages_small` load stages instead — twice the
 # programs, loads pipelined — unless the caller's config sets bv or stages_state. Runs 21-22: (1, 8192, 16, 32)
 # 1.80 against 2.19 ms, (1, 32768, 16, 32) 6.92-6.99 against 8.30-8.34 (runs 14-15); at (8, 4096) the same setting
-# was 2% slower, hence the rule.
-# The bits do not depend on it (`_recurrence_blocks`).
+# was 2% slower, hence the rule. On tinier grids still — when V blocks of `bv_tiny` give at most `tiny_grid` programs
+# (264: two per SM; B=1 at HV=32) — V blocks of `bv_tiny` with `stages_tiny` stages: runs 80 and 82 (2026-12-01),
+# the recurrence 3-11% faster at (1, 8192) and (1, 32768) with 16 and 3, and 34-53% slower at (2, 8192), where
+# V blocks of 16 would give 512 programs (hence the bound).
+# The bits do not depend on either (`_recurrence_blocks`).
 # bv_replay: the V block of the replay step's last two kernels (`replay.py`: the v_new, output and state dots); the
 # prefill does not read it; on the GPU the bits do not depend on it (an MMA element does not depend on the
 # instruction's N: runs 40 and 45); in interpret mode XLA:CPU's dots can round differently for another N.
@@ -123,7 +127,8 @@ from .wy import CHUNK
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
-    small_grid=132, bv_small=32, stages_small=2, wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
+    small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
+    wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto",
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
@@ -318,7 +323,15 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
 
     ht, vt = _transposed(cfg)  # h / v_new written transposed (`_recurrence_and_output`)
 
-    def body(c, s):
+    def chunk_gc(c):  # gc of chunk c (static or traced)
+        return gc_ref[pl.ds(c * CHUNK if isinstance(c, int) else pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+
+    def body(c, carry):
+        s, gc_c = carry
+        # the next chunk's gc, loaded a chunk ahead and carried as loaded, so that no chunk waits on its own gc load
+        # (a plain load in the loop: the pipeliner stages only the dots' operands; run 82, 2026-12-01: the
+        # recurrence 4-6% faster at (1, 8192), (2, 8192) and (8, 4096), the same bits)
+        gc_next = chunk_gc(jnp.minimum(c + 1, nt - 1))
         sl = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
         h_ref[c] = s.T if ht else s
         v_new = _v_new(u_ref[sl, :], w_ref[sl, :], s, cfg, interpret)  # [C, BV]
@@ -326,10 +339,10 @@ def _state_split_kernel(w_ref, u_ref, kd_ref, gc_ref, s0_ref, h_ref, vn_ref, st_
             vn_ref[:, sl] = v_new.T
         else:
             vn_ref[sl, :] = v_new
-        kd = kd_ref[sl, :].astype(jnp.float32)  # before gc, as before the replay step shared this code (same IR)
-        return _next_state(s, wy.last(gc_ref[sl]), kd, v_new, cfg, interpret)
+        kd = kd_ref[sl, :].astype(jnp.float32)
+        return _next_state(s, wy.last(gc_c), kd, v_new, cfg, interpret), gc_next
 
-    st_ref[...] = lax.fori_loop(0, nt, body, s0_ref[...].astype(jnp.float32))
+    st_ref[...] = lax.fori_loop(0, nt, body, (s0_ref[...].astype(jnp.float32), chunk_gc(0)))[0]
 
 
 def _v_new(u, w, s, cfg, interpret):
@@ -377,7 +390,7 @@ def _transposed(cfg) -> tuple[bool, bool]:
 def _checked_config(config, V: int) -> dict:
     """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
     cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
-                        blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_replay": V},
+                        blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_tiny": V, "bv_replay": V},
                         extra=("only_prep", "stop_after", "warps_replay"))
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
@@ -401,7 +414,8 @@ def _checked_config(config, V: int) -> dict:
 
 def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bool) -> dict:
     """The split design's recurrence launch for this shape: `bv_small` / `stages_small` on a grid of at most
-    `small_grid` programs (DEFAULT_CONFIG), unless `config` (the caller's) sets bv or stages_state.
+    `small_grid` programs, `bv_tiny` / `stages_tiny` where that gives at most `tiny_grid` (DEFAULT_CONFIG), unless
+    `config` (the caller's) sets bv or stages_state.
 
     Bitwise safe on the GPU: every element of v_new = u - w S and of kd^T v_new is one tensor-core dot over the same
     axis (K, or the chunk's 64 rows) in the same order whatever the V block, and pipelining moves loads, not
@@ -414,6 +428,8 @@ def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bo
         return cfg
     if (V // min(cfg["bv"], V)) * HV * B > cfg["small_grid"]:
         return cfg
+    if (V // min(cfg["bv_tiny"], V)) * HV * B <= cfg["tiny_grid"]:
+        return dict(cfg, bv=cfg["bv_tiny"], stages_state=cfg["stages_tiny"])
     return dict(cfg, bv=cfg["bv_small"], stages_state=cfg["stages_small"])
 
 

@@ -326,17 +326,20 @@ def test_lengths_are_clipped(seq):
 
 
 def test_small_grid_launch_rule():
-    """The recurrence takes V blocks of `bv_small` (and `stages_small`) on a grid of at most `small_grid` programs
-    (DEFAULT_CONFIG) — the GPU script checks that its bits equal the default's on the H200 — unless the caller sets
-    bv or stages_state, with the fused design, or in interpret mode (XLA:CPU's dots round differently per block
-    width, so a row alone and the same row in a batch would differ: the row-alone tests here cover that)."""
+    """The recurrence takes V blocks of `bv_small` (and `stages_small`) on a grid of at most `small_grid` programs,
+    and of `bv_tiny` (`stages_tiny`) where those give at most `tiny_grid` (DEFAULT_CONFIG) — the GPU script checks
+    that the bits equal the default's on the H200 — unless the caller sets bv or stages_state, with the fused design,
+    or in interpret mode (XLA:CPU's dots round differently per block width, so a row alone and the same row in a
+    batch would differ: the row-alone tests here cover that)."""
     from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG, _recurrence_blocks
 
     HV, V128 = 32, 128
     launch = lambda B, config=(), interpret=False, **kw: (lambda c: (min(c["bv"], V128), c["stages_state"]))(  # noqa: E731
         _recurrence_blocks(dict(DEFAULT_CONFIG, **dict(config), **kw), config, B, HV, V128, interpret))
-    assert launch(1) == (32, 2) and launch(2) == (32, 2)  # 64 and 128 programs of bv 64: at most 132
+    assert launch(1) == (16, 3)  # 256 programs of bv 16: at most 264
+    assert launch(2) == (32, 2)  # 128 programs of bv 64 (at most 132), 512 of bv 16 (more than 264)
     assert launch(3) == (64, 1) and launch(8) == (64, 1)
     assert launch(1, {"bv": 64}) == (64, 1) and launch(1, {"stages_state": 1}) == (64, 1)
     assert launch(1, interpret=True) == (64, 1) and launch(1, design="fused") == (64, 1)
-    assert launch(4, {"small_grid": 1000}) == (32, 2)
+    assert launch(4, {"small_grid": 1000}) == (32, 2) and launch(1, {"tiny_grid": 0}) == (32, 2)
+    assert launch(2, {"tiny_grid": 512}) == (16, 3)

@@ -215,10 +215,11 @@ def test_invariant_matmul_with_transposed_weight_lowers_for_h200():
     assert len(modules) == 1 and n == 1 and not bad, bad
 
 
-@pytest.mark.parametrize("B,bv", [(1, 32), (8, 64)])
+@pytest.mark.parametrize("B,bv", [(1, 16), (2, 32), (8, 64)])
 def test_chunk_recurrence_block_follows_the_grid(B, bv):
-    """On the GPU the recurrence takes V blocks of 32 on a small grid (B=1, HV=32: 64 programs of bv 64) and keeps
-    64 on a large one (`chunk._recurrence_blocks`): the state kernel's dots are [64, bv] and [128, bv]."""
+    """On the GPU the recurrence takes V blocks of 16 on a tiny grid (B=1, HV=32: 256 programs of bv 16), 32 on a
+    small one (B=2: 128 programs of bv 64) and keeps 64 on a large one (`chunk._recurrence_blocks`): the state
+    kernel's dots are [64, bv] and [128, bv]."""
     from jax._src.lib.mlir import ir
 
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n)
