@@ -38,6 +38,7 @@ more (a test that crashes three times fails).
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import jax
@@ -90,6 +91,44 @@ def _strict_dtype_promotion(request):
             yield
     else:
         yield
+
+
+def _memory_maps_in_use() -> int | None:
+    """Memory mappings this process holds (Linux: lines of /proc/self/maps), or None where that cannot be read."""
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            return sum(1 for _ in fh)
+    except OSError:
+        return None
+
+
+def _memory_map_limit() -> int | None:
+    """The kernel's per-process limit on memory mappings (vm.max_map_count), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return None
+
+
+MAP_LIMIT = _memory_map_limit()
+MAPS_HIGH = 0.5  # clear JAX's compiled programs when a worker holds more than this share of MAP_LIMIT
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    """Keeps each test process well under the kernel's limit on memory mappings, the cause of the worker crashes in
+    the module docstring: every program XLA:CPU compiles keeps a few mappings of JIT code and data while JAX caches
+    it, and a worker that compiles for a whole run reaches vm.max_map_count (65530 by default), where XLA:CPU's JIT
+    can no longer map a new program ("Failed to materialize symbols"). When a worker holds more than half the limit,
+    JAX's caches are cleared before its next test (the programs still in use compile again when next called; XLA
+    compiles the same program to the same code, so results are unchanged)."""
+    if MAP_LIMIT is not None:
+        used = _memory_maps_in_use()
+        if used is not None and used > MAPS_HIGH * MAP_LIMIT:
+            jax.clear_caches()
+            gc.collect()
+    yield
 
 
 @pytest.fixture(scope="session")
