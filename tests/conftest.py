@@ -8,6 +8,16 @@ Crashed workers: `pyproject.toml` runs a test again when its xdist worker proces
 recovery, `--reruns 2`: up to twice more, since 2026-12-01; once before) and never reruns an ordinary failure
 (`--only-rerun` with a pattern that matches no error).
 
+The cause, found on 2026-12-01 (the history below led there): **each worker ran into the kernel's limit on memory
+mappings** (vm.max_map_count, 65530 by default). Every program XLA:CPU compiles keeps a few mappings of JIT code and
+data for as long as JAX caches it (~3 for a small program); a worker that compiles for a whole run held 20-30k
+mappings after 6 minutes and 58-65k after 15 (sampled from /proc/PID/maps during a full run). At the limit XLA:CPU's
+JIT cannot map a new program: a process pushed there on purpose (pages of one anonymous mapping given alternating
+protections, then compiles) logged "LLVM compilation error: Cannot allocate memory" and died of SIGSEGV — the
+"Failed to materialize symbols" and unwinder crash of the core dump below. `_bounded_memory_maps` clears JAX's caches
+whenever a worker holds more than half the limit. `--xla_cpu_parallel_codegen_split_count=1` (the idea below) did
+not help: a full run with it crashed twice, and a second one once in its first 16 minutes.
+
 Seen on 2026-11-30 in three of five full runs from fresh clones (6c47954: SIGABRT; 83d781a and 8396626: SIGSEGV, the
 rerun passing): the worker died inside XLA:CPU's compile of `score` in
 `test_score_agrees_with_generation`, right after its `generate`, with no message and no persistent cache. The test
