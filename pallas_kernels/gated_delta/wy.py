@@ -96,18 +96,22 @@ def merge_block_inverse(a, di, prec, interpret):
 
 def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
     """T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
-    steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the loop never
-    re-lays-out a vector). Step i computes row i from rows < i (`substitution_step`: the replay step runs one step
-    per token, from the rows its cache holds)."""
+    steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the steps never
+    re-lay-out a vector). Step i computes row i from rows < i (`substitution_step`: the replay step runs one step
+    per token, from the rows its cache holds).
+
+    The steps are unrolled in Python (a static row index), not a `fori_loop`: the same operations and the same bits
+    (the H200, 2026-12-01: outputs and final states equal at (8, 4096) and (1, 32768)), and the prep kernel 7-8%
+    faster there (1.27 -> 1.19 ms at (8, 4096); BENCHMARKS.md, run 86): the forward substitution was ~30% of the
+    prep's time (run 85's ablation), and unrolled, the compiler can schedule each step's row extraction, which does
+    not depend on the previous step, ahead of it."""
     r16, c16 = tile_iotas()
     upper = r16 < c16
     ats = [diag_tile_transposed(kb, gc, beta, upper, cfg, interpret) for kb, gc, beta in zip(ks, gcs, betas)]
-    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
-
-    def body(i, ts):
-        return tuple(substitution_step(i, at, t, r16, c16) for at, t in zip(ats, ts))
-
-    return lax.fori_loop(1, SUB, body, (eye16,) * len(ks))
+    ts = [jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)] * len(ks)
+    for i in range(1, SUB):
+        ts = [substitution_step(i, at, t, r16, c16) for at, t in zip(ats, ts)]
+    return tuple(ts)
 
 
 def tile_iotas():
