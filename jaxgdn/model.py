@@ -221,7 +221,7 @@ def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool |
 def _det(model: Model) -> str | bool:
     """False in default mode; in deterministic mode the resolved kernel backend its batch-invariant matmuls and
     attention run on ("pallas" on a GPU: fixed-tile Pallas kernels; "reference" elsewhere: XLA on fixed 64-row
-    tiles in one loop: `pallas_kernels.invariant.row_tiled`)."""
+    tiles through `lax.map`: `pallas_kernels.invariant.row_tiled`)."""
     return resolve_backend(model.backend) if model.deterministic else False
 
 

@@ -56,33 +56,30 @@ def softmax(x: jax.Array) -> jax.Array:
 def row_tiled(fn, x: jax.Array, tile: int = 64) -> jax.Array:
     """Apply a row-wise `fn` ([tile, D] -> [tile, ...], one array) to x [..., D] in fixed tiles of `tile` rows.
 
-    The tiles run through one loop whose body is `fn` on one [tile, D] tile, so every row is computed by the same
-    compiled code, whatever the number of rows: a row's result cannot depend on how many other rows (batch size,
-    prompt length, padding) share the call. XLA's own GEMMs pick their blocking by M, which does change low bits.
+    The tiles run through `lax.map`, so every row is computed by one compiled program of one shape, whatever
+    the number of rows: a row's result cannot depend on how many other rows (batch size, prompt length,
+    padding) share the call. XLA's own GEMMs pick their blocking by M, which does change low bits.
 
-    The loop's trip count is hidden from XLA (it passes through an optimization barrier). A known trip count of one
-    lets XLA inline the body into the surrounding program, where it may fuse and contract (FMA) the tile's
-    arithmetic differently than inside the loop: seen on 2026-12-01 on XLA:CPU, where a decode step of 4 rows (one
-    tile) and a 264-token teacher-forced score (many tiles) of the tiny MoE model gave one token's logprob 1 ulp
-    apart (`tests/test_replay.py`); with the body always compiled as a loop body, they agree bit for bit.
+    Each tile enters and leaves `fn` through an optimization barrier. With one tile XLA drops the loop and inlines
+    its body into the caller, where, without the barriers, it may fuse `fn`'s first and last operations with the
+    caller's (the zero padding, a residual add) and contract or simplify them differently than inside the loop a
+    many-tile call runs: seen on 2026-12-01 on XLA:CPU, where a decode step of 4 rows (one tile) and a 264-token
+    teacher-forced score (many tiles) of the tiny MoE model gave one token's logprob 1 ulp apart
+    (`tests/test_replay.py`). With the barriers `fn` is compiled on its own either way, and they agree bit for bit.
+    (Hiding the trip count from XLA, so that the loop is never inlined, fixed it too, at the price of a loop whose
+    every iteration a GPU must check with the host.)
     """
     lead, d = x.shape[:-1], x.shape[-1]
     rows = 1
     for n in lead:
         rows *= n
-    n_tiles = max(1, -(-rows // tile))
-    flat = x.reshape(rows, d)
-    flat = jnp.concatenate([flat, jnp.zeros((n_tiles * tile - rows, d), x.dtype)], axis=0)
-    tiles = flat.reshape(n_tiles, tile, d)
     out = jax.eval_shape(fn, jax.ShapeDtypeStruct((tile, d), x.dtype))
     if out.shape[:1] != (tile,):
         raise ValueError(f"row_tiled: fn must map [{tile}, {d}] rows to [{tile}, ...], got {out.shape}")
-
-    def body(i, y):
-        return jax.lax.dynamic_update_index_in_dim(y, fn(jax.lax.dynamic_index_in_dim(tiles, i, keepdims=False)),
-                                                   i, 0)
-
-    trips = jax.lax.optimization_barrier(jnp.int32(n_tiles))  # not a constant to XLA: the loop is never inlined
-    y = jax.lax.fori_loop(0, trips, body, jnp.zeros((n_tiles,) + out.shape, out.dtype))  # [n_tiles, tile, ...]
+    n_tiles = max(1, -(-rows // tile))
+    flat = x.reshape(rows, d)
+    flat = jnp.concatenate([flat, jnp.zeros((n_tiles * tile - rows, d), x.dtype)], axis=0)
+    barrier = jax.lax.optimization_barrier
+    y = jax.lax.map(lambda t: barrier(fn(barrier(t))), flat.reshape(n_tiles, tile, d))  # [n_tiles, tile, ...]
     y = y.reshape((n_tiles * tile,) + y.shape[2:])[:rows]
     return y.reshape(lead + y.shape[1:])
