@@ -101,7 +101,7 @@ def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
     per token, from the rows its cache holds).
 
     The steps are unrolled in Python (a static row index), not a `fori_loop`: the same operations and the same bits
-    (the H200, 2026-12-01: outputs and final states equal at (8, 4096) and (1, 32768)), and the prep kernel 7-8%
+    (the H200, 2026-12-01: outputs and final states equal at (8, 4096) and (1, 32768)), and the prep kernel ~7%
     faster there (1.27 -> 1.19 ms at (8, 4096); BENCHMARKS.md, run 86): the forward substitution was ~30% of the
     prep's time (run 85's ablation), and unrolled, the compiler can schedule each step's row extraction, which does
     not depend on the previous step, ahead of it."""
