@@ -198,14 +198,32 @@ def expert_down(h, w, *, fixed_order: bool = False):
     mesh = jax.sharding.get_abstract_mesh()
     tp = mesh.shape[TP_AXIS] if _sharded() else 1
     if not fixed_order or tp <= 2 or h.shape[-1] % tp:
-        return jnp.einsum("...ei,eid->...ed", h, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        return _expert_product(h, w).astype(h.dtype)
 
     def shard(hs, ws):  # hs [..., E, I / tp], ws [E, I / tp, D]
-        part = jnp.einsum("...ei,eid->...ed", hs, ws, preferred_element_type=jnp.float32)
-        return _sum_in_device_order(part, tp).astype(h.dtype)
+        return _sum_in_device_order(_expert_product(hs, ws), tp).astype(h.dtype)
 
     hspec = P(*([None] * (h.ndim - 1) + [TP_AXIS]))
     return _per_shard(shard, mesh, (h, w), (hspec, P(None, TP_AXIS, None)), P())
+
+
+def _expert_product(h, w):
+    """h [..., E, I] @ w [E, I, D] -> fp32 [..., E, D], accumulated in fp32. On the CPU, operands that are not both
+    fp32 are multiplied as fp32 copies: XLA:CPU (jax 0.11.2) has no batched bf16 x bf16 -> fp32 dot for this layout
+    ("Unsupported element type for DotThunk::Execute", found 2026-12-01 running the bf16 MoE in deterministic
+    mode), and a product of two bf16 numbers is exact in fp32. Elsewhere (the GPU) the operands as they are."""
+    spec = "...ei,eid->...ed"
+
+    def native(h, w):
+        return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+
+    def as_fp32(h, w):
+        return jnp.einsum(spec, h.astype(jnp.float32), w.astype(jnp.float32), preferred_element_type=jnp.float32,
+                          precision=jax.lax.Precision.HIGHEST)
+
+    if h.dtype == w.dtype == jnp.float32:
+        return native(h, w)
+    return jax.lax.platform_dependent(h, w, cpu=as_fp32, default=native)
 
 
 def _by_heads(local, fallback, q, keys, values, pos):

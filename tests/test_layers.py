@@ -188,6 +188,24 @@ def test_moe_matches_numpy_loop(rng, norm_topk):
     assert max_abs(y, ref) <= 1e-5, f"MoE (norm_topk_prob={norm_topk}): max abs diff > 1e-5"
 
 
+@pytest.mark.parametrize("fixed_order", [False, True])
+def test_moe_runs_in_bf16_with_fp32_expert_sums(rng, fixed_order):
+    """A bf16 MoE on the CPU, as deterministic mode runs it (fixed_order: the down projections through
+    `pallas_kernels.expert_down`, fp32 accumulation): it runs (XLA:CPU has no batched bf16 x bf16 -> fp32 dot; until
+    2026-12-01 it failed with "Unsupported element type for DotThunk::Execute") and stays within bf16's rounding of
+    the float64 loop (2e-2 of the largest output: a dozen bf16 roundings of the activations on the way)."""
+    cfg = jaxgdn.tiny_qwen3_next()
+    D, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    r = lambda *s, sc=0.2: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)  # noqa: E731
+    p = MoEParams(router=r(D, E, sc=0.5), gate_proj=r(E, D, I), up_proj=r(E, D, I), down_proj=r(E, I, D),
+                  shared=MLPParams(r(D, Is), r(D, Is), r(Is, D)), shared_gate=r(D, 1, sc=0.3))
+    x = jnp.asarray(rng.standard_normal((3, 5, D)), jnp.bfloat16)
+    y = jax.jit(moe, static_argnums=(0, 3))(cfg, p, x, fixed_order)
+    ref = moe_numpy(cfg, p, np.asarray(x, np.float32).reshape(-1, D)).reshape(x.shape)
+    assert y.shape == x.shape and y.dtype == jnp.bfloat16
+    assert max_abs(y, ref) <= 2e-2 * np.abs(ref).max()
+
+
 def test_moe_uses_only_top_k_experts(rng):
     """Perturbing an expert that no token routes to changes nothing (bitwise); perturbing a chosen one does."""
     cfg = jaxgdn.tiny_qwen3_next()
