@@ -5,6 +5,8 @@ one recurrent step per token, and any split of a prompt exact)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -70,6 +72,49 @@ def test_replay_state_at_grid_boundary_equals_prefill(form):
         state, _ = step(model, state, jnp.asarray([t], jnp.int32))
     ref, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray([toks], jnp.int32))
     chex.assert_trees_all_equal(state, ref)
+
+
+def test_replay_step_is_taken_only_where_verified():
+    """`replay_step_matches_prefill`: the replay step kernels on the reference and interpret backends, and with the
+    Pallas kernels (the GPU) only at K = V = 128 (the shape the H200 checks cover; at K = V = 16 its boundary
+    states were a few ulp off the prefill's)."""
+    from jaxgdn.layers.gdn import replay_step_matches_prefill
+
+    tiny = jaxgdn.tiny_qwen3_5()
+    big = dataclasses.replace(tiny, linear_key_head_dim=128, linear_value_head_dim=128)
+    assert replay_step_matches_prefill(tiny, "reference") and replay_step_matches_prefill(tiny, "interpret")
+    assert replay_step_matches_prefill(big, "pallas") and not replay_step_matches_prefill(tiny, "pallas")
+    assert not replay_step_matches_prefill(dataclasses.replace(big, linear_value_head_dim=64), "pallas")
+
+
+def test_one_token_replay_without_the_step_kernels_is_the_prefill(monkeypatch):
+    """Where the replay step is not verified, a one-token call runs the chunked kernel over the open chunk and the
+    token (as longer calls do), never the step kernels: the same state and logits, bitwise (here, on the CPU, as
+    the replay step's)."""
+    from jaxgdn.layers import gdn
+
+    model = _model("tiny", "chunked", backend="interpret")
+    toks = np.random.default_rng(9).integers(0, 256, 70).tolist()
+    state, _ = model.prefill_chunk(model.init_state(2, 128), jnp.asarray([toks[:50], toks[10:60]], jnp.int32))
+
+    def decode(st):
+        jax.clear_caches()  # trace again: the choice is made at trace time
+        step, logits = jaxgdn.model.jit(jaxgdn.decode_step), []
+        for i in range(50, 70):
+            st, lg = step(model, st, jnp.asarray([toks[i], toks[i - 40]], jnp.int32))
+            logits.append(np.asarray(lg))
+        return st, np.stack(logits)
+
+    with_step = decode(state)
+
+    def refused(*a, **k):
+        raise AssertionError("the replay step kernels ran")
+
+    monkeypatch.setattr(gdn, "replay_step_matches_prefill", lambda cfg, backend: False)
+    monkeypatch.setattr(gdn.pallas_kernels, "chunk_replay_step_packed", refused)
+    without = decode(state)
+    chex.assert_trees_all_equal(without, with_step)
+    assert int(without[0].provenance[0]) == Provenance.PREFILL
 
 
 def test_one_token_calls_leave_rows_without_a_token_untouched():
