@@ -4,6 +4,7 @@ conversions of the chunked prefill's kernels (or, with --replay, the replay step
   .venv/bin/pip install triton==3.6.0        # once: Triton's compiler and its bundled ptxas (no GPU needed)
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py --replay --shape 64,64,16,32   # the replay step's kernels
+  PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py --shape 1,128,2,4 --dims 16,16  # other head sizes (K, V)
 
 Each kernel is lowered to Triton IR for an abstract H200 (as `tests/pallas_kernels/test_cuda_lowering.py` does),
 compiled for sm_90a by PyPI's Triton with the kernel's num_warps / num_stages, and its PTX assembled by `ptxas -v`.
@@ -84,7 +85,8 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="8,4096,16,32", help="B,T,HK,HV (K = V = 128, bf16 inputs)")
+    ap.add_argument("--shape", default="8,4096,16,32", help="B,T,HK,HV (bf16 inputs)")
+    ap.add_argument("--dims", default="128,128", help="K,V: the key and value head sizes")
     ap.add_argument("--config", default="", help="JSON: chunk.DEFAULT_CONFIG keys to override")
     ap.add_argument("--replay", action="store_true", help="the replay step's kernels (B from --shape) instead")
     args = ap.parse_args()
@@ -93,18 +95,19 @@ def main():
     except ImportError:
         raise SystemExit("needs Triton's compiler: .venv/bin/pip install triton==3.6.0")
     B, T, HK, HV = (int(x) for x in args.shape.split(","))
+    K, V = (int(x) for x in args.dims.split(","))
     config = json.loads(args.config) if args.config else None
-    cfg = chunk._recurrence_blocks(chunk._checked_config(config, 128), config, B, HV, 128, False)
+    cfg = chunk._recurrence_blocks(chunk._checked_config(config, V), config, B, HV, V, False)
     if args.replay:  # one decode step over open chunks of B rows
-        q, k, v, g, b, s0, n = chunk_args(B, 64, HK, HV, 128, 128, jnp.bfloat16)
-        xc, vc = replay.replay_caches(B, HV, 128)
+        q, k, v, g, b, s0, n = chunk_args(B, 64, HK, HV, K, V, jnp.bfloat16)
+        xc, vc = replay.replay_caches(B, HV, V)
         _, modules = lower_for_h200(lambda *a: replay.chunk_replay_step_pallas(*a, config=config),
                                     q, k, v, g, b, s0, xc, vc, n)
     else:
         f = lambda q, k, v, g, b, s0, n: chunk.chunk_gated_delta_rule_pallas(  # noqa: E731
             q, k, v, g, b, initial_state=s0, lengths=n, config=config)
-        _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, 128, 128, jnp.bfloat16))
-    print(f"shape {args.shape}, config {config or 'default'}")
+        _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, K, V, jnp.bfloat16))
+    print(f"shape {args.shape}, K, V {K}, {V}, config {config or 'default'}")
     for module in modules:
         name = module.operation.attributes["sym_name"].value
         warps, stages = launch(cfg)[name]
