@@ -5,8 +5,6 @@ one recurrent step per token, and any split of a prompt exact)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -78,13 +76,13 @@ def test_replay_step_is_taken_only_where_verified():
     """`replay_step_matches_prefill`: the replay step kernels on the reference and interpret backends, and with the
     Pallas kernels (the GPU) only at K = V = 128 (the shape the H200 checks cover; at K = V = 16 its boundary
     states were a few ulp off the prefill's)."""
-    from jaxgdn.layers.gdn import replay_step_matches_prefill
+    from pallas_kernels import replay_step_matches_prefill
 
-    tiny = jaxgdn.tiny_qwen3_5()
-    big = dataclasses.replace(tiny, linear_key_head_dim=128, linear_value_head_dim=128)
-    assert replay_step_matches_prefill(tiny, "reference") and replay_step_matches_prefill(tiny, "interpret")
-    assert replay_step_matches_prefill(big, "pallas") and not replay_step_matches_prefill(tiny, "pallas")
-    assert not replay_step_matches_prefill(dataclasses.replace(big, linear_value_head_dim=64), "pallas")
+    cfg = jaxgdn.tiny_qwen3_5()
+    tiny = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)  # 16 x 16
+    assert replay_step_matches_prefill(*tiny, "reference") and replay_step_matches_prefill(*tiny, "interpret")
+    assert replay_step_matches_prefill(128, 128, "pallas") and not replay_step_matches_prefill(*tiny, "pallas")
+    assert not replay_step_matches_prefill(128, 64, "pallas")
 
 
 def test_one_token_replay_without_the_step_kernels_is_the_prefill(monkeypatch):
@@ -110,7 +108,7 @@ def test_one_token_replay_without_the_step_kernels_is_the_prefill(monkeypatch):
     def refused(*a, **k):
         raise AssertionError("the replay step kernels ran")
 
-    monkeypatch.setattr(gdn, "replay_step_matches_prefill", lambda cfg, backend: False)
+    monkeypatch.setattr(gdn.pallas_kernels, "replay_step_matches_prefill", lambda K, V, backend: False)
     monkeypatch.setattr(gdn.pallas_kernels, "chunk_replay_step_packed", refused)
     without = decode(state)
     chex.assert_trees_all_equal(without, with_step)

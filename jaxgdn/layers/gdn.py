@@ -61,22 +61,6 @@ def _splice(open_buf, new, open_len, lengths, width):
     return a + b  # disjoint supports: exact
 
 
-def replay_step_matches_prefill(cfg: ModelConfig, backend: str | None) -> bool:
-    """Whether one-token calls in replay mode take the replay step (`pallas_kernels.chunk_replay_step`): on the
-    reference and interpret backends always (the CPU tests check its bits against the prefill's, tiny shapes
-    included); with the Pallas kernels on the GPU only for K = V = 128, the head shape the H200 checks cover
-    (`scripts/gpu_kernels.py --only replay_step` and `scripts/gpu_model_bench.py --stages replay_bitwise`, HK = 16,
-    HV = 32: Qwen3.5's and Qwen3-Next's). At K = V = 16 (the tiny presets) the H200 gave replay-decoded boundary
-    states a few ulp (<= 7.5e-9) off the prefill's, outputs equal (BENCHMARKS.md, run 92, 2026-12-01): a
-    deterministic cache would then hold states that depend on how they were made. Elsewhere a one-token call runs
-    the chunked kernel over the open chunk and the token, as longer calls do: the prefill's kernel on the same
-    chunk (a completed chunk's state is the prefill's by construction; a partial chunk's output rows rest on the
-    kernel's row-causality, which the H200 checks cover at K = V = 128), at the cost of a chunk per token."""
-    if pallas_kernels.resolve_backend(backend) != "pallas":
-        return True
-    return (cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (128, 128)
-
-
 def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerState, lengths: jax.Array,
                 position: jax.Array, backend: str | None, checkpoint_stride: int | None = None, det: str | bool = False,
                 form: str = "chunked"):
@@ -89,8 +73,11 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     result is bitwise what an unsplit prefill computes (the kernel is row-causal inside a chunk), whatever
     `position` is; the state keeps the newest boundary state, the new open chunk and the replay step's caches for
     it (`pallas_kernels.chunk_replay_prime`). One-token calls (decode) run `pallas_kernels.chunk_replay_step`
-    instead: only the new token's part of the open chunk, with the same arithmetic (where that is verified:
-    `replay_step_matches_prefill`).
+    instead: only the new token's part of the open chunk, with the same arithmetic, where that is verified
+    (`pallas_kernels.replay_step_matches_prefill`: on the GPU, heads of K = V = 128); elsewhere they run the chunked
+    kernel over the open chunk and the token, as longer calls do: the prefill's kernel on the same chunk (a
+    completed chunk's state is the prefill's by construction; a partial chunk's output rows rest on the kernel's
+    row-causality, which the H200 checks cover at K = V = 128), at the cost of a chunk per token.
 
     Checkpoints: a GDNLayerState whose leaves carry an extra axis M: conv [B, M, KC-1, C], recurrent
     [B, M, HV, K, V] — every `checkpoint_stride` tokens from the call's start (recurrent mode) or from the last
@@ -127,7 +114,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
         ends = stride * jnp.arange(1, width // stride + 1)[None, :] - open_len[:, None]
     conv = causal_conv1d(pre, state.conv, p.conv_weight, lengths, ends)
     gates = jnp.stack([g, beta], axis=2)  # [B, T, 2, HV]
-    if stride is None and T == 1 and replay_step_matches_prefill(cfg, backend):
+    if stride is None and T == 1 and pallas_kernels.replay_step_matches_prefill(cfg.linear_key_head_dim,
+                                                                                cfg.linear_value_head_dim, backend):
         return _replay_one_token(cfg, p, conv, gates, z, state, open_len, lengths, backend, det)
     qkv_all = _splice(state.open_qkv, conv[0], open_len, lengths, width)  # [B, W, C]
     gates_all = _splice(state.open_gates, gates, open_len, lengths, width)  # [B, W, 2, HV]
