@@ -827,15 +827,22 @@ def replay_decode_run(x, prompt, steps, rows=None, config=None, packed=None):
 
 
 @section
-def replay_step_checks():
-    """The replay step (`gated_delta/replay.py`) against the chunked prefill, bitwise, at HK=16 HV=32 K=V=128: rows
-    prefilled to 70 / 37 / 128 / 5 tokens then 140 steps each (every row crosses two boundaries); each step's output
-    row == the same row of one prefill of prompt + 140 tokens; the state at every boundary crossed == that prefill's
-    in-call checkpoint there; and row 0 decoded alone (a small grid) == row 0 in the batch."""
+def replay_step_checks(dims=((128, 128),)):
+    """The replay step (`gated_delta/replay.py`) against the chunked prefill, bitwise, at HK=16 HV=32 and each (K, V)
+    of `dims` (--replay-dims): rows prefilled to 70 / 37 / 128 / 5 tokens then 140 steps each (every row crosses two
+    boundaries); each step's output row == the same row of one prefill of prompt + 140 tokens; the state at every
+    boundary crossed == that prefill's in-call checkpoint there; and row 0 decoded alone (a small grid) == row 0 in
+    the batch. The packed-buffer forms are checked at the first (K, V)."""
+    for i, (K, V) in enumerate(dims):
+        _replay_step_checks(K, V, packed=i == 0)
+
+
+def _replay_step_checks(K, V, packed):
     prompt, steps = np.array([70, 37, 128, 5]), 140
     B, T = len(prompt), int(prompt.max()) + steps
-    x = dev_inputs(random_gdn_inputs(np.random.default_rng(11), B=B, T=T, HK=16, HV=32, K=128, V=128,
+    x = dev_inputs(random_gdn_inputs(np.random.default_rng(11), B=B, T=T, HK=16, HV=32, K=K, V=V,
                                      with_state=False))
+    kv = "" if (K, V) == (128, 128) else f" at K, V = {K}, {V}"
     o_full, _, cks = call_chunk(x, s0=None, lengths=prompt + steps, stride=64)
     want = np.stack([o_full[b, prompt[b]:prompt[b] + steps] for b in range(B)])
     for name, cfg in REPLAY_STEP_CONFIGS.items():  # the prefill's default configuration, the step's launch varied
@@ -843,15 +850,17 @@ def replay_step_checks():
         bad = [(b, i) for b in range(B) for i in range(steps) if not np.array_equal(outs[b, i], want[b, i])]
         diff = np.abs(outs.astype(np.float32) - want.astype(np.float32)).max()
         blocks = sorted({int(prompt[b] + i) % 64 // 16 for b, i in bad})  # which block rows of the open chunk differ
-        check(f"replay step [{name}] outputs == prefill rows (4 rows x 140 steps)", not bad,
+        check(f"replay step [{name}]{kv} outputs == prefill rows (4 rows x 140 steps)", not bad,
               f"{len(bad)} differ, first {bad[:4]}, in block rows {blocks}; max |diff| {diff:.3g}")
         st_bad = [key for key, st in crossed.items() if not np.array_equal(st, cks[key[0], key[1] // 64 - 1])]
-        check(f"replay step [{name}] boundary states == prefill checkpoints", not st_bad and len(crossed) >= 8,
-              f"{len(crossed)} crossings, {len(st_bad)} differ: {st_bad[:4]}")
+        st_diff = max((float(np.abs(st - cks[key[0], key[1] // 64 - 1]).max()) for key, st in crossed.items()),
+                      default=0.0)
+        check(f"replay step [{name}]{kv} boundary states == prefill checkpoints", not st_bad and len(crossed) >= 8,
+              f"{len(crossed)} crossings, {len(st_bad)} differ: {st_bad[:4]}; max |diff| {st_diff:.3g}")
         if cfg is None:
             alone, _ = replay_decode_run(x, prompt[:1], 70, rows=slice(0, 1))
-            check("replay step: row alone == row in batch", np.array_equal(alone[0], outs[0, :70]))
-            for groups in (16, 1):  # the model's packed buffers (grouped layout, Hugging Face's)
+            check(f"replay step{kv}: row alone == row in batch", np.array_equal(alone[0], outs[0, :70]))
+            for groups in ((16, 1) if packed else ()):  # the model's packed buffers (grouped layout, Hugging Face's)
                 p_outs, p_crossed = replay_decode_run(x, prompt, steps, packed=groups)
                 same = np.array_equal(p_outs, outs) and p_crossed.keys() == crossed.keys() and all(
                     np.array_equal(p_crossed[key], crossed[key]) for key in crossed)
@@ -1134,6 +1143,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
     ap.add_argument("--only", default="", help="comma list of sections to run (overrides --skip)")
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
+    ap.add_argument("--replay-dims", default="128,128", help="replay_step's checks at these K,V (';'-separated)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     ap.add_argument("--no-default-bitwise", action="store_true",
                     help="run the bitwise checks only for the sweep's winner and --pick (the default's were run "
@@ -1143,6 +1153,12 @@ def main():
     ap.add_argument("--decode-configs", default="", help="comma list of decode configs besides the default "
                                                           "(default: all)")
     args = ap.parse_args()
+    try:
+        replay_dims = tuple(tuple(int(n) for n in kv.split(",")) for kv in args.replay_dims.split(";"))
+        if not all(len(kv) == 2 and min(kv) > 0 for kv in replay_dims):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--replay-dims {args.replay_dims!r}: expected K,V pairs separated by ';' (e.g. 16,16;128,128)")
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
              "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_timing"}
@@ -1234,6 +1250,11 @@ def main():
         # with 3 stages on grids of at most `tiny_grid` programs with them (B=1 at HV=32); "no_tiny" is the launch
         # before it (V blocks of 32, 2 stages)
         "no_tiny": dict(tiny_grid=0),
+        # 2026-12-02 (run 93 on): the state update exp(gc_last) S + kd^T v_new rounded as `state_update` says — the
+        # default "mul_add" (a multiply no compiler contracts, then the add), one FMA, or the compiler's choice
+        # (the code before)
+        "state_fma": dict(state_update="fma"),
+        "state_auto": dict(state_update="auto"),
     }
     if args.quick:
         chunk_configs = {"default": None}
@@ -1288,7 +1309,7 @@ def main():
     if "invariant" not in skip:
         invariant_kernels()
     if "replay_step" not in skip:  # its checks and timing ("replay_step_timing": the timing alone)
-        replay_step_checks()
+        replay_step_checks(replay_dims)
     if "replay_step" not in skip or "replay_step_timing" not in skip:
         replay_step_timing()
     if "replay" not in skip:

@@ -5,6 +5,8 @@ conversions of the chunked prefill's kernels (or, with --replay, the replay step
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py [--shape 8,4096,16,32] [--config '{"warps_prep": 8}']
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py --replay --shape 64,64,16,32   # the replay step's kernels
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py --shape 1,128,2,4 --dims 16,16  # other head sizes (K, V)
+  ... --dump DIR     # also each kernel's TTGIR and PTX as DIR/NAME.ttgir, .ptx (to compare two kernels' code; the
+                     # SASS: ptxas -arch=sm_90a NAME.ptx -o NAME.cubin, then nvdisasm, both beside Triton's ptxas)
 
 Each kernel is lowered to Triton IR for an abstract H200 (as `tests/pallas_kernels/test_cuda_lowering.py` does),
 compiled for sm_90a by PyPI's Triton with the kernel's num_warps / num_stages, and its PTX assembled by `ptxas -v`.
@@ -43,7 +45,7 @@ def launch(cfg: dict) -> dict:
             "gdn_replay_state": (cfg["warps_state"], 1)}
 
 
-def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
+def ptxas_report(ttir: str, num_warps: int, num_stages: int, dump: str = "") -> dict:
     """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures, Triton's shared memory, and how
     many tensors the kernel writes into shared memory transposed (`transposed = true` layouts: a dot operand stored in
     the other major order than its MMA reads it, the output kernel's bank conflicts in run 30), and how many dots
@@ -62,6 +64,10 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int) -> dict:
                            options=dict(num_warps=num_warps, num_stages=num_stages))
         ptx = k.asm["ptx"]
         ttgir = k.asm["ttgir"]
+        if dump:  # the compiled forms, to compare two kernels' instructions (e.g. one dot's layout in each)
+            for ext in ("ttgir", "ptx"):
+                with open(f"{dump}.{ext}", "w") as fh:
+                    fh.write(k.asm[ext])
         transposed = {m.group(1) for m in re.finditer(r"^(#shared\d*) = .*transposed = true", ttgir, re.M)}
         t_allocs = sum(1 for line in ttgir.splitlines() if "ttg.local_alloc" in line
                        and any(re.search(rf"{re.escape(t)}\b", line) for t in transposed))
@@ -89,6 +95,7 @@ def main():
     ap.add_argument("--dims", default="128,128", help="K,V: the key and value head sizes")
     ap.add_argument("--config", default="", help="JSON: chunk.DEFAULT_CONFIG keys to override")
     ap.add_argument("--replay", action="store_true", help="the replay step's kernels (B from --shape) instead")
+    ap.add_argument("--dump", default="", help="a folder: write each kernel's TTGIR and PTX there (NAME.ttgir, .ptx)")
     args = ap.parse_args()
     try:
         import triton  # noqa: F401
@@ -111,7 +118,10 @@ def main():
     for module in modules:
         name = module.operation.attributes["sym_name"].value
         warps, stages = launch(cfg)[name]
-        r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+        r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages,
+                         dump=os.path.join(args.dump, name) if args.dump else "")
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
               f"{r['spill_stores']} B stored / {r['spill_loads']} B loaded, stack {r['stack']} B, "
               f"shared {r['shared_bytes'] / 1024:.1f} KiB, {r['transposed_allocs']} transposed shared-memory copies, "

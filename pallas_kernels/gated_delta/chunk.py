@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 
 from ..config import merged_config, static_config
 from . import wy
+from .arith import fma, mul_rn
 from .wy import CHUNK
 
 
@@ -120,6 +121,13 @@ from .wy import CHUNK
 # step at B=64 with 4), the same bits (the H200,
 # 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
 # warps variants changing the bits either).
+# state_update: how the state after a chunk, exp(gc_last) S + kd^T v_new (`_next_state`: the recurrence's and the
+# replay step's kernel 4), rounds on the GPU: "mul_add" (default), the decayed state rounded, then the dot's result
+# added (`arith.mul_rn`: no compiler may contract the two); "fma", one fma.rn.f32 per element; "auto", as the
+# compiler chooses (the code before 2026-12-02). Offline, Triton 3.6 contracted the recurrence's into an FMA and not
+# the replay step's (a layout conversion between them); on the H200 "mul_add" computes what "auto" did in the
+# prefill at K = V = 128 and "fma" does not (runs 93-94), so the default keeps the earlier bits. Interpret mode: a
+# multiply and an add, whatever this says.
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -129,7 +137,7 @@ DEFAULT_CONFIG = dict(
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
-    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto",
+    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", state_update="mul_add",
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -351,8 +359,13 @@ def _v_new(u, w, s, cfg, interpret):
 
 
 def _next_state(s, g_last, kd, v_new, cfg, interpret):
-    """The state after a chunk: exp(gc_last) S + kd^T v_new (kd [C, K] as stored, v_new [C, BV])."""
-    return s * jnp.exp(g_last) + wy.dot(kd.astype(jnp.float32), v_new, cfg["p_kv"], interpret, trans_a=True)
+    """The state after a chunk: exp(gc_last) S + kd^T v_new (kd [C, K] as stored, v_new [C, BV]); the multiply and
+    the add rounded as config `state_update` says, so that every kernel that calls this rounds alike."""
+    kv = wy.dot(kd.astype(jnp.float32), v_new, cfg["p_kv"], interpret, trans_a=True)
+    how = "auto" if interpret else cfg["state_update"]
+    if how == "fma":
+        return fma(s, jnp.exp(g_last), kv, True)
+    return mul_rn(s, jnp.exp(g_last), how == "mul_add") + kv
 
 
 def _out_kernel(len_ref, q_ref, k_ref, gc_ref, h_ref, vn_ref, o_ref, *, scale, use_l2, cfg, interpret):
@@ -406,6 +419,8 @@ def _checked_config(config, V: int) -> dict:
         raise ValueError(f"states_t={t!r}: True, False, 'h' or 'v_new'; other than False only with the split design")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
+    if cfg["state_update"] not in ("mul_add", "fma", "auto"):
+        raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     for name, p in cfg.items():
         if name.startswith("p_") and p not in wy.PRECISIONS:
             raise ValueError(f"{name}={p!r}: expected one of {wy.PRECISIONS}")

@@ -22,6 +22,8 @@ from jax.experimental import pallas as pl
 
 from ..config import merged_config, static_config
 from ..invariant import tree_sum
+from .arith import fma as _fma
+from .arith import fma_mode
 
 _EPS = 1e-6
 # Measured on the H200 (BENCHMARKS.md, run 12), kernel-only, B=64/256: bv=64, 4 warps 3.49/3.71 TB/s; 8 warps
@@ -44,26 +46,6 @@ def _ksum(x, interpret):
     configuration); in interpret mode a fixed pairwise tree (`invariant.tree_sum`): XLA's CPU reductions pick
     their order by context, so a loop body and a single step could otherwise differ in the last bit."""
     return tree_sum(jnp.moveaxis(x, 0, -1)) if interpret else jnp.sum(x, axis=0)
-
-
-def _fma(a, b, c, fused):
-    """a * b + c (broadcast). fused (the GPU default): one PTX `fma.rn.f32` — a single rounding and one
-    instruction (Triton as Pallas drives it emits a separate multiply and add otherwise: Nsight Compute, run 14);
-    not fused (interpret mode, or config fma=False): a multiply and an add, two roundings."""
-    if not fused:
-        return a * b + c
-    from jax.experimental.pallas import triton as pltriton
-
-    a, b, c = jnp.broadcast_arrays(a, b, c)
-    return pltriton.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f",
-                                          pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
-
-
-def fma_mode(fma, interpret):
-    """The config's `fma` (a bool) as the kernels use it: never in interpret mode."""
-    if fma not in (True, False):
-        raise ValueError(f"fma={fma!r}: expected True or False")
-    return bool(fma) and not interpret
 
 
 def _slice_dot(xs, ys, fused):
@@ -103,7 +85,7 @@ def token_update(s, q, k, qk, v, g, beta, interpret=False, fused=False):
     chain. Each reduction first combines the slices elementwise (`_slice_dot`: FMAs on the GPU), then reduces
     the [K / n, BV] result; the update is one FMA per element. The decode kernel and the token-by-token prefill
     kernel (`gated_delta.scan`) both call this, so that with the same launch configuration they compute the same
-    bits. fused: the slice combinations and the state update as FMAs (`_fma`); the output's sq + qk u and the
+    bits. fused: the slice combinations and the state update as FMAs (`arith.fma`); the output's sq + qk u and the
     normalisation's scaling stay a separate multiply and add."""
     a = jnp.exp(g)[:, None]  # [1, 1]
     s = tuple(x * a for x in s)  # [K / n, BV] each

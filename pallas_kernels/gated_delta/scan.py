@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 
 from ..config import merged_config, static_config
 from .recurrent import DEFAULT_CONFIG as _DECODE_CONFIG
-from .recurrent import _normalized, fma_mode, k_slices, load_slices, store_slices, token_update
+from .arith import fma_mode
+from .recurrent import _normalized, k_slices, load_slices, store_slices, token_update
 
 # Launch configuration: bv (V block per program: 8 or a power of two >= 16), warps, stages, and the load pipeline. A
 # prefill and a one-token call agree bit for bit only under the same bv and warps (the reductions over K follow the

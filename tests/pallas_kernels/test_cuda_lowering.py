@@ -78,8 +78,14 @@ def dot_problems(modules):
 
 def fma_count(modules):
     """The number of PTX `fma.rn.f32` inline-assembly ops (the per-token arithmetic's FMAs) in the modules."""
-    return sum(op.name == "tt.elementwise_inline_asm" and "fma.rn.f32" in str(op.attributes["asm_string"])
-               for m in modules for op in _walk(m.operation))
+    return asm_count(modules, "fma.rn.f32")
+
+
+def asm_count(modules, instruction: str, kernel: str | None = None):
+    """The PTX inline-assembly ops containing `instruction` in the modules (or in the one named `kernel`)."""
+    return sum(op.name == "tt.elementwise_inline_asm" and instruction in str(op.attributes["asm_string"])
+               for m in modules if kernel is None or m.operation.attributes["sym_name"].value == kernel
+               for op in _walk(m.operation))
 
 
 def chunk_args(B, T, HK, HV, K, V, dtype):
@@ -262,6 +268,48 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     lowered, modules = lower_for_h200(chunk_replay_prime_pallas, *chunk, SDS((B,), jnp.int32))
     assert re.findall(r'name = "(gdn_replay_\w+)"', lowered.as_text()) == ["gdn_replay_prep", "gdn_replay_out"]
     assert lowered.as_text().count("output_operand_aliases") == 2  # the x cache, the v_new cache
+
+
+@pytest.mark.parametrize("update,mul,fma", [("mul_add", 1, 0), ("fma", 0, 1), ("auto", 0, 0)])
+@pytest.mark.parametrize("K", [16, 128])
+def test_state_update_rounding_is_written_out_in_both_kernels(update, mul, fma, K):
+    """The state after a chunk, exp(gc_last) S + kd^T v_new, rounds as config `state_update` says in the prefill's
+    recurrence and in the replay step's kernel 4 alike: "mul_add" (default) one `mul.rn.f32` (which no compiler
+    contracts with the add), "fma" one `fma.rn.f32`, "auto" neither (the compiler's choice: offline Triton fused the
+    recurrence's and not kernel 4's; BENCHMARKS.md, runs 93-94)."""
+    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
+
+    config = {"state_update": update}
+    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
+                                                                   config=config)
+    _, prefill = lower_for_h200(f, *chunk_args(2, 130, 1, 2, K, K, jnp.bfloat16))
+    chunk, xc, vc = replay_step_args(2, 1, 2, K, K)
+    _, step = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config=config), *chunk, xc, vc,
+                             SDS((2,), jnp.int32))
+    for modules, kernel in ((prefill, "gdn_chunk_state"), (step, "gdn_replay_state")):
+        assert (asm_count(modules, "mul.rn.f32", kernel), asm_count(modules, "fma.rn.f32", kernel)) == (mul, fma)
+    assert asm_count(prefill, ".rn.f32") == mul + fma  # nowhere else in the prefill
+
+
+def test_state_update_option_is_checked_and_interpret_mode_ignores_it():
+    """A `state_update` other than the three is refused; in interpret mode (no PTX) every option computes the same
+    multiply and add, bitwise."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    B, T, HK, HV, K, V = 2, 70, 1, 2, 16, 16
+    q, k = (jnp.asarray(rng.standard_normal((B, T, HK, K)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.bfloat16)
+    g = jnp.asarray(-rng.uniform(0.01, 1.0, (B, T, HV)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, HV)), jnp.float32)
+    run = lambda update: chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=True,  # noqa: E731
+                                                       config={"state_update": update})
+    outs = [run(u) for u in ("mul_add", "fma", "auto")]
+    for o in outs[1:]:
+        assert np.array_equal(np.asarray(o[0]), np.asarray(outs[0][0]))
+        assert np.array_equal(np.asarray(o[1]), np.asarray(outs[0][1]))
+    with pytest.raises(ValueError, match="state_update"):
+        run("fused")
 
 
 @pytest.mark.parametrize("groups", [16, 1])

@@ -1,0 +1,48 @@
+"""Element-wise fp32 arithmetic whose rounding the kernels fix themselves instead of leaving it to the compiler.
+
+A multiply followed by an add may be contracted into one FMA (one rounding instead of two) by LLVM or by ptxas
+(PTX's `mul.f32` / `add.f32` without a rounding mode allow it), and whether it is depends on the code around it:
+offline (PyPI's Triton 3.6, `scripts/ptxas_report.py --dump`) the chunked prefill's state update exp(gc_last) S +
+kd^T v_new compiled to `fma.rn.f32` while the replay step's copy of it became a multiply, a layout conversion and
+an add; on the H200 (XLA's Triton) the prefill's was not fused at K = V = 128 (BENCHMARKS.md, runs 93-94). Where
+two kernels must agree bit for bit, the rounding is written out: `mul_rn` (a multiply nothing may contract) or
+`fma`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def fma(a, b, c, fused: bool):
+    """a * b + c (broadcast). fused (on the GPU): one PTX `fma.rn.f32` per element — a single rounding, whatever
+    layouts the operands have (in the decode kernel, where Triton left a multiply and an add: Nsight Compute, run
+    14); not fused (interpret mode, or a config that turns it off): a multiply and an add,
+    two roundings (XLA:CPU does not contract them)."""
+    if not fused:
+        return a * b + c
+    from jax.experimental.pallas import triton as pltriton
+
+    a, b, c = jnp.broadcast_arrays(a, b, c)
+    return pltriton.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f",
+                                          pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+
+
+def mul_rn(a, b, exact: bool):
+    """a * b (broadcast), rounded on its own. exact (on the GPU): PTX `mul.rn.f32`, which neither LLVM nor ptxas
+    contracts with a following add; otherwise (interpret mode: XLA:CPU does not contract) a plain multiply."""
+    if not exact:
+        return a * b
+    from jax.experimental.pallas import triton as pltriton
+
+    a, b = jnp.broadcast_arrays(a, b)
+    return pltriton.elementwise_inline_asm("mul.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+
+
+def fma_mode(fused, interpret: bool) -> bool:
+    """A config's FMA switch (a bool) as the kernels use it: never in interpret mode (no PTX there)."""
+    if fused not in (True, False):
+        raise ValueError(f"fma={fused!r}: expected True or False")
+    return bool(fused) and not interpret
