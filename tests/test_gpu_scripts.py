@@ -91,3 +91,33 @@ def test_replay_timing_writes_each_new_row_from_its_source():
         want = np.asarray(x).copy()
         want[:, i % 64] = np.asarray(src)[:, (i % 64 + 1) % 64]
         assert np.array_equal(got, want), i
+
+
+def test_replay_diff_finds_nothing_interpreted_and_a_planted_difference(capsys, monkeypatch):
+    """`scripts/replay_diff.py` on CPU, interpreted: the replay step's v_new rows (the completing row included) and
+    boundary states equal the prefill's (exit 0); with a step that nudges a completed chunk's boundary state by one
+    ulp it reports those states and the v_new rows computed from them (exit 1)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta import replay as rp
+    from scripts import replay_diff
+
+    argv = ["--interpret", "--heads", "1,2", "--dims", "16,16", "--prompts", "60,5", "--steps", "12"]
+    assert replay_diff.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "primed v_new rows != prefill: 0" in out and "decoded v_new rows != prefill: 0" in out
+
+    step = rp.chunk_replay_step_pallas
+
+    def nudged(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw):
+        o, s, xc, vc = step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw)
+        if kw.get("config", {}) and kw["config"].get("stop_after") == "out":
+            return o, s, xc, vc
+        done = (lengths == 64)[:, None, None, None]
+        return o, jnp.where(done, jnp.nextafter(s, jnp.inf), s), xc, vc
+
+    monkeypatch.setattr(rp, "chunk_replay_step_pallas", nudged)
+    assert replay_diff.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "boundary states read != prefill: 1 " in out  # row 0's state at 64, read by its steps 64 .. 71
+    assert "primed v_new rows != prefill: 0" in out and "decoded v_new rows != prefill: 0" not in out

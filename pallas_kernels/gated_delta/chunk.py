@@ -85,7 +85,10 @@ from .wy import CHUNK
 # than the prefill's (whether the bits survive is for the GPU checks to say: `gpu_kernels.py --only replay_step`);
 # only_prep=True (or stop_after="prep") returns the prep kernel's outputs and stops;
 # stop_after="inverse" (prep_kernels=2) returns after the inverse kernel; stop_after="state" (split design) returns
-# after the recurrence kernel (h, v_new, final state; with states_t, h and / or v_new in their transposed layouts).
+# after the recurrence kernel (h, v_new, final state; with states_t, h and / or v_new in their transposed layouts);
+# for the replay step (`replay.py`), stop_after="out" returns after kernel 3: the output row and the v_new cache with
+# the new row, the boundary state not folded and the cache not cleared where the chunk completes
+# (`scripts/replay_diff.py` reads the completing row there).
 # Small grids (split design): when the recurrence's grid (V // bv, HV, B) has at most `small_grid` programs (132:
 # one per SM of the H200), it runs with V blocks of `bv_small` and `stages_small` load stages instead — twice the
 # programs, loads pipelined — unless the caller's config sets bv or stages_state. Runs 21-22: (1, 8192, 16, 32)
