@@ -864,7 +864,7 @@ def _replay_step_checks(K, V, packed):
                 p_outs, p_crossed = replay_decode_run(x, prompt, steps, packed=groups)
                 same = np.array_equal(p_outs, outs) and p_crossed.keys() == crossed.keys() and all(
                     np.array_equal(p_crossed[key], crossed[key]) for key in crossed)
-                check(f"replay step on packed buffers ({groups} groups) == on separate arrays (outputs, states)",
+                check(f"replay step{kv} on packed buffers ({groups} groups) == on separate arrays (outputs, states)",
                       same)
 
 
@@ -1155,10 +1155,11 @@ def main():
     args = ap.parse_args()
     try:
         replay_dims = tuple(tuple(int(n) for n in kv.split(",")) for kv in args.replay_dims.split(";"))
-        if not all(len(kv) == 2 and min(kv) > 0 for kv in replay_dims):
+        if not all(len(kv) == 2 and all(n >= 16 and n & (n - 1) == 0 for n in kv) for kv in replay_dims):
             raise ValueError
     except ValueError:
-        raise SystemExit(f"--replay-dims {args.replay_dims!r}: expected K,V pairs separated by ';' (e.g. 16,16;128,128)")
+        raise SystemExit(f"--replay-dims {args.replay_dims!r}: expected K,V pairs separated by ';', powers of two >= 16 "
+                         "(e.g. 16,16;128,128)")
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
              "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_timing"}

@@ -3,15 +3,15 @@
 Rows are prefilled to different lengths (the chunked kernels to the last grid boundary, `prime` on the rest), then
 decoded step by step with the replay step; one chunked prefill of every row's whole sequence is the reference. At
 each step, before the step runs, the boundary state it reads is compared with the prefill's state at that chunk's
-start; after it, the v_new row it wrote (kernel 3's, read from its cache; for a row whose chunk completes, from a
+start (and after the last step, the state it leaves); after it, the v_new row it wrote (kernel 3's, read from its cache; for a row whose chunk completes, from a
 run of the same step stopped after kernel 3: `stop_after="out"`, since kernel 4 clears the cache) with the prefill
 recurrence's v_new of that position. Prints the counts, the first few differences and their sizes; exits 1 if any
 value differs.
 
-  PYTHONPATH=. python3 scripts/replay_diff.py --dims 16,16            # on the H200 (BENCHMARKS.md, runs 93-94)
+  PYTHONPATH=. python3 scripts/replay_diff.py --dims 16,16            # on the GPU (not yet run there)
   PYTHONPATH=. python3 scripts/replay_diff.py --interpret --heads 1,2 --steps 70   # on CPU: the kernels interpreted
 
-On the H200 at K = V = 16 (run 94, this script's first form) every v_new row of the first open chunk but the last
+On the H200 at K = V = 16 (BENCHMARKS.md, run 94: a scratch form of this script) every v_new row of the first open chunk but the last
 (the completing row, which that form could not see) equalled the prefill's, and the first boundary state kernel 4
 folded differed.
 """
@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     q, k, v, g, beta = inputs(np.random.default_rng(11), B, T, HK, HV, K, V)
 
     prefill = functools.partial(chunk_gated_delta_rule_pallas, interpret=interp)
-    h, vn, _ = prefill(q, k, v, g, beta, lengths=jnp.asarray(prompt + args.steps, jnp.int32),
-                       config=dict(stop_after="state", states_t=True))
+    h, vn, final = prefill(q, k, v, g, beta, lengths=jnp.asarray(prompt + args.steps, jnp.int32),
+                           config=dict(stop_after="state", states_t=True))
     h = np.swapaxes(np.asarray(h), -1, -2)  # [B, HV, nt, K, V]: the state at every chunk's start
     vn = np.swapaxes(np.asarray(vn), -1, -2)  # [B, HV, Tp, V]
     pj = jnp.asarray(prompt, jnp.int32)
@@ -108,10 +108,15 @@ def main(argv=None) -> int:
             if not np.array_equal(got, want):
                 vn_bad.append((b, int(pos[b])) + diff(got, want))
         pos = pos + 1
+    s_now, final = np.asarray(s), np.asarray(final)
+    for b in range(B):  # the boundary state the last step leaves (one it folded itself included)
+        want = final[b] if pos[b] % 64 == 0 else h[b, :, pos[b] // 64]
+        if not np.array_equal(s_now[b], want):
+            s0_bad.append((b, int(pos[b] // 64 * 64)) + diff(s_now[b], want))
     s0_bad = sorted(set(s0_bad))  # a chunk's state is read by every step in it: each boundary once
     print(f"K, V = {K}, {V}; HK, HV = {HK}, {HV}; prompts {prompt.tolist()}, {args.steps} steps"
           f"{' (interpreted)' if interp else ''}")
-    for name, bad in (("primed v_new rows", primed), ("boundary states read", s0_bad),
+    for name, bad in (("primed v_new rows", primed), ("boundary states", s0_bad),
                       ("decoded v_new rows", vn_bad)):
         print(f"  {name} != prefill: {len(bad)}" + (" (row, position, max |diff|, elements): " if bad else "")
               + ", ".join(f"({b}, {p}, {d:.3g}, {c})" for b, p, d, c in bad[:args.show]))

@@ -109,7 +109,8 @@ def test_replay_diff_finds_nothing_interpreted_and_a_planted_difference(capsys, 
 
     step = rp.chunk_replay_step_pallas
 
-    def nudged(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw):
+    def nudged(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw):  # (priming calls it too, with
+        # lengths < 64: they pass through)
         o, s, xc, vc = step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw)
         if kw.get("config", {}) and kw["config"].get("stop_after") == "out":
             return o, s, xc, vc
@@ -119,5 +120,5 @@ def test_replay_diff_finds_nothing_interpreted_and_a_planted_difference(capsys, 
     monkeypatch.setattr(rp, "chunk_replay_step_pallas", nudged)
     assert replay_diff.main(argv) == 1
     out = capsys.readouterr().out
-    assert "boundary states read != prefill: 1 " in out  # row 0's state at 64, read by its steps 64 .. 71
+    assert "boundary states != prefill: 1 " in out  # row 0's state at 64, read by its steps 64 .. 71
     assert "primed v_new rows != prefill: 0" in out and "decoded v_new rows != prefill: 0" not in out

@@ -124,13 +124,14 @@ from .wy import CHUNK
 # step at B=64 with 4), the same bits (the H200,
 # 2026-11-30: the 560 rows and 8 boundary states of `gpu_kernels.py --only replay_step`; run 42 found none of its
 # warps variants changing the bits either).
-# state_update: how the state after a chunk, exp(gc_last) S + kd^T v_new (`_next_state`: the recurrence's and the
-# replay step's kernel 4), rounds on the GPU: "mul_add" (default), the decayed state rounded, then the dot's result
-# added (`arith.mul_rn`: no compiler may contract the two); "fma", one fma.rn.f32 per element; "auto", as the
-# compiler chooses (the code before 2026-12-02). Offline, Triton 3.6 contracted the recurrence's into an FMA and not
-# the replay step's (a layout conversion between them); on the H200 "mul_add" computes what "auto" did in the
-# prefill at K = V = 128 and "fma" does not (runs 93-94), so the default keeps the earlier bits. Interpret mode: a
-# multiply and an add, whatever this says.
+# state_update: how the state after a chunk, exp(gc_last) S + kd^T v_new (`_next_state`: the recurrence's, the
+# replay step's kernel 4 and the fused design's sequential kernel), rounds on the GPU: "mul_add" (default), the
+# decayed state rounded, then the dot's result added (`arith.mul_rn`: no compiler may contract the two); "fma", one
+# fma.rn.f32 per element; "auto", as the compiler chooses (the code before 2026-12-02). Offline, Triton 3.6
+# contracted the recurrence's into an FMA and not the replay step's (a layout conversion between them); on the H200
+# "mul_add" computes what "auto" did in the prefill at K = V = 128 and "fma" does not (runs 93-94), so the default
+# keeps the earlier bits there (at other head sizes "auto" against "mul_add" was not compared on the H200; the fused
+# design was not run). Interpret mode: a multiply and an add, whatever this says.
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -269,7 +270,7 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
         v_new = u_ref[sl, :] - wy.dot(w_ref[sl, :], s, cfg["p_ws"], interpret)  # [C, BV]
         o = wy.dot(qg_ref[sl, :], s, cfg["p_qs"], interpret) + wy.dot(aqk_ref[sl, :], v_new, cfg["p_av"], interpret)
         o_ref[sl, :] = o.astype(o_ref.dtype)
-        s = s * jnp.exp(g_last) + wy.dot(kd_ref[sl, :], v_new, cfg["p_kv"], interpret, trans_a=True)
+        s = _next_state(s, g_last, kd_ref[sl, :], v_new, cfg, interpret)
         if per:
             m = lax.div(c + 1, per)
 
@@ -408,6 +409,9 @@ def _checked_config(config, V: int) -> dict:
     cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
                         blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_tiny": V, "bv_replay": V},
                         extra=("only_prep", "stop_after", "warps_replay"))
+    if cfg.get("stop_after") not in (None, "prep", "inverse", "state", "out"):
+        raise ValueError(f"stop_after={cfg['stop_after']!r}: expected 'prep', 'inverse', 'state' (the prefill) or "
+                         "'out' (the replay step)")
     if cfg["design"] not in ("split", "fused"):
         raise ValueError(f"unknown design {cfg['design']!r}; expected 'split' or 'fused'")
     if cfg["inv"] not in ("tiled", "block16", "doubling", "fwd64"):

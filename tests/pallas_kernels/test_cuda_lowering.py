@@ -272,9 +272,9 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
 
 @pytest.mark.parametrize("update,mul,fma", [("mul_add", 1, 0), ("fma", 0, 1), ("auto", 0, 0)])
 @pytest.mark.parametrize("K", [16, 128])
-def test_state_update_rounding_is_written_out_in_both_kernels(update, mul, fma, K):
+def test_state_update_rounding_is_written_out_in_every_kernel(update, mul, fma, K):
     """The state after a chunk, exp(gc_last) S + kd^T v_new, rounds as config `state_update` says in the prefill's
-    recurrence and in the replay step's kernel 4 alike: "mul_add" (default) one `mul.rn.f32` (which no compiler
+    recurrence, in the replay step's kernel 4 and in the fused design's sequential kernel alike: "mul_add" (default) one `mul.rn.f32` (which no compiler
     contracts with the add), "fma" one `fma.rn.f32`, "auto" neither (the compiler's choice: offline Triton fused the
     recurrence's and not kernel 4's; BENCHMARKS.md, runs 93-94)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
@@ -289,6 +289,10 @@ def test_state_update_rounding_is_written_out_in_both_kernels(update, mul, fma, 
     for modules, kernel in ((prefill, "gdn_chunk_state"), (step, "gdn_replay_state")):
         assert (asm_count(modules, "mul.rn.f32", kernel), asm_count(modules, "fma.rn.f32", kernel)) == (mul, fma)
     assert asm_count(prefill, ".rn.f32") == mul + fma  # nowhere else in the prefill
+    fused = {"design": "fused", "prep_kernels": 1, "inv": "block16", "state_update": update}  # its sequential kernel
+    _, modules = lower_for_h200(lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(
+        q, k, v, g, b, initial_state=s0, lengths=n, config=fused), *chunk_args(2, 130, 1, 2, K, K, jnp.bfloat16))
+    assert (asm_count(modules, "mul.rn.f32", "gdn_chunk_state"), asm_count(modules, "fma.rn.f32")) == (mul, fma)
 
 
 def test_state_update_option_is_checked_and_interpret_mode_ignores_it():
