@@ -260,12 +260,12 @@ def _trees_equal(a, b) -> bool:
     return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-def replay_state_checks(model) -> dict:
+def replay_state_checks(model, report=lambda name, ok: None) -> dict:
     """Replay decode (model in replay mode, deterministic), bitwise on the device: the state after decoding the
     tokens of a sequence one by one == the state of a prefill of the same tokens (at a grid boundary, and off the
     grid); a second turn warmed by the first turn's cache (checkpoints inside the generated answer) == the same
     turn cold, recomputing at most one interval plus the new message; and, over the chunked prefill, the recurrent
-    decode mode still differs."""
+    decode mode still differs. `report(name, ok)` is called as each check is decided."""
     rng = np.random.default_rng(5)
     V = model.config.vocab_size
     toks = rng.integers(0, V, 140).astype(np.int32)
@@ -273,6 +273,7 @@ def replay_state_checks(model) -> dict:
     out = {}
     ref128, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :128]))
     ref140, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :140]))
+    reported = set()
     modes = [(model, "replay")] + ([(model.with_decode_mode("recurrent"), "recurrent")]
                                    if model.gdn_prefill == "chunked" else [])
     for mdl, name in modes:
@@ -287,6 +288,9 @@ def replay_state_checks(model) -> dict:
         else:  # over the chunked prefill only (over the token-by-token prefill the two modes may agree)
             out["recurrent decode mode: GDN state at 140 differs from prefill (expected)"] = not _trees_equal(
                 jaxgdn.model.gdn_states(st), jaxgdn.model.gdn_states(ref140))
+        for key in [k for k in out if k not in reported]:
+            report(key, out[key])
+            reported.add(key)
     cache = jaxgdn.PrefixCache(interval=64, deterministic=True)
     turn1 = rng.integers(0, V, 90).tolist()
     first = jaxgdn.generate(model, [turn1], max_new_tokens=120, cache=cache)
@@ -294,9 +298,11 @@ def replay_state_checks(model) -> dict:
     turn2 = turn1 + first[0].tokens + message
     warm = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=first.cache)
     cold = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=cache)
-    out[f"turn 2 warm == cold (cached {warm[0].cached_tokens} of {len(turn2)}, bound: recompute <= 64 + 20)"] = (
-        warm[0].tokens == cold[0].tokens and np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
-        and len(turn2) - warm[0].cached_tokens <= 64 + len(message))
+    key = f"turn 2 warm == cold (cached {warm[0].cached_tokens} of {len(turn2)}, bound: recompute <= 64 + 20)"
+    out[key] = (warm[0].tokens == cold[0].tokens and np.array_equal(np.array(warm[0].logprobs),
+                                                                     np.array(cold[0].logprobs))
+                and len(turn2) - warm[0].cached_tokens <= 64 + len(message))
+    report(key, out[key])
     return out
 
 
@@ -313,18 +319,20 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 210, ba
     2026-12-02 the stage generated 140). Then `replay_state_checks`."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, model.config.vocab_size, prompt_len - 13 * i).tolist() for i in range(batch)]
+    checks = RESULTS.setdefault(tag, {})
+
+    def report(name, ok):  # logged as decided: a run cut by its time limit keeps what it had found
+        checks[name] = bool(ok)
+        log(f"  [{'PASS' if ok else 'FAIL'}] {tag} {name}")
+
     out = jaxgdn.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.8, seed=list(range(batch)))
     scores = jaxgdn.score(model, [p + r.tokens for p, r in zip(prompts, out)], start=[len(p) for p in prompts])
-    checks = {f"row {i}: generate == score": bool(np.array_equal(np.array(r.logprobs, np.float32),
-                                                                 np.array(s, np.float32)))
-              for i, (r, s) in enumerate(zip(out, scores))}
+    for i, (r, s) in enumerate(zip(out, scores)):
+        report(f"row {i}: generate == score", np.array_equal(np.array(r.logprobs, np.float32), np.array(s, np.float32)))
     [alone] = jaxgdn.generate(model, prompts[:1], max_new_tokens=new_tokens, temperature=0.8, seed=0)
-    checks["row 0 alone == in batch"] = alone.tokens == out[0].tokens and bool(
-        np.array_equal(np.array(alone.logprobs), np.array(out[0].logprobs)))
-    checks.update(replay_state_checks(model))
-    RESULTS[tag] = checks
-    for k, v in checks.items():
-        log(f"  [{'PASS' if v else 'FAIL'}] {tag} {k}")
+    report("row 0 alone == in batch", alone.tokens == out[0].tokens and bool(
+        np.array_equal(np.array(alone.logprobs), np.array(out[0].logprobs))))
+    replay_state_checks(model, report)
     return all(checks.values())
 
 
