@@ -1158,8 +1158,8 @@ def main():
         if not all(len(kv) == 2 and all(n >= 16 and n & (n - 1) == 0 for n in kv) for kv in replay_dims):
             raise ValueError
     except ValueError:
-        raise SystemExit(f"--replay-dims {args.replay_dims!r}: expected K,V pairs separated by ';', powers of two >= 16 "
-                         "(e.g. 16,16;128,128)")
+        raise SystemExit(f"--replay-dims {args.replay_dims!r}: expected K,V pairs separated by ';', powers of two "
+                         ">= 16 (e.g. 16,16;128,128)")
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
              "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_timing"}

@@ -271,9 +271,13 @@ def replay_state_checks(model, report=lambda name, ok: None) -> dict:
     toks = rng.integers(0, V, 140).astype(np.int32)
     step = jaxgdn.model.jit(jaxgdn.decode_step)
     out = {}
+
+    def put(name, ok):  # a check decided: kept and reported at once
+        out[name] = bool(ok)
+        report(name, out[name])
+
     ref128, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :128]))
     ref140, _ = model.prefill_chunk(model.init_state(1, 192), jnp.asarray(toks[None, :140]))
-    reported = set()
     modes = [(model, "replay")] + ([(model.with_decode_mode("recurrent"), "recurrent")]
                                    if model.gdn_prefill == "chunked" else [])
     for mdl, name in modes:
@@ -283,14 +287,11 @@ def replay_state_checks(model, report=lambda name, ok: None) -> dict:
             if pos + 1 == 128:
                 at128 = st
         if name == "replay":
-            out["state after decoding to 128 == prefill to 128"] = _trees_equal(at128, ref128)
-            out["state after decoding to 140 == prefill to 140"] = _trees_equal(st, ref140)
+            put("state after decoding to 128 == prefill to 128", _trees_equal(at128, ref128))
+            put("state after decoding to 140 == prefill to 140", _trees_equal(st, ref140))
         else:  # over the chunked prefill only (over the token-by-token prefill the two modes may agree)
-            out["recurrent decode mode: GDN state at 140 differs from prefill (expected)"] = not _trees_equal(
-                jaxgdn.model.gdn_states(st), jaxgdn.model.gdn_states(ref140))
-        for key in [k for k in out if k not in reported]:
-            report(key, out[key])
-            reported.add(key)
+            put("recurrent decode mode: GDN state at 140 differs from prefill (expected)", not _trees_equal(
+                jaxgdn.model.gdn_states(st), jaxgdn.model.gdn_states(ref140)))
     cache = jaxgdn.PrefixCache(interval=64, deterministic=True)
     turn1 = rng.integers(0, V, 90).tolist()
     first = jaxgdn.generate(model, [turn1], max_new_tokens=120, cache=cache)
@@ -298,11 +299,9 @@ def replay_state_checks(model, report=lambda name, ok: None) -> dict:
     turn2 = turn1 + first[0].tokens + message
     warm = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=first.cache)
     cold = jaxgdn.generate(model, [turn2], max_new_tokens=30, cache=cache)
-    key = f"turn 2 warm == cold (cached {warm[0].cached_tokens} of {len(turn2)}, bound: recompute <= 64 + 20)"
-    out[key] = (warm[0].tokens == cold[0].tokens and np.array_equal(np.array(warm[0].logprobs),
-                                                                     np.array(cold[0].logprobs))
-                and len(turn2) - warm[0].cached_tokens <= 64 + len(message))
-    report(key, out[key])
+    put(f"turn 2 warm == cold (cached {warm[0].cached_tokens} of {len(turn2)}, bound: recompute <= 64 + 20)",
+        warm[0].tokens == cold[0].tokens and np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
+        and len(turn2) - warm[0].cached_tokens <= 64 + len(message))
     return out
 
 

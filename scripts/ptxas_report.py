@@ -115,11 +115,11 @@ def main():
             q, k, v, g, b, initial_state=s0, lengths=n, config=config)
         _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, K, V, jnp.bfloat16))
     print(f"shape {args.shape}, K, V {K}, {V}, config {config or 'default'}")
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     for module in modules:
         name = module.operation.attributes["sym_name"].value
         warps, stages = launch(cfg)[name]
-        if args.dump:
-            os.makedirs(args.dump, exist_ok=True)
         r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages,
                          dump=os.path.join(args.dump, name) if args.dump else "")
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "

@@ -3,17 +3,18 @@
 Rows are prefilled to different lengths (the chunked kernels to the last grid boundary, `prime` on the rest), then
 decoded step by step with the replay step; one chunked prefill of every row's whole sequence is the reference. At
 each step, before the step runs, the boundary state it reads is compared with the prefill's state at that chunk's
-start (and after the last step, the state it leaves); after it, the v_new row it wrote (kernel 3's, read from its cache; for a row whose chunk completes, from a
-run of the same step stopped after kernel 3: `stop_after="out"`, since kernel 4 clears the cache) with the prefill
-recurrence's v_new of that position. Prints the counts, the first few differences and their sizes; exits 1 if any
-value differs.
+start (and after the last step, the state it leaves); after it, the v_new row it wrote (kernel 3's, read from its
+cache; for a row whose chunk completes, from a run of the same step stopped after kernel 3: `stop_after="out"`,
+since kernel 4 clears the cache) with the prefill recurrence's v_new of that position. The inputs are those of
+`gpu_kernels.py --only replay_step` (bf16 q / k / v, realistic gates). Prints the counts, the first few
+differences and their sizes; exits 1 if any value differs.
 
   PYTHONPATH=. python3 scripts/replay_diff.py --dims 16,16            # on the GPU (not yet run there)
   PYTHONPATH=. python3 scripts/replay_diff.py --interpret --heads 1,2 --steps 70   # on CPU: the kernels interpreted
 
-On the H200 at K = V = 16 (BENCHMARKS.md, run 94: a scratch form of this script) every v_new row of the first open chunk but the last
-(the completing row, which that form could not see) equalled the prefill's, and the first boundary state kernel 4
-folded differed.
+On the H200 at K = V = 16 (BENCHMARKS.md, run 94: a scratch form of this script) every v_new row of the first open
+chunk but the last (the completing row, which that form could not see) equalled the prefill's, and the first
+boundary state kernel 4 folded differed.
 """
 
 from __future__ import annotations
@@ -28,27 +29,19 @@ import jax
 import jax.numpy as jnp
 
 
-def inputs(rng, B, T, HK, HV, K, V):
-    """bf16 q, k, v (unit-variance normals), realistic log-decays g < 0 and beta in (0, 1)."""
-    q, k = (jnp.asarray(rng.standard_normal((B, T, HK, K)), jnp.bfloat16) for _ in range(2))
-    v = jnp.asarray(rng.standard_normal((B, T, HV, V)), jnp.bfloat16)
-    g = jnp.asarray(-np.log1p(np.exp(rng.standard_normal((B, T, HV)))), jnp.float32)  # -softplus
-    beta = jnp.asarray(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV)))), jnp.float32)
-    return q, k, v, g, beta
-
-
 def open_window(x, start, n):
-    """Rows start[b] .. start[b] + 63 of x [B, T, ...] per row, zero from n[b] on (the step's open chunk)."""
-    rows = jnp.arange(64)
-    idx = jnp.minimum(start[:, None] + rows[None, :], x.shape[1] - 1)
-    got = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
-    keep = (rows[None, :] < n[:, None]).reshape((x.shape[0], 64) + (1,) * (x.ndim - 2))
-    return jnp.where(keep, got, jnp.zeros((), x.dtype))
+    """Rows start[b] .. start[b] + 63 of x [B, T, ...] per row, zero from n[b] on (the step's open chunk), by the
+    model's own row gather."""
+    from jaxgdn.layers.gdn import _gather_rows
+
+    rows = jnp.arange(64)[None, :]
+    return _gather_rows(x, start[:, None] + rows, rows < n[:, None])
 
 
 def main(argv=None) -> int:
     from pallas_kernels.gated_delta import replay as rp
     from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+    from tests.gdn_oracle import random_gdn_inputs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="16,16", help="K,V: the key and value head sizes")
@@ -65,7 +58,9 @@ def main(argv=None) -> int:
         raise SystemExit("--steps and every prompt length must be >= 1")
     interp = args.interpret
     B, T = len(prompt), int(prompt.max()) + args.steps
-    q, k, v, g, beta = inputs(np.random.default_rng(11), B, T, HK, HV, K, V)
+    x = random_gdn_inputs(np.random.default_rng(11), B, T, HK, HV, K, V, with_state=False)
+    q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v"))
+    g, beta = (jnp.asarray(x[n], jnp.float32) for n in ("g", "beta"))
 
     prefill = functools.partial(chunk_gated_delta_rule_pallas, interpret=interp)
     h, vn, final = prefill(q, k, v, g, beta, lengths=jnp.asarray(prompt + args.steps, jnp.int32),

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 
 
 def fma(a, b, c, fused: bool):
-    """a * b + c (broadcast). fused (on the GPU): one PTX `fma.rn.f32` per element — a single rounding, whatever
-    layouts the operands have (in the decode kernel, where Triton left a multiply and an add: Nsight Compute, run
-    14); not fused (interpret mode, or a config that turns it off): a multiply and an add,
-    two roundings (XLA:CPU does not contract them)."""
+    """a * b + c (broadcast). fused (on the GPU): one PTX `fma.rn.f32` per element, a single rounding whatever
+    layouts the operands have (the decode kernel's, where Triton had left a multiply and an add: Nsight Compute,
+    run 14); not fused (interpret mode, or a config that turns it off): a multiply and an add, two roundings
+    (XLA:CPU does not contract them)."""
     if not fused:
         return a * b + c
     from jax.experimental.pallas import triton as pltriton
