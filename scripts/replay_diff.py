@@ -9,18 +9,22 @@ since kernel 4 clears the cache) with the prefill recurrence's v_new of that pos
 `gpu_kernels.py --only replay_step` (bf16 q / k / v, realistic gates). Prints the counts, the first few
 differences and their sizes; exits 1 if any value differs.
 
-  PYTHONPATH=. python3 scripts/replay_diff.py --dims 16,16            # on the GPU (not yet run there)
+  PYTHONPATH=. python3 scripts/replay_diff.py --dims 16,16            # on the GPU
   PYTHONPATH=. python3 scripts/replay_diff.py --interpret --heads 1,2 --steps 70   # on CPU: the kernels interpreted
+  ... --config '{"bv_replay": 16}'   # the replay step (and its priming) with other chunk.DEFAULT_CONFIG keys
 
-On the H200 at K = V = 16 (BENCHMARKS.md, run 94: a scratch form of this script) every v_new row of the first open
-chunk but the last (the completing row, which that form could not see) equalled the prefill's, and the first
-boundary state kernel 4 folded differed.
+On the H200 at K = V = 16 (BENCHMARKS.md, run 97, 2026-12-02) every v_new row of each row's first open chunk, the
+completing row's included, equalled the prefill's, and every boundary state kernel 4 folded differed (~40% of the
+elements, by an ulp): from there on the decoded rows differ. Run 100 (a scratch probe) narrowed it to the fold's
+kd^T v_new dot itself: kernel 4's kd and the v_new rows it reads equal the prefill's, its dot's result does not,
+with 1, 2 or 4 warps for kernel 4.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 
 import numpy as np
@@ -50,7 +54,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=140, help="replay steps per row")
     ap.add_argument("--interpret", action="store_true", help="the Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--show", type=int, default=8, help="how many differences to print per kind")
+    ap.add_argument("--config", default="", help="JSON: the replay step's config (chunk.DEFAULT_CONFIG keys; the "
+                    "prefill keeps its default)")
     args = ap.parse_args(argv)
+    step_cfg = json.loads(args.config) if args.config else {}
     K, V = (int(x) for x in args.dims.split(","))
     HK, HV = (int(x) for x in args.heads.split(","))
     prompt = np.array([int(x) for x in args.prompts.split(",")])
@@ -71,10 +78,11 @@ def main(argv=None) -> int:
     bnd = (pj // 64) * 64
     _, s = prefill(q, k, v, g, beta, lengths=bnd)
     win = jax.jit(lambda start, n: tuple(open_window(a, start, n) for a in (q, k, v, g, beta)))
-    xc, vc = rp.chunk_replay_prime_pallas(*win(bnd, pj - bnd), s, pj - bnd, interpret=interp)
-    step = jax.jit(functools.partial(rp.chunk_replay_step_pallas, interpret=interp))
+    xc, vc = rp.chunk_replay_prime_pallas(*win(bnd, pj - bnd), s, pj - bnd, interpret=interp,
+                                          config=step_cfg or None)
+    step = jax.jit(functools.partial(rp.chunk_replay_step_pallas, interpret=interp, config=step_cfg or None))
     upto_out = jax.jit(functools.partial(rp.chunk_replay_step_pallas, interpret=interp,
-                                         config=dict(stop_after="out")))
+                                         config=dict(step_cfg, stop_after="out")))
 
     def diff(got, want):
         return float(np.abs(got - want).max()), int((got != want).sum())
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
             s0_bad.append((b, int(pos[b] // 64 * 64)) + diff(s_now[b], want))
     s0_bad = sorted(set(s0_bad))  # a chunk's state is read by every step in it: each boundary once
     print(f"K, V = {K}, {V}; HK, HV = {HK}, {HV}; prompts {prompt.tolist()}, {args.steps} steps"
-          f"{' (interpreted)' if interp else ''}")
+          f"{' (interpreted)' if interp else ''}{f'; step config {step_cfg}' if step_cfg else ''}")
     for name, bad in (("primed v_new rows", primed), ("boundary states", s0_bad),
                       ("decoded v_new rows", vn_bad)):
         print(f"  {name} != prefill: {len(bad)}" + (" (row, position, max |diff|, elements): " if bad else "")

@@ -122,3 +122,12 @@ def test_replay_diff_finds_nothing_interpreted_and_a_planted_difference(capsys, 
     out = capsys.readouterr().out
     assert "boundary states != prefill: 1 " in out  # row 0's state at 64, read by its steps 64 .. 71
     assert "primed v_new rows != prefill: 0" in out and "decoded v_new rows != prefill: 0" not in out
+
+
+def test_replay_diff_passes_its_config_to_the_step():
+    """--config reaches the replay step (and its priming): a value the step refuses fails the run."""
+    from scripts import replay_diff
+
+    argv = ["--interpret", "--heads", "1,2", "--dims", "16,16", "--prompts", "20,5", "--steps", "2"]
+    with pytest.raises(ValueError, match="replay_s0_dots"):
+        replay_diff.main(argv + ["--config", '{"replay_s0_dots": 3}'])
