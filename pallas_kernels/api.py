@@ -295,7 +295,8 @@ def _attention_pallas(q, keys, values, pos, decode: bool, backend: str, fallback
 # GDN head sizes (K, V) at which the H200 checks found the replay step's output rows and boundary states bitwise the
 # chunked prefill's (`scripts/gpu_kernels.py --only replay_step --replay-dims ...`, HK = 16, HV = 32, bf16 q / k / v;
 # BENCHMARKS.md, runs 93-94). Not (16, 16), the tiny presets' heads: a few output rows and every boundary state
-# differed in the last bits there, with or without the state update's rounding fixed (runs 91-94).
+# differed in the last bits there, with or without the state update's rounding fixed (runs 91-94); runs 97-101 traced
+# it to kernel 4's kd^T v_new dot, whose result differs from the prefill recurrence's for the same operands.
 REPLAY_STEP_VERIFIED_HEADS = frozenset({(64, 64), (128, 128)})
 
 

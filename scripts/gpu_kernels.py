@@ -978,6 +978,9 @@ def replay_step_timing():
 # loaded them instead of the gates (an option then, removed: intra 16.5 / 62.1 against 18.2 / 64.7 us at B=64 / 256,
 # prep 63.7 / 214.9 against 62.4 / 211.8; the step 167.5 / 557.2 against 167.5 / 558.0 with five loops per call);
 # bits PASS.
+# Run 99 (2026-12-02 UTC 03:18): kernels 1 and 3 as one launch, grid (HV, B) ({"replay_fuse": "prep_out"}, and
+# "prep_out_fold" with kernel 4's fold inside; branch experiment/fuse-prep-out): bits PASS, slower — 191.7 / 213.6
+# against 169.2 us per step at B=64, 597.5 / 658.7 against 561.6 at B=256 (five loops per call).
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 
