@@ -15,9 +15,9 @@ differences and their sizes; exits 1 if any value differs.
 
 On the H200 at K = V = 16 (BENCHMARKS.md, run 97, 2026-12-02) every v_new row of each row's first open chunk, the
 completing row's included, equalled the prefill's, and every boundary state kernel 4 folded differed (~40% of the
-elements, by an ulp): from there on the decoded rows differ. Run 100 (a scratch probe) narrowed it to the fold's
-kd^T v_new dot itself: kernel 4's kd and the v_new rows it reads equal the prefill's, its dot's result does not,
-with 1, 2 or 4 warps for kernel 4.
+elements, by an ulp): from there on the decoded rows differ. Runs 100-101 (a scratch probe) narrowed it to the
+fold's kd^T v_new dot itself: kernel 4's kd and the v_new rows it reads equal the prefill's, its dot's result does
+not, with 1, 2 or 4 warps for kernel 4.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_replay_diff_finds_nothing_interpreted_and_a_planted_difference(capsys, 
     def nudged(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw):  # (priming calls it too, with
         # lengths < 64: they pass through)
         o, s, xc, vc = step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, **kw)
-        if kw.get("config", {}) and kw["config"].get("stop_after") == "out":
+        if (kw.get("config") or {}).get("stop_after") == "out":
             return o, s, xc, vc
         done = (lengths == 64)[:, None, None, None]
         return o, jnp.where(done, jnp.nextafter(s, jnp.inf), s), xc, vc

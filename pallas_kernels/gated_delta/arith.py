@@ -20,25 +20,22 @@ def fma(a, b, c, fused: bool):
     layouts the operands have (the decode kernel's, where Triton had left a multiply and an add: Nsight Compute,
     run 14); not fused (interpret mode, or a config that turns it off): a multiply and an add, two roundings
     (XLA:CPU does not contract them)."""
-    if not fused:
-        return a * b + c
-    from jax.experimental.pallas import triton as pltriton
-
-    a, b, c = jnp.broadcast_arrays(a, b, c)
-    return pltriton.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f",
-                                          pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+    return _ptx("fma.rn.f32 $0, $1, $2, $3;", a, b, c) if fused else a * b + c
 
 
 def mul_rn(a, b, exact: bool):
     """a * b (broadcast), rounded on its own. exact (on the GPU): PTX `mul.rn.f32`, which neither LLVM nor ptxas
     contracts with a following add; otherwise (interpret mode: XLA:CPU does not contract) a plain multiply."""
-    if not exact:
-        return a * b
+    return _ptx("mul.rn.f32 $0, $1, $2;", a, b) if exact else a * b
+
+
+def _ptx(asm: str, *args):
+    """One fp32 PTX instruction per element of the broadcast operands (Triton inline assembly: the GPU only)."""
     from jax.experimental.pallas import triton as pltriton
 
-    a, b = jnp.broadcast_arrays(a, b)
-    return pltriton.elementwise_inline_asm("mul.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-                                          result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+    args = jnp.broadcast_arrays(*args)
+    return pltriton.elementwise_inline_asm(asm, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)])[0]
 
 
 def fma_mode(fused, interpret: bool) -> bool:

@@ -274,9 +274,9 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
 @pytest.mark.parametrize("K", [16, 128])
 def test_state_update_rounding_is_written_out_in_every_kernel(update, mul, fma, K):
     """The state after a chunk, exp(gc_last) S + kd^T v_new, rounds as config `state_update` says in the prefill's
-    recurrence, in the replay step's kernel 4 and in the fused design's sequential kernel alike: "mul_add" (default) one `mul.rn.f32` (which no compiler
-    contracts with the add), "fma" one `fma.rn.f32`, "auto" neither (the compiler's choice: offline Triton fused the
-    recurrence's and not kernel 4's; BENCHMARKS.md, runs 93-94)."""
+    recurrence, in the replay step's kernel 4 and in the fused design's sequential kernel alike: "mul_add" (default)
+    one `mul.rn.f32` (which no compiler contracts with the add), "fma" one `fma.rn.f32`, "auto" neither (the
+    compiler's choice: offline Triton fused the recurrence's and not kernel 4's; BENCHMARKS.md, runs 93-94)."""
     from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
 
     config = {"state_update": update}
