@@ -2,7 +2,7 @@
 
   # the token-by-token prefill kernel (`pallas_kernels.gated_delta.scan`)
   PYTHONPATH=. ncu --kernel-name regex:scan --launch-skip 1 --launch-count 1 --set full \
-      python3 scripts/gpu_profile.py [--shape 1,2048,16,32] [--config '{"bv":16,"num_warps":1}']
+      python3 scripts/gpu_profile.py [--shape 1,2048,16,32] [--dims 128,128] [--config '{"bv":16,"num_warps":1}']
   # the chunked prefill's three kernels (`pallas_kernels.gated_delta.chunk`: prep, recurrence, output)
   PYTHONPATH=. ncu --kernel-name regex:gdn_chunk --launch-skip 3 --launch-count 3 --section SpeedOfLight \
       --section LaunchStats --section Occupancy --section WarpStateStats \
@@ -50,14 +50,16 @@ KERNELS = {"scan": fused_recurrent_gated_delta_rule_pallas, "chunk": chunk_gated
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=sorted(KERNELS), default="scan")
-    ap.add_argument("--shape", default="1,2048,16,32", help="B,T,HK,HV (K = V = 128)")
+    ap.add_argument("--shape", default="1,2048,16,32", help="B,T,HK,HV")
+    ap.add_argument("--dims", default="128,128", help="K,V: the heads' key and value sizes")
     ap.add_argument("--config", default="", help="JSON launch configuration (the kernel module's DEFAULT_CONFIG keys)")
     args = ap.parse_args()
     B, T, HK, HV = (int(x) for x in args.shape.split(","))
+    K, V = (int(x) for x in args.dims.split(","))
     ks = jax.random.split(jax.random.PRNGKey(0), 5)
-    q = jax.random.normal(ks[0], (B, T, HK, 128), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (B, T, HK, 128), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, HV, 128), jnp.bfloat16)
+    q = jax.random.normal(ks[0], (B, T, HK, K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, HK, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, HV, V), jnp.bfloat16)
     g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
     config = json.loads(args.config) if args.config else None
@@ -68,7 +70,7 @@ def main():
     t = time.perf_counter()
     jax.block_until_ready(f(q, k, v, g, beta))
     ms = (time.perf_counter() - t) * 1e3
-    print(f"{args.kernel} {args.shape} config {config}: {ms:.2f} ms (one call, host-timed)")
+    print(f"{args.kernel} {args.shape} K,V {K},{V} config {config}: {ms:.2f} ms (one call, host-timed)")
 
 
 if __name__ == "__main__":
