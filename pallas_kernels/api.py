@@ -296,7 +296,9 @@ def _attention_pallas(q, keys, values, pos, decode: bool, backend: str, fallback
 # chunked prefill's (`scripts/gpu_kernels.py --only replay_step --replay-dims ...`, HK = 16, HV = 32, bf16 q / k / v;
 # BENCHMARKS.md, runs 93-94). Not (16, 16), the tiny presets' heads: a few output rows and every boundary state
 # differed in the last bits there, with or without the state update's rounding fixed (runs 91-94); runs 97-101 traced
-# it to kernel 4's kd^T v_new dot, whose result differs from the prefill recurrence's for the same operands.
+# it to kernel 4's kd^T v_new dot, whose result differs from the prefill recurrence's for the same operands; run 102's
+# SASS shows both as HMMA chains that group the k axis into different k-steps (kd widened from fp16 after a
+# transposing load in the recurrence, before the layout change in kernel 4): the same products, other partial sums.
 REPLAY_STEP_VERIFIED_HEADS = frozenset({(64, 64), (128, 128)})
 
 
