@@ -17,7 +17,9 @@ On the H200 at K = V = 16 (BENCHMARKS.md, run 97, 2026-12-02) every v_new row of
 completing row's included, equalled the prefill's, and every boundary state kernel 4 folded differed (~40% of the
 elements, by an ulp): from there on the decoded rows differ. Runs 100-101 (a scratch probe) narrowed it to the
 fold's kd^T v_new dot itself: kernel 4's kd and the v_new rows it reads equal the prefill's, its dot's result does
-not, with 1, 2 or 4 warps for kernel 4.
+not, with 1, 2 or 4 warps for kernel 4. Run 102's SASS showed the two dots grouping the k axis into different HMMA
+k-steps; since run 103 kernel 4 loads kernel 1's kd as the recurrence loads its own (`replay_kd="prep"`) and nothing
+differs at K = V = 16 (`--config '{"replay_kd": "fold"}'` runs the form before).
 """
 
 from __future__ import annotations

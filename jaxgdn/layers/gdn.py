@@ -74,7 +74,7 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     `position` is; the state keeps the newest boundary state, the new open chunk and the replay step's caches for
     it (`pallas_kernels.chunk_replay_prime`). One-token calls (decode) run `pallas_kernels.chunk_replay_step`
     instead: only the new token's part of the open chunk, with the same arithmetic, where that is verified
-    (`pallas_kernels.replay_step_matches_prefill`: on the GPU, heads of K = V = 64 or 128); elsewhere they run the
+    (`pallas_kernels.replay_step_matches_prefill`: on the GPU, heads of K = V = 16, 64 or 128); elsewhere they run the
     chunked kernel over the open chunk and the token, as longer calls do: the prefill's kernel on the same chunk (a
     completed chunk's state is the prefill's by construction; a partial chunk's output rows rest on the kernel's
     row-causality, which the H200 checks cover at K = V = 128 (`gpu_kernels.py`'s j < 64 rows) and, through this

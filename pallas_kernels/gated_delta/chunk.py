@@ -119,6 +119,15 @@ from .wy import CHUNK
 # boundary states), not on XLA:CPU (1.5e-8 off), so "auto" (default) takes it on the GPU and the 64-row form in
 # interpret mode; True / False force either. Run 74, kernel 2 us per step at B=64 / 256: 32.2 / 121.3 before, 27.3
 # / 104.6 with it (8 warps), 18.2 / 64.4 with it on 4 warps (the default since).
+# replay_kd: where the replay step's kernel 4 takes a completing chunk's kd from: "prep" (default since run 103),
+# computed by kernel 1 when the token completes the chunk and stored as the prefill's prep stores it, then loaded by
+# kernel 4 as the prefill's recurrence loads its kd; "fold" (the default before), computed in kernel 4 from k and g
+# (fp32, rounded to `_wk_dtype`, its layout changed for the dot). The same values either way, but on the GPU the dot
+# kd^T v_new can group them otherwise: at K = V = 16 "fold" left the recurrence's bits (runs 92-101: every boundary
+# state an ulp off in ~40% of its elements; run 102's SASS: HMMA k-steps grouping the k axis otherwise than the
+# recurrence's), and "prep" gives them (run 103: the 560 rows and 8 boundary states at K = V = 16, 64 and 128). Run
+# 103, kernel 4 us per step at B=64 / 256: 13.9 / 24.4 with "fold", 11.8 / 21.2 with "prep" (kernel 1 62.6 / 211.7
+# against 63.1 / 212.1: its completing rows write kd).
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 4 with replay_qk_cols (run 74); before it, 8 (37.6 against 45.0 us per
 # step at B=64 with 4), the same bits (the H200,
@@ -141,7 +150,7 @@ DEFAULT_CONFIG = dict(
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
-    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", state_update="mul_add",
+    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
     p_kk="bf16", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 

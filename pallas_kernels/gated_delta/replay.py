@@ -15,7 +15,8 @@ prefill splits its own; between them only the new row's values travel:
      the prefill's forward substitution (`wy.substitution_step`) from the rows the cache holds; row r of the merged
      tiles from the cached block rows above (`wy.merged_block_row`; every row when the block row completes, and then
      they go into the cache) and of w and u (`chunk._wy_block_row`), w rounded as the prefill stores it; it writes
-     only row r of w and u (rows 0 .. r when priming);
+     only row r of w and u (rows 0 .. r when priming), and where the token completes the chunk (t = 63) the chunk's
+     kd as the prefill's prep stores it (`replay_kd` = "prep", the default);
   2. `gdn_replay_intra`, grid (HV // P, B), P = HV // HK value heads of one key head per program (when a power of
      two; else 1), `warps_replay_intra` warps: row t of Aqk and qg for each head, from one 64-row q k^T dot (the
      prefill output kernel's wgmma; on the GPU as column 0 of k q16^T, q16 holding q's row t and zeros, the
@@ -29,7 +30,9 @@ prefill splits its own; between them only the new row's values travel:
      16 i .. t, and no output);
   4. `gdn_replay_state`, grid (V // bv_replay, HV, B // rows), the recurrence's warps, `rows` batch rows per
      program (`replay_state_rows`): where a row's chunk completes (t = 63), the new boundary state
-     `chunk._next_state` of the whole chunk (kd as the prefill's prep computes it), written over S0
+     `chunk._next_state` of the whole chunk (kd loaded from kernel 1's, as the prefill's recurrence loads its own:
+     with kd computed here, `replay_kd` = "fold", the dot grouped the k axis into other HMMA k-steps at K = V = 16
+     and its boundary states were an ulp off the prefill's on the H200: runs 92-103), written over S0
      (`input_output_aliases`; otherwise nothing is written), and the v_new cache cleared (kernel 1 clears the x
      cache), so that the caches hold exactly what `prime` leaves for the same tokens.
 The kernels read the open chunk from separate q, k, v, g, beta arrays or, in place, from the model's packed buffers
@@ -135,11 +138,13 @@ class _LoadedSlices:
         return _Loaded(value=self._loaded[idx])
 
 
-def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, *, prime, use_l2, wk_dtype,
-                    cfg, interpret):
+def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, *, prime, use_l2,
+                    wk_dtype, cfg, interpret):
     """Kernel 1 for a token at row t = n - 1, row r = t - 16 i of block row i (static): row r of w and u (all rows
     of block row i up to r when priming), as the prefill's prep computes them. Rows of the 16-row tiles other than r
-    hold values no later step reads (an MMA's row depends only on that row of its first operand)."""
+    hold values no later step reads (an MMA's row depends only on that row of its first operand). kd_out (None
+    unless `replay_kd` is "prep"): where the token completes the chunk, the chunk's kd as the prefill's prep stores
+    it, for kernel 4."""
     t = n - 1
     r = t - i * SUB
     tiles = [(j, m) for j in range(i) for m in range(j + 1)] + [(i, i)]  # the cached tiles this branch reads
@@ -189,6 +194,10 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
         @pl.when(t == CHUNK - 1)  # the chunk is complete: the next one starts empty (caches as `prime` leaves
         def _():  # them: a state is its tokens')
             x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
+            if kd_out is not None:  # kd = k exp(gc_last - gc), stored as `chunk._store_tiled_wy` stores it
+                g_last = wy.last(gcs[-1])
+                for b in range(NB):
+                    kd_out[pl.ds(b * SUB, SUB), :] = ck._kd_slice(ks[b], gcs[b], g_last).astype(kd_out.dtype)
 
 
 def _rows_between(shape, first, last):
@@ -197,7 +206,7 @@ def _rows_between(shape, first, last):
     return (rows >= first) & (rows <= last)
 
 
-def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw):
+def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, *kd_out, **kw):
     """Kernel 1, grid (HV, B): the new token's row of the prefill's prep (V-independent but for u; every row of its
     block row up to it when priming), in the branch of its block row (static: each block row has its own tiles).
     (Kernel 2's work inside this kernel took 131 us per step at B=64 against 65 + 45 for the two: the H200,
@@ -205,7 +214,8 @@ def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_ou
     n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do, nothing written)
     for i in range(NB):
         pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
-            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, **kw))
+            _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out,
+            kd_out[0] if kd_out else None, **kw))
 
 
 def _block_row(x, i):
@@ -380,30 +390,36 @@ class _RowRefSlices:
         return _RowRef(self._row_ref._ref, self._row_ref._full(idx))
 
 
-def _fold_row(n, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg, interpret):
+def _fold_row(n, k_ref, g_ref, s_ref, vn_ref, kd_ref, s_out, vn_out, *, use_l2, wk_dtype, cfg, interpret):
     """Where the row's chunk completes (n = 64), its new boundary state's V block from the whole chunk's v_new (the
     cache) as the prefill computes it — kd as its prep kernel does (stored in `_wk_dtype`), the update as its
-    recurrence does — and the cache's block cleared; elsewhere nothing. The refs are the row's (`_RowRef`)."""
+    recurrence does — and the cache's block cleared; elsewhere nothing. The refs are the row's (`_RowRef`). kd_ref:
+    None (`replay_kd` "fold": kd computed here from k and g) or kernel 1's kd of the chunk ("prep"), loaded as the
+    prefill's recurrence loads its kd."""
 
     @pl.when(n == CHUNK)
     def _():
-        iota = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-        ks = [ck._load_key(k_ref.at[pl.ds(b * SUB, SUB)], b * SUB + iota < n, use_l2) for b in range(NB)]
         gcs = _gc_slices(g_ref, n)
         g_last = wy.last(gcs[-1])
-        kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
-                     k_ref.shape[-1], wk_dtype)
+        if kd_ref is None:
+            iota = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+            ks = [ck._load_key(k_ref.at[pl.ds(b * SUB, SUB)], b * SUB + iota < n, use_l2) for b in range(NB)]
+            kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
+                         k_ref.shape[-1], wk_dtype)
+        else:
+            kd = kd_ref[...]
         s_out[...] = ck._next_state(s_ref[...], g_last, kd, vn_ref[...], cfg, interpret)
         vn_out[...] = jnp.zeros(vn_out.shape, jnp.float32)
 
 
-def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, rows, **kw):
+def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, *refs, rows, **kw):
     """Kernel 4, grid (V // bv, HV, B // rows): the boundary states of the rows whose chunk this step completes,
     for one V block of one value head, over `rows` consecutive batch rows per program (`_fold_row` for each). The
     refs hold every row ([B, ...]); the program loads its rows' lengths at once and returns at once when none of them
     completes. Its own kernel: in kernel 3 this rare branch set the registers of the whole kernel (on the H200: 255
     per thread against 198). One row per program (rows = 1) had most programs find nothing to do at two programs per
     SM: 13.9 us per step at B=64 and 41.8 at B=256 for one completing row in 64 (the H200, run 67)."""
+    kd_ref, s_out, vn_out = refs if len(refs) == 3 else (None,) + refs  # kd: `replay_kd` "prep"
     first = pl.program_id(2) * rows
     iota = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     lens = len_ref[pl.ds(first, rows)]  # rows divides B
@@ -414,7 +430,8 @@ def _state_step_kernel(len_ref, k_ref, g_ref, s_ref, vn_ref, s_out, vn_out, *, r
             row = first + m
             n = jnp.sum(jnp.where(iota == m, lens, 0))
             at = functools.partial(_RowRef, index=(row,))
-            _fold_row(n, at(k_ref), at(g_ref), at(s_ref), at(vn_ref), at(s_out), at(vn_out), **kw)
+            _fold_row(n, at(k_ref), at(g_ref), at(s_ref), at(vn_ref), None if kd_ref is None else at(kd_ref),
+                      at(s_out), at(vn_out), **kw)
             return carry
 
         lax.fori_loop(0, rows, one, 0)
@@ -442,6 +459,11 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
                          f"program)")
     if not (cfg["replay_qk_cols"] == "auto" or isinstance(cfg["replay_qk_cols"], bool)):
         raise ValueError(f"replay_qk_cols={cfg['replay_qk_cols']!r}: 'auto', True or False")
+    kd_mode = cfg["replay_kd"]
+    if kd_mode not in ("fold", "prep"):
+        raise ValueError(f"replay_kd={kd_mode!r}: 'prep' or 'fold' (where kernel 4 takes a completing chunk's kd "
+                         f"from)")
+    kd_from_prep = kd_mode == "prep" and not prime  # (priming never completes a chunk)
     if cfg["warps_state"] != cfg["warps_out"]:
         raise ValueError("the replay step's kernel 3 runs the recurrence's v_new dot and the output's dots: it needs "
                          "warps_state == warps_out (the prefill runs them with those warps)")
@@ -459,17 +481,18 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     value_head = lambda h, b: (b, h)  # noqa: E731
     length = pl.BlockSpec((1,), lambda h, b: (b,))
 
-    # kernel 1, grid (HV, B): the new row of the prep
-    w16, u16, x_cache = pl.pallas_call(
+    # kernel 1, grid (HV, B): the new row of the prep (and a completing chunk's kd with replay_kd "prep")
+    kd_spec, kd_shape = [head(CHUNK, K)], [jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype)]
+    w16, u16, x_cache, *kd_chunk = pl.pallas_call(
         functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
         grid=(HV, B),
         in_specs=[length, src.spec("k", key_of_head), src.spec("v", value_head), src.spec("g", value_head),
                   src.spec("beta", value_head), head(CHUNK, CHUNK)],
-        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)],
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)] + kd_spec[:kd_from_prep],
         out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
                    jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
-                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + kd_shape[:kd_from_prep],
         input_output_aliases={5: 2},
         compiler_params=ck._triton_params(warps_prep, 1),
         interpret=interpret,
@@ -538,14 +561,15 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
                           interpret=interpret),
         grid=(V // bv, HV, B // rows),
         in_specs=[pl.BlockSpec((B,), lambda j, h, s: (0,)), src.spec("k", lambda j, h, s: (0, h // G), rows=B),
-                  src.spec("g", lambda j, h, s: (0, h), rows=B)] + state_rows,
+                  src.spec("g", lambda j, h, s: (0, h), rows=B)] + state_rows
+        + [pl.BlockSpec((B, None, CHUNK, K), lambda j, h, s: (0, h, 0, 0))] * len(kd_chunk),
         out_specs=state_rows,
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)],
         input_output_aliases={3: 0, 4: 1},
         compiler_params=ck._triton_params(cfg["warps_state"], 1),
         interpret=interpret,
         name="gdn_replay_state",
-    )(lengths, src.k, src.g, state, vn_cache)
+    )(lengths, src.k, src.g, state, vn_cache, *kd_chunk)
     return o, state, x_cache, vn_cache
 
 

@@ -75,6 +75,8 @@ def _decode(x, s0, prompt, steps, config=None):
     # per row and head (the one-kernel step of runs 36-37 raced on a shared tile cache here; now kernel 1 owns it)
     (1, 2, jnp.bfloat16, "realistic", "mixed", (37, 70, 8), 75, 128, {"replay_s0_dots": 2}),  # kernel 3's w S0 and
     # qg S0 as two dots
+    (2, 4, jnp.bfloat16, "realistic", "realistic", (60, 3), 70, V, {"replay_kd": "fold"}),  # kernel 4 computing kd
+    # itself (the default before run 103) instead of loading kernel 1's
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
     rng = np.random.default_rng(HV + steps)
@@ -201,7 +203,8 @@ def test_one_substitution_step_per_row_equals_the_loop():
 def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_program():
     """Kernel 4 looks after `replay_state_rows` batch rows per program (the largest power of two <= it dividing B):
     three of four rows completing their chunk in the same step — one per program by default ("auto" on a small
-    grid), all in one program with 4, two per program with 2 — give the same bits, each row's new boundary state
+    grid), all in one program with 4, two per program with 2, and with kd from kernel 1 or computed in kernel 4
+    (`replay_kd`) — give the same bits, each row's new boundary state
     equals the prefill's, the row that does not complete keeps its state and caches, and bad values are refused."""
     rng = np.random.default_rng(9)
     x, s0 = _inputs(rng, 4, C, 1, 2)
@@ -209,7 +212,8 @@ def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_progr
     lengths = np.asarray([64, 64, 30, 64])
     xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray(lengths - 1), interpret=True)
     outs = [chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True, config=cfg)
-            for cfg in (None, {"replay_state_rows": 4}, {"replay_state_rows": 2})]
+            for cfg in (None, {"replay_state_rows": 4}, {"replay_state_rows": 2}, {"replay_kd": "fold"},
+                        {"replay_kd": "prep", "replay_state_rows": 4})]
     for got in outs[1:]:
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, outs[0]))
     _, s_ref = _chunk(x, s0, lengths)
@@ -222,6 +226,9 @@ def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_progr
         with pytest.raises(ValueError, match="replay_state_rows"):
             chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True,
                                      config={"replay_state_rows": bad})
+    for bad in ("kernel1", None, 1, "auto"):
+        with pytest.raises(ValueError, match="replay_kd"):
+            chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True, config={"replay_kd": bad})
 
 
 def _pack(x, groups):
