@@ -127,7 +127,8 @@ from .wy import CHUNK
 # state an ulp off in ~40% of its elements; run 102's SASS: HMMA k-steps grouping the k axis otherwise than the
 # recurrence's), and "prep" gives them (run 103: the 560 rows and 8 boundary states at K = V = 16, 64 and 128). Run
 # 103, kernel 4 us per step at B=64 / 256: 13.9 / 24.4 with "fold", 11.8 / 21.2 with "prep" (kernel 1 62.6 / 211.7
-# against 63.1 / 212.1: its completing rows write kd).
+# against 63.1 / 212.1: its completing rows write kd). "prep" costs a transient kd buffer per call, [B, HV, 64, K] in
+# `_wk_dtype` (half the v_new cache's bytes at K = V), written only for the completing rows.
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 4 with replay_qk_cols (run 74); before it, 8 (37.6 against 45.0 us per
 # step at B=64 with 4), the same bits (the H200,
