@@ -131,3 +131,22 @@ def test_replay_diff_passes_its_config_to_the_step():
     argv = ["--interpret", "--heads", "1,2", "--dims", "16,16", "--prompts", "20,5", "--steps", "2"]
     with pytest.raises(ValueError, match="replay_s0_dots"):
         replay_diff.main(argv + ["--config", '{"replay_s0_dots": 3}'])
+
+
+def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
+    """`scripts/mosaic_tf32_probe.py --lower-only`: its Mosaic GPU TF32 wgmma kernel lowers for CUDA here (the jax
+    0.11.2 API it uses: TMA copies into swizzled shared memory, a barrier each, wgmma, the store back), at an output
+    narrower than a 128-byte swizzle too; and its TF32 rounding is round-to-nearest, ties away from zero."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import mosaic_tf32_probe as probe
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert probe.main(["--lower-only", "--shapes", "128,64;64,16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("lowered, a Mosaic GPU custom call") == 2, out
+    ulp = 2.0 ** -10  # TF32's spacing at 1
+    x = np.array([1 + ulp / 2, 1 + ulp / 4, 1 + 3 * ulp / 4, -(1 + ulp / 2), 3.0], np.float32)
+    assert probe.tf32_rna(x).tolist() == [1 + ulp, 1.0, 1 + ulp, -(1 + ulp), 3.0]

@@ -482,17 +482,17 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     length = pl.BlockSpec((1,), lambda h, b: (b,))
 
     # kernel 1, grid (HV, B): the new row of the prep (and a completing chunk's kd with replay_kd "prep")
-    kd_spec, kd_shape = [head(CHUNK, K)], [jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype)]
+    kd_out = [(head(CHUNK, K), jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype))] if kd_from_prep else []
     w16, u16, x_cache, *kd_chunk = pl.pallas_call(
         functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
                           interpret=interpret),
         grid=(HV, B),
         in_specs=[length, src.spec("k", key_of_head), src.spec("v", value_head), src.spec("g", value_head),
                   src.spec("beta", value_head), head(CHUNK, CHUNK)],
-        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)] + kd_spec[:kd_from_prep],
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)] + [spec for spec, _ in kd_out],
         out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
                    jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
-                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + kd_shape[:kd_from_prep],
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + [shape for _, shape in kd_out],
         input_output_aliases={5: 2},
         compiler_params=ck._triton_params(warps_prep, 1),
         interpret=interpret,

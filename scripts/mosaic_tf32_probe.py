@@ -1,0 +1,140 @@
+"""Do Pallas' Mosaic GPU TF32 wgmma and our Pallas-Triton TF32 dots round alike? A first question for moving the
+kernels off the deprecated Triton backend (`docs/mosaic_gpu.md`, `docs/speed_gaps.md`): if a Mosaic GPU dot gives the
+bits of the Triton dot on the same fp32 operands, the kernels can move one at a time and the prefill / replay step
+bitwise contracts survive each move; if not, the prefill and the replay step must move together.
+
+On the GPU (H200, nothing installed: `PYTHONPATH=. python3 scripts/mosaic_tf32_probe.py`) it multiplies fresh random
+fp32 operands A [64, K] and B [K, N] (B stored [N, K], K-major, as TF32 wgmma needs it in both backends) by
+  - `mosaic`: one Mosaic GPU kernel, a single warpgroup, A and B copied to swizzled shared memory by TMA, one
+    `plgpu.wgmma` chain;
+  - `triton64`: a Pallas-Triton kernel running `wy.dot(a, b, "tf32", trans_b=True)` on all 64 rows (a wgmma there);
+  - `triton16`: the same on 16-row blocks (mma.sync there: the replay step's form);
+and prints, for each pair and against a float64 product of the TF32-rounded operands (round to nearest, ties away, as
+`cvt.rna.tf32.f32`), how many elements differ and by how much. Exit status 0 whatever it finds: it is a measurement.
+
+On a CPU (`--lower-only`) it only lowers the Mosaic GPU kernel for an abstract H200 (what the CI checks: the API of
+jax 0.11.2 as this script uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+SWIZZLE = 128  # bytes: 32 fp32 per swizzled row
+
+
+def mosaic_dot(a, b_t):
+    """a [M, K] fp32, b_t [N, K] fp32 -> a @ b_t.T [M, N] fp32: one Mosaic GPU kernel, one TF32 wgmma chain (M a
+    multiple of 64, K of 32, N of 8; `docs/mosaic_gpu.md`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    M, K = a.shape
+    N = b_t.shape[0]
+    swizzled = (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
+    out_swizzle = plgpu.find_swizzle(N * 32)  # bytes (the output's rows may be narrower than 128 bytes)
+    out_swizzled = (plgpu.TilingTransform((8, out_swizzle // 4)), plgpu.SwizzleTransform(out_swizzle))
+
+    def kernel(a_gmem, b_gmem, out_gmem, a_smem, b_smem, o_smem, barriers):
+        plgpu.copy_gmem_to_smem(a_gmem, a_smem, barriers.at[0])
+        plgpu.copy_gmem_to_smem(b_gmem, b_smem, barriers.at[1])
+        plgpu.barrier_wait(barriers.at[0])
+        plgpu.barrier_wait(barriers.at[1])
+
+        def with_accumulator(acc):
+            plgpu.wgmma(acc, a_smem, b_smem.T)  # fp32 operands: TF32; B K-major (stored [N, K])
+            o_smem[...] = acc[...]  # reading the accumulator waits for the wgmma
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(with_accumulator, plgpu.ACC((M, N), jnp.float32))
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        scratch_types=[plgpu.SMEM((M, K), jnp.float32, transforms=swizzled),
+                       plgpu.SMEM((N, K), jnp.float32, transforms=swizzled),
+                       plgpu.SMEM((M, N), jnp.float32, transforms=out_swizzled),
+                       plgpu.Barrier(num_barriers=2)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(a, b_t)
+
+
+def triton_dot(a, b_t, rows: int):
+    """The same product by a Pallas-Triton kernel, `rows` rows of A per program, through our kernels' own dot
+    (`wy.dot`, precision "tf32")."""
+    from jax.experimental.pallas import triton as plt
+
+    from pallas_kernels.gated_delta import wy
+
+    M, K = a.shape
+    N = b_t.shape[0]
+
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = wy.dot(a_ref[...], b_ref[...], "tf32", False, trans_b=True)
+
+    return pl.pallas_call(
+        kernel, grid=(M // rows,),
+        in_specs=[pl.BlockSpec((rows, K), lambda i: (i, 0)), pl.BlockSpec((N, K), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((rows, N), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+    )(a, b_t)
+
+
+def tf32_rna(x: np.ndarray) -> np.ndarray:
+    """fp32 -> the nearest TF32 value, ties away from zero (`cvt.rna.tf32.f32`), as fp32 (finite inputs)."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def compare(name: str, x: np.ndarray, y: np.ndarray) -> dict:
+    differ = x != y
+    scale = np.abs(y).max()
+    row = dict(pair=name, differ=int(differ.sum()), of=int(x.size),
+               max_abs=float(np.abs(x - y).max()), max_rel=float(np.abs(x - y).max() / scale))
+    print(f"{name:>28s}: {row['differ']:6d} of {row['of']} elements differ; max |diff| {row['max_abs']:.3g} "
+          f"({row['max_rel']:.3g} of max |value|)", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lower-only", action="store_true", help="only lower the Mosaic GPU kernel for CUDA (on a CPU)")
+    ap.add_argument("--shapes", default="128,64;64,64;128,16", help="K,N pairs, ';'-separated (M = 64)")
+    ap.add_argument("--seeds", type=int, default=3)
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(n) for n in kn.split(",")) for kn in args.shapes.split(";")]
+    if args.lower_only:
+        for K, N in shapes:
+            sds = (jax.ShapeDtypeStruct((64, K), jnp.float32), jax.ShapeDtypeStruct((N, K), jnp.float32))
+            text = jax.jit(mosaic_dot).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+            print(f"K={K} N={N}: lowered, {'a Mosaic GPU custom call' if 'mosaic_gpu' in text else 'no Mosaic call'}")
+        return 0
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    for K, N in shapes:
+        for seed in range(args.seeds):
+            rng = np.random.default_rng(seed)
+            a = rng.standard_normal((64, K)).astype(np.float32)
+            b_t = rng.standard_normal((N, K)).astype(np.float32)
+            a_j, b_j = jnp.asarray(a), jnp.asarray(b_t)
+            got = {"mosaic": np.asarray(jax.jit(mosaic_dot)(a_j, b_j)),
+                   "triton64": np.asarray(jax.jit(lambda x, y: triton_dot(x, y, 64))(a_j, b_j)),
+                   "triton16": np.asarray(jax.jit(lambda x, y: triton_dot(x, y, 16))(a_j, b_j))}
+            exact = (tf32_rna(a).astype(np.float64) @ tf32_rna(b_t).astype(np.float64).T).astype(np.float32)
+            print(f"K={K} N={N} seed {seed}:", flush=True)
+            for x, y in (("mosaic", "triton64"), ("mosaic", "triton16"), ("triton16", "triton64")):
+                compare(f"{x} vs {y}", got[x], got[y])
+            for x in got:
+                compare(f"{x} vs rounded fp64", got[x], exact)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
