@@ -127,8 +127,9 @@ from .wy import CHUNK
 # state an ulp off in ~40% of its elements; run 102's SASS: HMMA k-steps grouping the k axis otherwise than the
 # recurrence's), and "prep" gives them (run 103: the 560 rows and 8 boundary states at K = V = 16, 64 and 128). Run
 # 103, kernel 4 us per step at B=64 / 256: 13.9 / 24.4 with "fold", 11.8 / 21.2 with "prep" (kernel 1 62.6 / 211.7
-# against 63.1 / 212.1: its completing rows write kd). "prep" costs a transient kd buffer per call, [B, HV, 64, K] in
-# `_wk_dtype` (half the v_new cache's bytes at K = V), written only for the completing rows.
+# against 63.1 / 212.1: its completing rows write kd; offline ptxas: kernel 1 209 -> 222 registers per thread).
+# "prep" costs a transient kd buffer per call, [B, HV, 64, K] in `_wk_dtype` (half the v_new cache's bytes at K = V),
+# written only for the completing rows.
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 4 with replay_qk_cols (run 74); before it, 8 (37.6 against 45.0 us per
 # step at B=64 with 4), the same bits (the H200,
@@ -136,7 +137,9 @@ from .wy import CHUNK
 # warps variants changing the bits either).
 # state_update: how the state after a chunk, exp(gc_last) S + kd^T v_new (`_next_state`: the recurrence's, the
 # replay step's kernel 4 and the fused design's sequential kernel), rounds on the GPU: "mul_add" (default), the
-# decayed state rounded, then the dot's result added (`arith.mul_rn`: no compiler may contract the two); "fma", one
+# decayed state rounded (`arith.mul_rn`: no compiler may contract it into an FMA), then kd^T v_new added — which the
+# H200's code does inside the dot: Triton makes the decayed state the MMA chain's initial accumulator (run 102's
+# SASS, in the recurrence and in kernel 4 alike, at K = V = 16 and 64); "fma", one
 # fma.rn.f32 per element; "auto", as the compiler chooses (the code before 2026-12-02). Offline, Triton 3.6
 # contracted the recurrence's into an FMA and not the replay step's (a layout conversion between them); on the H200
 # "mul_add" computes what "auto" did in the prefill at K = V = 128 and "fma" does not (runs 93-94), so the default
@@ -374,7 +377,8 @@ def _v_new(u, w, s, cfg, interpret):
 
 def _next_state(s, g_last, kd, v_new, cfg, interpret):
     """The state after a chunk: exp(gc_last) S + kd^T v_new (kd [C, K] as stored, v_new [C, BV]); the multiply and
-    the add rounded as config `state_update` says, so that every kernel that calls this rounds alike."""
+    the add rounded as config `state_update` says, so that every kernel that calls this rounds alike (on the GPU
+    the add is the dot's own accumulation: Triton feeds the decayed state to the MMA chain as its accumulator)."""
     kv = wy.dot(kd.astype(jnp.float32), v_new, cfg["p_kv"], interpret, trans_a=True)
     how = "auto" if interpret else cfg["state_update"]
     if how == "fma":
