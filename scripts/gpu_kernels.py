@@ -981,6 +981,9 @@ def replay_step_timing():
 # Run 99 (2026-12-02 UTC 03:18): kernels 1 and 3 as one launch, grid (HV, B) ({"replay_fuse": "prep_out"}, and
 # "prep_out_fold" with kernel 4's fold inside; branch experiment/fuse-prep-out): bits PASS, slower — 191.7 / 213.6
 # against 169.2 us per step at B=64, 597.5 / 658.7 against 561.6 at B=256 (five loops per call).
+# Run 103 (2026-12-02 UTC 05:51): kernel 4 loading kernel 1's kd ({"replay_kd": "prep"}, the default since; "fold"
+# before): state 11.8 / 21.2 against 13.9 / 24.4 us per step at B=64 / 256, the step 166.3 / 554.9 against 167.4 /
+# 557.1; bits PASS at K = V = 16 (where "fold" fails), 64 and 128.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 
