@@ -78,7 +78,8 @@ def gdn_prefill(cfg: ModelConfig, p: GDNParams, x: jax.Array, state: GDNLayerSta
     chunked kernel over the open chunk and the token, as longer calls do: the prefill's kernel on the same chunk (a
     completed chunk's state is the prefill's by construction; a partial chunk's output rows rest on the kernel's
     row-causality, which the H200 checks cover at K = V = 128 (`gpu_kernels.py`'s j < 64 rows) and, through this
-    path, at the tiny presets' 16: BENCHMARKS.md, runs 95 and 97-98), at the cost of a chunk per token.
+    path, at 16: BENCHMARKS.md, runs 95 and 97-98, before the tiny presets moved to the step), at the cost of a
+    chunk per token.
 
     Checkpoints: a GDNLayerState whose leaves carry an extra axis M: conv [B, M, KC-1, C], recurrent
     [B, M, HV, K, V] — every `checkpoint_stride` tokens from the call's start (recurrent mode) or from the last

@@ -194,10 +194,15 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
         @pl.when(t == CHUNK - 1)  # the chunk is complete: the next one starts empty (caches as `prime` leaves
         def _():  # them: a state is its tokens')
             x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
-            if kd_out is not None:  # kd = k exp(gc_last - gc), stored as `chunk._store_tiled_wy` stores it
-                g_last = wy.last(gcs[-1])
-                for b in range(NB):
-                    kd_out[pl.ds(b * SUB, SUB), :] = ck._kd_slice(ks[b], gcs[b], g_last).astype(kd_out.dtype)
+            if kd_out is not None:  # stored as `chunk._store_tiled_wy` stores it
+                for b, kd in enumerate(_kd_slices(ks, gcs, kd_out.dtype)):
+                    kd_out[pl.ds(b * SUB, SUB), :] = kd
+
+
+def _kd_slices(ks, gcs, dtype):
+    """The chunk's kd = k exp(gc_last - gc) in its four 16-row slices, rounded to `dtype` (`chunk._kd_slice`)."""
+    g_last = wy.last(gcs[-1])
+    return [ck._kd_slice(kb, gc, g_last).astype(dtype) for kb, gc in zip(ks, gcs)]
 
 
 def _rows_between(shape, first, last):
@@ -404,8 +409,7 @@ def _fold_row(n, k_ref, g_ref, s_ref, vn_ref, kd_ref, s_out, vn_out, *, use_l2, 
         if kd_ref is None:
             iota = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
             ks = [ck._load_key(k_ref.at[pl.ds(b * SUB, SUB)], b * SUB + iota < n, use_l2) for b in range(NB)]
-            kd = _placed([(b, ck._kd_slice(ks[b], gcs[b], g_last).astype(wk_dtype)) for b in range(NB)],
-                         k_ref.shape[-1], wk_dtype)
+            kd = _placed(list(enumerate(_kd_slices(ks, gcs, wk_dtype))), k_ref.shape[-1], wk_dtype)
         else:
             kd = kd_ref[...]
         s_out[...] = ck._next_state(s_ref[...], g_last, kd, vn_ref[...], cfg, interpret)
