@@ -88,10 +88,80 @@ def triton_dot(a, b_t, rows: int):
     )(a, b_t)
 
 
+def mosaic_ops(x, *, approx: bool):
+    """x [M, N] fp32 -> (exp(x), rsqrt(|x| + 1e-6), the row sums [M]) by one Mosaic GPU kernel (one warpgroup, the
+    values in the WGMMA register layout; `approx`: `CompilerParams(approx_math=...)`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    M, N = x.shape
+
+    def kernel(x_gmem, e_gmem, r_gmem, s_gmem, x_smem, e_smem, r_smem, s_smem, barrier):
+        plgpu.copy_gmem_to_smem(x_gmem, x_smem, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        v = plgpu.layout_cast(x_smem[...], plgpu.Layout.WGMMA)
+        e_smem[...] = jnp.exp(v)
+        r_smem[...] = jax.lax.rsqrt(jnp.abs(v) + 1e-6)
+        s_smem[...] = jnp.sum(v, axis=1)
+        plgpu.commit_smem()
+        for smem, gmem in ((e_smem, e_gmem), (r_smem, r_gmem), (s_smem, s_gmem)):
+            plgpu.copy_smem_to_gmem(smem, gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M,), f32)),
+        scratch_types=[plgpu.SMEM((M, N), f32)] * 3 + [plgpu.SMEM((M,), f32), plgpu.Barrier(num_barriers=1)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),
+    )(x)
+
+
+def triton_ops(x):
+    """The same three by a Pallas-Triton kernel on 4 warps (the operations our kernels trace: `jnp.exp`,
+    `lax.rsqrt`, `jnp.sum` along a row, as `wy.l2norm`)."""
+    from jax.experimental.pallas import triton as plt
+
+    M, N = x.shape
+
+    def kernel(x_ref, e_ref, r_ref, s_ref):
+        v = x_ref[...]
+        e_ref[...] = jnp.exp(v)
+        r_ref[...] = jax.lax.rsqrt(jnp.abs(v) + 1e-6)
+        s_ref[...] = jnp.sum(v, axis=1)
+
+    f32 = jnp.float32
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M,), f32)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+    )(x)
+
+
+def ops_probe(seeds: int) -> None:
+    """Elementwise and reduction bits: Triton against Mosaic GPU (approx_math off and on), x ~ U(-100, 3) (exp
+    reaches fp32's subnormal range below -87.3: Triton's code flushes subnormals to zero) and a row sum over 128."""
+    for seed in range(seeds):
+        x = jnp.asarray(np.random.default_rng(100 + seed).uniform(-100.0, 3.0, (64, 128)).astype(np.float32))
+        tri = [np.asarray(o) for o in jax.jit(triton_ops)(x)]
+        print(f"ops, seed {seed}:", flush=True)
+        for approx in (False, True):
+            mos = [np.asarray(o) for o in jax.jit(lambda y, a=approx: mosaic_ops(y, approx=a))(x)]
+            for name, m, t in zip(("exp", "rsqrt", "row sum"), mos, tri):
+                compare(f"{name}: mosaic{' approx' if approx else ''} vs triton", m, t)
+        sub = (np.asarray(x) < -87.34).sum()
+        print(f"  ({sub} inputs below -87.34; triton's exp there: {np.count_nonzero(tri[0][np.asarray(x) < -87.34])} "
+              f"non-zero)", flush=True)
+
+
 def tf32_rna(x: np.ndarray) -> np.ndarray:
     """fp32 -> the nearest TF32 value, ties away from zero (`cvt.rna.tf32.f32`), as fp32 (finite inputs)."""
     bits = np.asarray(x, np.float32).view(np.uint32)
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def tf32_rz(x: np.ndarray) -> np.ndarray:
+    """fp32 -> TF32 by dropping the 13 low mantissa bits (toward zero), as fp32."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def compare(name: str, x: np.ndarray, y: np.ndarray) -> dict:
@@ -109,6 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lower-only", action="store_true", help="only lower the Mosaic GPU kernel for CUDA (on a CPU)")
     ap.add_argument("--shapes", default="128,64;64,64;128,16", help="K,N pairs, ';'-separated (M = 64)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--no-ops", action="store_true", help="skip the elementwise / reduction comparison")
     args = ap.parse_args(argv)
     shapes = [tuple(int(n) for n in kn.split(",")) for kn in args.shapes.split(";")]
     if args.lower_only:
@@ -116,6 +187,12 @@ def main(argv=None) -> int:
             sds = (jax.ShapeDtypeStruct((64, K), jnp.float32), jax.ShapeDtypeStruct((N, K), jnp.float32))
             text = jax.jit(mosaic_dot).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
             print(f"K={K} N={N}: lowered, {'a Mosaic GPU custom call' if 'mosaic_gpu' in text else 'no Mosaic call'}")
+        if not args.no_ops:
+            for approx in (False, True):
+                text = jax.jit(lambda x, a=approx: mosaic_ops(x, approx=a)).trace(
+                    jax.ShapeDtypeStruct((64, 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+                print(f"ops (approx_math={approx}): lowered, "
+                      f"{'a Mosaic GPU custom call' if 'mosaic_gpu' in text else 'no Mosaic call'}")
         return 0
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     for K, N in shapes:
@@ -125,14 +202,21 @@ def main(argv=None) -> int:
             b_t = rng.standard_normal((N, K)).astype(np.float32)
             a_j, b_j = jnp.asarray(a), jnp.asarray(b_t)
             got = {"mosaic": np.asarray(jax.jit(mosaic_dot)(a_j, b_j)),
+                   # the operands rounded to TF32 (nearest, ties away) before the Mosaic GPU kernel sees them
+                   "mosaic_rna": np.asarray(jax.jit(mosaic_dot)(jnp.asarray(tf32_rna(a)), jnp.asarray(tf32_rna(b_t)))),
                    "triton64": np.asarray(jax.jit(lambda x, y: triton_dot(x, y, 64))(a_j, b_j)),
                    "triton16": np.asarray(jax.jit(lambda x, y: triton_dot(x, y, 16))(a_j, b_j))}
-            exact = (tf32_rna(a).astype(np.float64) @ tf32_rna(b_t).astype(np.float64).T).astype(np.float32)
+            exact = {"rna": (tf32_rna(a).astype(np.float64) @ tf32_rna(b_t).astype(np.float64).T).astype(np.float32),
+                     "rz": (tf32_rz(a).astype(np.float64) @ tf32_rz(b_t).astype(np.float64).T).astype(np.float32)}
             print(f"K={K} N={N} seed {seed}:", flush=True)
-            for x, y in (("mosaic", "triton64"), ("mosaic", "triton16"), ("triton16", "triton64")):
+            for x, y in (("mosaic", "triton64"), ("mosaic", "triton16"), ("triton16", "triton64"),
+                         ("mosaic_rna", "triton64"), ("mosaic_rna", "triton16")):
                 compare(f"{x} vs {y}", got[x], got[y])
             for x in got:
-                compare(f"{x} vs rounded fp64", got[x], exact)
+                for how, want in exact.items():
+                    compare(f"{x} vs {how}-rounded fp64", got[x], want)
+    if not args.no_ops:
+        ops_probe(args.seeds)
     return 0
 
 

@@ -136,7 +136,8 @@ def test_replay_diff_passes_its_config_to_the_step():
 def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     """`scripts/mosaic_tf32_probe.py --lower-only`: its Mosaic GPU TF32 wgmma kernel lowers for CUDA here (the jax
     0.11.2 API it uses: TMA copies into swizzled shared memory, a barrier each, wgmma, the store back), at an output
-    narrower than a 128-byte swizzle too; and its TF32 rounding is round-to-nearest, ties away from zero."""
+    narrower than a 128-byte swizzle too, and its elementwise / row-sum kernel with and without approx_math; and its
+    TF32 roundings: to nearest, ties away from zero, and toward zero."""
     import numpy as np
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -146,7 +147,9 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
         sys.path.remove(str(ROOT / "scripts"))
     assert probe.main(["--lower-only", "--shapes", "128,64;64,16"]) == 0
     out = capsys.readouterr().out
-    assert out.count("lowered, a Mosaic GPU custom call") == 2, out
+    assert out.count("lowered, a Mosaic GPU custom call") == 4, out  # two dots, then the ops kernel twice
+    assert "ops (approx_math=True): lowered" in out, out
     ulp = 2.0 ** -10  # TF32's spacing at 1
     x = np.array([1 + ulp / 2, 1 + ulp / 4, 1 + 3 * ulp / 4, -(1 + ulp / 2), 3.0], np.float32)
     assert probe.tf32_rna(x).tolist() == [1 + ulp, 1.0, 1 + ulp, -(1 + ulp), 3.0]
+    assert probe.tf32_rz(x).tolist() == [1.0, 1.0, 1.0, -1.0, 3.0]
