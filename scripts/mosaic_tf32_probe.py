@@ -9,10 +9,15 @@ fp32 operands A [64, K] and B [K, N] (B stored [N, K], K-major, as TF32 wgmma ne
     `plgpu.wgmma` chain;
   - `triton64`: a Pallas-Triton kernel running `wy.dot(a, b, "tf32", trans_b=True)` on all 64 rows (a wgmma there);
   - `triton16`: the same on 16-row blocks (mma.sync there: the replay step's form);
-and prints, for each pair and against a float64 product of the TF32-rounded operands (round to nearest, ties away, as
-`cvt.rna.tf32.f32`), how many elements differ and by how much. Exit status 0 whatever it finds: it is a measurement.
+  - `mosaic_rna`: the Mosaic GPU kernel on operands rounded to TF32 (to nearest, ties away) beforehand;
+and prints, for each pair and against float64 products of the operands rounded to TF32 to nearest (ties away, as
+`cvt.rna.tf32.f32`) and toward zero, how many elements differ and by how much. Then (unless --no-ops) it compares
+exp, rsqrt and a row sum over 128 between a Pallas-Triton kernel and a Mosaic GPU kernel (`approx_math` off and on).
+Exit status 0 whatever it finds: it is a measurement. What it found on the H200 (BENCHMARKS.md, runs 106-108): the
+Mosaic GPU wgmma truncates fp32 operands, and on operands rounded to nearest first it gives the Triton dots' bits;
+exact exp and rsqrt agree, the fast exp and the row sum's order of additions do not.
 
-On a CPU (`--lower-only`) it only lowers the Mosaic GPU kernel for an abstract H200 (what the CI checks: the API of
+On a CPU (`--lower-only`) it only lowers the Mosaic GPU kernels for an abstract H200 (what the CI checks: the API of
 jax 0.11.2 as this script uses it).
 """
 
