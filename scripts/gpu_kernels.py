@@ -154,6 +154,11 @@ def chunk_accuracy(configs):
         ("T256_realistic_beta1", dict(B=1, T=256, HK=2, HV=4), dict(beta_kind="one"), None),
         ("T128_repeated_keys_beta1_g0", dict(B=1, T=128, HK=1, HV=2), dict(g_kind="near_zero", beta_kind="one"),
          None),
+        # random keys with g ~ 0 and beta = 1 (added 2026-12-02 after run 109 measured the default at 2.03e-3 on the
+        # output of such a case, just over the bar, of which the bf16 rounding of the exact output alone is 1.67e-3;
+        # this draw: 2.000e-3, run 110 — at the bar)
+        ("T128_random_keys_beta1_g0", dict(B=1, T=128, HK=1, HV=2), dict(g_kind="near_zero", beta_kind="one"),
+         None),
     ]
     acc = {}
     for ci, (name, shp, kinds, lengths) in enumerate(cases):
