@@ -93,6 +93,12 @@ def triton_dot(a, b_t, rows: int):
     )(a, b_t)
 
 
+def _ops_out_type(M: int, N: int):
+    """exp and rsqrt [M, N], the row sums [M]: fp32."""
+    f32 = jnp.float32
+    return jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M,), f32)
+
+
 def mosaic_ops(x, *, approx: bool):
     """x [M, N] fp32 -> (exp(x), rsqrt(|x| + 1e-6), the row sums [M]) by one Mosaic GPU kernel (one warpgroup, the
     values in the WGMMA register layout; `approx`: `CompilerParams(approx_math=...)`)."""
@@ -112,11 +118,11 @@ def mosaic_ops(x, *, approx: bool):
             plgpu.copy_smem_to_gmem(smem, gmem)
         plgpu.wait_smem_to_gmem(0)
 
-    f32 = jnp.float32
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M,), f32)),
-        scratch_types=[plgpu.SMEM((M, N), f32)] * 3 + [plgpu.SMEM((M,), f32), plgpu.Barrier(num_barriers=1)],
+        out_type=_ops_out_type(M, N),
+        scratch_types=[plgpu.SMEM((M, N), jnp.float32)] * 3 + [plgpu.SMEM((M,), jnp.float32),
+                                                               plgpu.Barrier(num_barriers=1)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),
     )(x)
 
@@ -134,17 +140,17 @@ def triton_ops(x):
         r_ref[...] = jax.lax.rsqrt(jnp.abs(v) + 1e-6)
         s_ref[...] = jnp.sum(v, axis=1)
 
-    f32 = jnp.float32
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M, N), f32), jax.ShapeDtypeStruct((M,), f32)),
+        out_shape=_ops_out_type(M, N),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(x)
 
 
 def ops_probe(seeds: int) -> None:
     """Elementwise and reduction bits: Triton against Mosaic GPU (approx_math off and on), x ~ U(-100, 3) (exp
-    reaches fp32's subnormal range below -87.3: Triton's code flushes subnormals to zero) and a row sum over 128."""
+    reaches fp32's subnormal range below -87.34: it prints how many of those results Triton's exp left non-zero —
+    all of them on the H200, run 108) and a row sum over 128."""
     for seed in range(seeds):
         x = jnp.asarray(np.random.default_rng(100 + seed).uniform(-100.0, 3.0, (64, 128)).astype(np.float32))
         tri = [np.asarray(o) for o in jax.jit(triton_ops)(x)]
@@ -153,20 +159,26 @@ def ops_probe(seeds: int) -> None:
             mos = [np.asarray(o) for o in jax.jit(lambda y, a=approx: mosaic_ops(y, approx=a))(x)]
             for name, m, t in zip(("exp", "rsqrt", "row sum"), mos, tri):
                 compare(f"{name}: mosaic{' approx' if approx else ''} vs triton", m, t)
-        sub = (np.asarray(x) < -87.34).sum()
-        print(f"  ({sub} inputs below -87.34; triton's exp there: {np.count_nonzero(tri[0][np.asarray(x) < -87.34])} "
+        subnormal = np.asarray(x) < -87.34
+        print(f"  ({subnormal.sum()} inputs below -87.34; triton's exp there: {np.count_nonzero(tri[0][subnormal])} "
               f"non-zero)", flush=True)
-
-
-def tf32_rna(x: np.ndarray) -> np.ndarray:
-    """fp32 -> the nearest TF32 value, ties away from zero (`cvt.rna.tf32.f32`), as fp32 (finite inputs)."""
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def tf32_rz(x: np.ndarray) -> np.ndarray:
     """fp32 -> TF32 by dropping the 13 low mantissa bits (toward zero), as fp32."""
     return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def tf32_rna(x: np.ndarray) -> np.ndarray:
+    """fp32 -> the nearest TF32 value, ties away from zero (`cvt.rna.tf32.f32`), as fp32 (finite inputs): half a
+    TF32 ulp added to the magnitude's bits, then cut."""
+    return tf32_rz((np.asarray(x, np.float32).view(np.uint32) + np.uint32(0x1000)).view(np.float32))
+
+
+def _lowered(fn, *avals) -> str:
+    """Whether `fn` lowers for CUDA here (an exception if not) to a Mosaic GPU custom call."""
+    text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    return "lowered, " + ("a Mosaic GPU custom call" if "mosaic_gpu" in text else "no Mosaic call")
 
 
 def compare(name: str, x: np.ndarray, y: np.ndarray) -> dict:
@@ -181,7 +193,7 @@ def compare(name: str, x: np.ndarray, y: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lower-only", action="store_true", help="only lower the Mosaic GPU kernel for CUDA (on a CPU)")
+    ap.add_argument("--lower-only", action="store_true", help="only lower the Mosaic GPU kernels for CUDA (on a CPU)")
     ap.add_argument("--shapes", default="128,64;64,64;128,16", help="K,N pairs, ';'-separated (M = 64)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--no-ops", action="store_true", help="skip the elementwise / reduction comparison")
@@ -190,14 +202,11 @@ def main(argv=None) -> int:
     if args.lower_only:
         for K, N in shapes:
             sds = (jax.ShapeDtypeStruct((64, K), jnp.float32), jax.ShapeDtypeStruct((N, K), jnp.float32))
-            text = jax.jit(mosaic_dot).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
-            print(f"K={K} N={N}: lowered, {'a Mosaic GPU custom call' if 'mosaic_gpu' in text else 'no Mosaic call'}")
+            print(f"K={K} N={N}: {_lowered(mosaic_dot, *sds)}")
         if not args.no_ops:
+            x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
             for approx in (False, True):
-                text = jax.jit(lambda x, a=approx: mosaic_ops(x, approx=a)).trace(
-                    jax.ShapeDtypeStruct((64, 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-                print(f"ops (approx_math={approx}): lowered, "
-                      f"{'a Mosaic GPU custom call' if 'mosaic_gpu' in text else 'no Mosaic call'}")
+                print(f"ops (approx_math={approx}): {_lowered(lambda y, a=approx: mosaic_ops(y, approx=a), x)}")
         return 0
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     for K, N in shapes:
@@ -211,8 +220,8 @@ def main(argv=None) -> int:
                    "mosaic_rna": np.asarray(jax.jit(mosaic_dot)(jnp.asarray(tf32_rna(a)), jnp.asarray(tf32_rna(b_t)))),
                    "triton64": np.asarray(jax.jit(lambda x, y: triton_dot(x, y, 64))(a_j, b_j)),
                    "triton16": np.asarray(jax.jit(lambda x, y: triton_dot(x, y, 16))(a_j, b_j))}
-            exact = {"rna": (tf32_rna(a).astype(np.float64) @ tf32_rna(b_t).astype(np.float64).T).astype(np.float32),
-                     "rz": (tf32_rz(a).astype(np.float64) @ tf32_rz(b_t).astype(np.float64).T).astype(np.float32)}
+            exact = {how: (cut(a).astype(np.float64) @ cut(b_t).astype(np.float64).T).astype(np.float32)
+                     for how, cut in (("rna", tf32_rna), ("rz", tf32_rz))}
             print(f"K={K} N={N} seed {seed}:", flush=True)
             for x, y in (("mosaic", "triton64"), ("mosaic", "triton16"), ("triton16", "triton64"),
                          ("mosaic_rna", "triton64"), ("mosaic_rna", "triton16")):
