@@ -4,9 +4,11 @@ properties without interpret mode, then timing beside fla-core 0.6.0 and the pur
 Run on the GPU machine from the repo root (fla-core installed into /tmp/site from a carried wheel):
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
-              invariant,replay_step,replay_step_timing,replay,scan] [--only SECTIONS] [--configs NAMES]
+              invariant,replay_step,replay_step_checks,replay_step_timing,replay,scan] [--only SECTIONS]
+      [--configs NAMES] [--replay-batches 64,256]
 (replay_step: the replay step's kernels over the chunked prefill, bitwise against one prefill, and its step time against
- the decode kernel (replay_step_timing: the timing alone); replay: the earlier replay, the chunked kernels over the
+ the decode kernel (replay_step_checks: the checks alone; replay_step_timing: the timing alone, at --replay-batches);
+ replay: the earlier replay, the chunked kernels over the
  whole open chunk each step, at the kernel level; scan: the token-by-token prefill kernel, bitwise against the
  decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
@@ -171,8 +173,8 @@ def chunk_accuracy(configs):
         ro, rs = oracle_of(x, lengths)
         lens = lengths or [shp["T"]] * shp["B"]
         for cname, cfg in configs.items():
-            if cname != "default" and ci not in (0, 4, 5):
-                continue  # other configs: three cases only (compile time)
+            if cname != "default" and ci not in (0, 4, 5, 6):
+                continue  # other configs: four cases only (compile time)
             try:
                 o, s = call_chunk(x, lengths=lengths, config=cfg)
             except Exception as e:
@@ -889,7 +891,7 @@ def _bar(ratio: float) -> str:
 
 
 @section
-def replay_step_timing():
+def replay_step_timing(batches=(64, 256)):
     """The replay step against the recurrent decode kernel at HK=16 HV=32 K=V=128, B=64 and 256, rows at mixed
     phases of the open chunk (lengths 1..64, fixed over the loop: a row at 64 writes its boundary state every step),
     20 steps in one compiled loop with the state and caches donated, timed with one loop per call and with five back
@@ -899,14 +901,14 @@ def replay_step_timing():
     from scripts.gpu_model_bench import profiled_kernels
 
     nstep = 20
-    for B in (64, 256):
+    for B in batches:
         q, k, v, g, beta, s0, lengths = open_chunk_inputs(B, seed=B + 7)
         rec_loop = decode_kernel_loop(nstep)
         t_rec = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=1)[0]
         # the same loops called 5 times back to back per repetition: the host's dispatch and sync (once per call,
         # inside the figures above: up to 2026-12-01's run 75 the only ones) overlap the device's work
         t_rec5 = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=5)[0]
-        for name, cfg in REPLAY_STEP_CONFIGS.items():
+        for name, cfg in {**REPLAY_STEP_CONFIGS, **REPLAY_STEP_TIMING_ONLY}.items():
             xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1, config=cfg)
 
             @functools.partial(jax.jit, donate_argnums=5)
@@ -991,6 +993,10 @@ def replay_step_timing():
 # 557.1; bits PASS at K = V = 16 (where "fold" fails), 64 and 128.
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
+# timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
+# three bf16 dots (`chunk_configs`' gram_bf16x3; not yet timed here). Run 111 timed them in TF32 ({"p_kk": "tf32"}: the
+# step's kernel 1 83.5 against 64.3 us at B = 64), run 113 on the raw keys (69.4 against 64.0)
+REPLAY_STEP_TIMING_ONLY = {"gram_bf16x3": dict(p_kk="bf16x3")}
 
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
@@ -1155,6 +1161,7 @@ def main():
     ap.add_argument("--only", default="", help="comma list of sections to run (overrides --skip)")
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--replay-dims", default="128,128", help="replay_step's checks at these K,V (';'-separated)")
+    ap.add_argument("--replay-batches", default="64,256", help="replay_step_timing's batch sizes (comma list)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     ap.add_argument("--no-default-bitwise", action="store_true",
                     help="run the bitwise checks only for the sweep's winner and --pick (the default's were run "
@@ -1173,7 +1180,8 @@ def main():
                          ">= 16 (e.g. 16,16;128,128)")
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
-             "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_timing"}
+             "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_checks",
+             "replay_step_timing"}
     named = skip | set(filter(None, args.only.split(",")))
     if named - every:  # a typo must not silently skip a section
         raise SystemExit(f"unknown sections {sorted(named - every)}; known: {sorted(every)}")
@@ -1249,6 +1257,12 @@ def main():
         # default since); "pre34" is the default before it (4.79 ms)
         "kk_bf16": pre34(p_kk="bf16"),
         "pre34": pre34(),
+        # 2026-12-02 (runs 111-113): the gram tiles k k^T more accurate than the default's bf16 dots on the
+        # L2-normalised keys (which put random keys with g ~ 0, beta = 1 at the output's 2e-3 bar): as three bf16
+        # dots of the keys' hi / lo halves (run 113: +8-9%), and in TF32 (run 111); run 113 also timed them on the raw
+        # bf16 keys, scaled by 1 / ||k|| after the dot (+17-23%, branch experiment/gram-raw)
+        "gram_bf16x3": dict(p_kk="bf16x3"),
+        "kk_tf32": dict(p_kk="tf32"),
         # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
         # other bits than the default, mma.sync dots at bv 32, not faster — removed
         # run 78 (2026-12-01 UTC 04:41) timed kd_t (an option then, removed): kd stored transposed by the prep ([K, C]
@@ -1320,10 +1334,11 @@ def main():
         conv1d_timing()
     if "invariant" not in skip:
         invariant_kernels()
-    if "replay_step" not in skip:  # its checks and timing ("replay_step_timing": the timing alone)
+    if "replay_step" not in skip or "replay_step_checks" not in skip:  # its checks and timing
+        # ("replay_step_checks": the checks alone, "replay_step_timing": the timing alone)
         replay_step_checks(replay_dims)
     if "replay_step" not in skip or "replay_step_timing" not in skip:
-        replay_step_timing()
+        replay_step_timing(tuple(int(b) for b in args.replay_batches.split(",")))
     if "replay" not in skip:
         replay_timing()
     if "scan" not in skip:

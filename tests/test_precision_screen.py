@@ -34,3 +34,16 @@ def test_emulated_dot_rounds_operands_then_sums_in_fp32():
         assert np.abs(got - exact).max() > 1e-4  # the rounding is there: not the fp32 dot
     np.testing.assert_allclose(np.asarray(emulated_dot(a.T, b, "ieee", True, trans_a=True)), exact, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_emulated_bf16x3_is_near_fp32():
+    """Three bf16 products (the operands' hi and lo halves; `wy.dot`'s "bf16x3") lose only the lo x lo term:
+    within ~2^-16 of the float64 product where one bf16 dot is ~2^-8 off."""
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((128, 16)), jnp.float32)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    scale = np.abs(exact).max()
+    err3 = np.abs(np.asarray(emulated_dot(a, b, "bf16x3", True), np.float64) - exact).max() / scale
+    err1 = np.abs(np.asarray(emulated_dot(a, b, "bf16", True), np.float64) - exact).max() / scale
+    assert err3 < 2.0 ** -14 and err1 > 2.0 ** -9 and err1 > 100 * err3

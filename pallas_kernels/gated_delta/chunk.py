@@ -148,7 +148,14 @@ from .wy import CHUNK
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
-# other bits than before, so every bitwise check was re-run on it (BENCHMARKS.md).
+# other bits than before, so every bitwise check was re-run on it (BENCHMARKS.md). Runs 111-113 (2026-12-02) measured
+# the gram tiles exact in their products, for random keys with g ~ 0 and beta = 1, where the bf16 tiles (the
+# normalised keys rounded to bf16) put the output at issue 3's 2e-3 bar: p_kk="bf16x3" takes the output there to
+# 1.73e-3 and the state from 1.4e-3 to 4.8e-4 (`precision_screen.py`; run 112 measured 1.73e-3 / 4.77e-4 on the
+# H200 for the same tiles on the raw keys) at 8-9% of the prefill's time (run 113: 1.078 / 3.424 against 1.001 / 3.142
+# ms at (1, 8192) / (8, 4096)); "tf32" cost the replay step's kernel 1 30% (run 111); the raw keys' form 17-23%
+# (branch experiment/gram-raw). The default stays; p_kk="bf16x3" is the accurate choice, its bits not yet checked on
+# the H200.
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,

@@ -22,7 +22,9 @@ EPS = 1e-6
 # Precision names -> what each dot does on the GPU. In interpret mode (CPU) every dot is exact fp32 (HIGHEST).
 #   "ieee":   fp32 FMA (no tensor cores)          "tf32": TF32 tensor cores (10-bit mantissa inputs)
 #   "tf32x3": three TF32 products (~fp32)         "bf16": operands rounded to bf16, fp32 accumulation
-PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")
+#   "bf16x3": three bf16 dots of the operands' halves (a = a_hi + a_lo, both bf16; every product exact in fp32,
+#             only a_lo b_lo dropped: ~2^-16 relative), fp32 accumulation
+PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "bf16x3")
 
 
 def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
@@ -35,6 +37,11 @@ def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     if prec == "bf16":
         return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
                                preferred_element_type=jnp.float32)
+    if prec == "bf16x3":  # (a_hi b_lo + a_lo b_hi) + a_hi b_hi, in that order
+        (a_hi, a_lo), (b_hi, b_lo) = _bf16_halves(a), _bf16_halves(b)
+        small = (lax.dot_general(a_hi, b_lo, dn, preferred_element_type=jnp.float32)
+                 + lax.dot_general(a_lo, b_hi, dn, preferred_element_type=jnp.float32))
+        return small + lax.dot_general(a_hi, b_hi, dn, preferred_element_type=jnp.float32)
     a = a.astype(jnp.float32)
     b = b.astype(jnp.float32)
     if prec == "ieee":
@@ -46,6 +53,12 @@ def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     else:
         raise ValueError(f"unknown precision {prec!r}; expected one of {PRECISIONS}")
     return lax.dot_general(a, b, dn, precision=p, preferred_element_type=jnp.float32)
+
+
+def _bf16_halves(x):
+    """x (fp32) as hi + lo, both bf16: hi = x rounded to bf16, lo = the rest rounded to bf16."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def l2norm(x):

@@ -34,10 +34,10 @@ def _inputs(rng, B, T, HK, HV, dtype=np.float32, v_dim=None, **kw):
         np.asarray(d["initial_state"], np.float32)
 
 
-def _chunk(x, s0, lengths, stride=None):
+def _chunk(x, s0, lengths, stride=None, config=None):
     out = chunk_gated_delta_rule_pallas(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
                                         initial_state=jnp.asarray(s0), lengths=jnp.asarray(lengths, jnp.int32),
-                                        checkpoint_stride=stride, interpret=True)
+                                        checkpoint_stride=stride, interpret=True, config=config)
     return tuple(np.asarray(o) for o in out)
 
 
@@ -47,12 +47,14 @@ def _open(x, start, n):
 
 def _decode(x, s0, prompt, steps, config=None):
     """Prefill to each row's last grid boundary, prime the open rest, then `steps` replay steps. Returns the outputs
-    [B, steps, HV, V], the boundary states crossed {(row, position): state} and the final (state, caches)."""
+    [B, steps, HV, V], the boundary states crossed {(row, position): state} and the final (state, caches). config:
+    the step's, the prefill's and prime's (the prefill ignores the step's launch keys)."""
     prompt = np.asarray(prompt)
     bnd = prompt // C * C
-    _, s = _chunk(x, s0, bnd)
+    _, s = _chunk(x, s0, bnd, config=config)
     s = jnp.asarray(s)
-    xc, vc = chunk_replay_prime_pallas(*_open(x, bnd, prompt - bnd), s, jnp.asarray(prompt - bnd), interpret=True)
+    xc, vc = chunk_replay_prime_pallas(*_open(x, bnd, prompt - bnd), s, jnp.asarray(prompt - bnd), interpret=True,
+                                       config=config)
     step = jax.jit(lambda *a: chunk_replay_step_pallas(*a, interpret=True, config=config))
     outs, crossed, pos = [], {}, prompt.copy()
     for _ in range(steps):
@@ -77,12 +79,14 @@ def _decode(x, s0, prompt, steps, config=None):
     # qg S0 as two dots
     (2, 4, jnp.bfloat16, "realistic", "realistic", (60, 3), 70, V, {"replay_kd": "fold"}),  # kernel 4 computing kd
     # itself (the default before run 103) instead of loading kernel 1's
+    # the gram tiles as three bf16 dots (`wy.dot`'s "bf16x3"), in the prefill, prime and step alike
+    (1, 2, jnp.bfloat16, "near_zero", "one", (45, 20), 60, V, {"p_kk": "bf16x3"}),
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
     rng = np.random.default_rng(HV + steps)
     B, T = len(prompt), max(prompt) + steps
     x, s0 = _inputs(rng, B, T, HK, HV, dtype, v_dim=v_dim, g_kind=g_kind, beta_kind=beta_kind)
-    o_full, _, cks = _chunk(x, s0, np.asarray(prompt) + steps, stride=C)
+    o_full, _, cks = _chunk(x, s0, np.asarray(prompt) + steps, stride=C, config=config)
     outs, crossed, _ = _decode(x, s0, prompt, steps, config=config)
     for b, p in enumerate(prompt):
         assert np.array_equal(outs[b], o_full[b, p:p + steps]), b  # every decoded row, bitwise
