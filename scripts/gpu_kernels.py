@@ -8,9 +8,8 @@ Run on the GPU machine from the repo root (fla-core installed into /tmp/site fro
       [--configs NAMES] [--replay-batches 64,256]
 (replay_step: the replay step's kernels over the chunked prefill, bitwise against one prefill, and its step time against
  the decode kernel (replay_step_checks: the checks alone; replay_step_timing: the timing alone, at --replay-batches);
- replay: the earlier replay, the chunked kernels over the
- whole open chunk each step, at the kernel level; scan: the token-by-token prefill kernel, bitwise against the
- decode kernel, and its prefill and one-token times.)
+ replay: the earlier replay, the chunked kernels over the whole open chunk each step, at the kernel level; scan:
+ the token-by-token prefill kernel, bitwise against the decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
  `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`; FlashQLA and its needs: unpack
  the carried `.whl/flashqla_site.tar.xz` into /tmp/site, BENCHMARKS.md says how it is made.)

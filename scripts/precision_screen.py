@@ -59,12 +59,8 @@ def emulated_dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     """`wy.dot` with the operands rounded as the tensor cores take them for `prec`, fp32 products and sums
     ("bf16x3": the three products of the operands' bf16 halves, summed as `wy.dot` sums them)."""
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    if prec == "bf16x3":
-        def split(x):
-            hi = x.astype(jnp.bfloat16).astype(jnp.float32)
-            return hi, (x - hi).astype(jnp.bfloat16).astype(jnp.float32)
-
-        (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
+    if prec == "bf16x3":  # `wy.dot`'s halves, held in fp32
+        (a_hi, a_lo), (b_hi, b_lo) = ([h.astype(jnp.float32) for h in wy.bf16_halves(x)] for x in (a, b))
         kw = dict(trans_a=trans_a, trans_b=trans_b)
         return ((_FP32_DOT(a_hi, b_lo, "ieee", True, **kw) + _FP32_DOT(a_lo, b_hi, "ieee", True, **kw))
                 + _FP32_DOT(a_hi, b_hi, "ieee", True, **kw))

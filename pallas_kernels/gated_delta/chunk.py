@@ -153,7 +153,7 @@ from .wy import CHUNK
 # normalised keys rounded to bf16) put the output at issue 3's 2e-3 bar: p_kk="bf16x3" takes the output there to
 # 1.73e-3 and the state from 1.4e-3 to 4.8e-4 (`precision_screen.py`; run 112 measured 1.73e-3 / 4.77e-4 on the
 # H200 for the same tiles on the raw keys) at 8-9% of the prefill's time (run 113: 1.078 / 3.424 against 1.001 / 3.142
-# ms at (1, 8192) / (8, 4096)); "tf32" cost the replay step's kernel 1 30% (run 111); the raw keys' form 17-23%
+# ms at (1, 8192) / (8, 4096)); "tf32" cost the replay step's kernel 1 30% (run 111); the raw keys' form 15-23%
 # (branch experiment/gram-raw). The default stays; p_kk="bf16x3" is the accurate choice, its bits not yet checked on
 # the H200.
 DEFAULT_CONFIG = dict(

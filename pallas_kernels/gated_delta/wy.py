@@ -38,7 +38,7 @@ def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
         return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
                                preferred_element_type=jnp.float32)
     if prec == "bf16x3":  # (a_hi b_lo + a_lo b_hi) + a_hi b_hi, in that order
-        (a_hi, a_lo), (b_hi, b_lo) = _bf16_halves(a), _bf16_halves(b)
+        (a_hi, a_lo), (b_hi, b_lo) = bf16_halves(a), bf16_halves(b)
         small = (lax.dot_general(a_hi, b_lo, dn, preferred_element_type=jnp.float32)
                  + lax.dot_general(a_lo, b_hi, dn, preferred_element_type=jnp.float32))
         return small + lax.dot_general(a_hi, b_hi, dn, preferred_element_type=jnp.float32)
@@ -55,7 +55,7 @@ def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     return lax.dot_general(a, b, dn, precision=p, preferred_element_type=jnp.float32)
 
 
-def _bf16_halves(x):
+def bf16_halves(x):
     """x (fp32) as hi + lo, both bf16: hi = x rounded to bf16, lo = the rest rounded to bf16."""
     hi = x.astype(jnp.bfloat16)
     return hi, (x.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)
