@@ -993,9 +993,10 @@ def replay_step_timing(batches=(64, 256)):
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
-# three bf16 dots (`chunk_configs`' gram_bf16x3; not yet timed here). Run 111 timed them in TF32 ({"p_kk": "tf32"}: the
-# step's kernel 1 83.5 against 64.3 us at B = 64), run 113 on the raw keys (69.4 against 64.0)
-REPLAY_STEP_TIMING_ONLY = {"gram_bf16x3": dict(p_kk="bf16x3")}
+# one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against the
+# default's three bf16 dots' 75.8 us at B = 64). Run 111 timed them in TF32 ({"p_kk": "tf32"}: 83.5 against 64.3 us
+# for one bf16 dot), run 113 on the raw keys (69.4 against 64.0)
+REPLAY_STEP_TIMING_ONLY = {"gram_bf16": dict(p_kk="bf16")}
 
 
 SCAN_CONFIGS = {"bv16_w1": dict(bv=16, num_warps=1), "bv8_w1": dict(bv=8, num_warps=1),
@@ -1260,7 +1261,9 @@ def main():
         # L2-normalised keys (which put random keys with g ~ 0, beta = 1 at the output's 2e-3 bar): as three bf16
         # dots of the keys' hi / lo halves (run 113: +8-9%), and in TF32 (run 111); run 113 also timed them on the raw
         # bf16 keys, scaled by 1 / ||k|| after the dot (+17-23%, branch experiment/gram-raw)
+        # (runs 114-116: bf16x3 the default since; gram_bf16 the one bf16 dot before it)
         "gram_bf16x3": dict(p_kk="bf16x3"),
+        "gram_bf16": dict(p_kk="bf16"),
         "kk_tf32": dict(p_kk="tf32"),
         # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
         # other bits than the default, mma.sync dots at bv 32, not faster — removed

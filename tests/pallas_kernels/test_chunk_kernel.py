@@ -132,37 +132,6 @@ def test_bf16x3_dot_is_near_fp32():
     assert np.abs(got3 - exact).max() < 2.0 ** -14 * scale < np.abs(got1 - exact).max() / 32
 
 
-@pytest.mark.parametrize("use_l2", [True, False])
-def test_gram_tiles_in_bf16x3(use_l2):
-    """The gram tiles k k^T as three bf16 dots (`p_kk="bf16x3"`, the accurate choice runs 111-113 measured beside the
-    default's one bf16 dot): against the float64 oracle (2e-5: every dot is fp32 in interpret mode; fp32 inputs) with
-    T = 100 (a partial last chunk), padded rows (lengths 100 / 37), a non-zero initial state, beta 0 / 1 / sigmoid
-    and g near 0; and bitwise: the j < 64 rows property, and a call split on the 64 grid equal to the unsplit one."""
-    config = {"p_kk": "bf16x3"}
-    rng = np.random.default_rng(23)
-    d = random_gdn_inputs(rng, 2, 100, 1, 2, K, V, np.float32, g_kind="near_zero", beta_kind="mixed")
-    if not use_l2:  # keys of norm ~1, so that beta ||k||^2 < 2 keeps the recurrence stable
-        d["k"] /= np.sqrt(K)
-    x = [jnp.asarray(d[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")]
-    s0, lengths = jnp.asarray(d["initial_state"]), [100, 37]
-
-    def call(sl=slice(None), s=s0, lens=lengths):
-        return tuple(np.asarray(o) for o in chunk_gated_delta_rule_pallas(
-            *(a[:, sl] for a in x), initial_state=s, lengths=jnp.asarray(lens, jnp.int32), use_qk_l2norm=use_l2,
-            interpret=True, config=config))
-
-    o, s = call()
-    for b, n in enumerate(lengths):
-        ro, rs = gated_delta_rule_oracle(*(np.asarray(a[b:b + 1, :n], np.float64) for a in x),
-                                         initial_state=np.asarray(s0[b:b + 1], np.float64), use_qk_l2norm=use_l2)
-        assert rel_err(o[b:b + 1, :n], ro) <= 2e-5 and rel_err(s[b:b + 1], rs) <= 2e-5, b
-    for j in (1, 33, 63):
-        assert np.array_equal(call(slice(0, j), lens=[j, min(j, 37)])[0], o[:, :j]), j
-    o1, s1 = call(slice(0, 64), lens=[64, 37])
-    o2, s2 = call(slice(64, None), s=jnp.asarray(s1), lens=[36, 0])
-    assert np.array_equal(np.concatenate([o1, o2], axis=1), o) and np.array_equal(s2, s)
-
-
 @pytest.mark.parametrize("keys", ["random", "identical", "nearly_parallel", "alternating_sign"])
 def test_w_and_kd_rows_have_norm_at_most_one(keys):
     """The bound fp16 storage of w and kd relies on (`chunk._wk_dtype`): with L2-normalised keys, beta in [0, 1] and
