@@ -993,8 +993,9 @@ def replay_step_timing(batches=(64, 256)):
 # Add candidates here.
 REPLAY_STEP_CONFIGS = {"default": None}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
-# one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against the
-# default's three bf16 dots' 75.8 us at B = 64). Run 111 timed them in TF32 ({"p_kk": "tf32"}: 83.5 against 64.3 us
+# one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against
+# three bf16 dots' 75.8 us at B = 64, the default then; run 118: 62.9 against the fp16 dot's 62.8, the default since
+# run 117). Run 111 timed them in TF32 ({"p_kk": "tf32"}: 83.5 against 64.3 us
 # for one bf16 dot), run 113 on the raw keys (69.4 against 64.0)
 REPLAY_STEP_TIMING_ONLY = {"gram_bf16": dict(p_kk="bf16")}
 
@@ -1261,7 +1262,8 @@ def main():
         # L2-normalised keys (which put random keys with g ~ 0, beta = 1 at the output's 2e-3 bar): as three bf16
         # dots of the keys' hi / lo halves (run 113: +8-9%), and in TF32 (run 111); run 113 also timed them on the raw
         # bf16 keys, scaled by 1 / ||k|| after the dot (+17-23%, branch experiment/gram-raw)
-        # (runs 114-116: bf16x3 the default since; gram_bf16 the one bf16 dot before it)
+        # (runs 114-116: bf16x3 the default; since run 117 the default is one fp16 dot on the normalised keys, as
+        # accurate and as fast as gram_bf16, the one bf16 dot before run 114)
         "gram_bf16x3": dict(p_kk="bf16x3"),
         "gram_bf16": dict(p_kk="bf16"),
         "kk_tf32": dict(p_kk="tf32"),

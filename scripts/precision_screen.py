@@ -3,14 +3,14 @@
   PYTHONPATH=. .venv/bin/python scripts/precision_screen.py [--config '{"p_ws": "bf16"}' ...]
 
 Interpret mode computes every dot in fp32 whatever p_* says, so on its own it cannot tell TF32 from bf16. Here each
-dot's operands are first rounded as the H200's tensor cores take them — "bf16": round to nearest even; "tf32": a
-10-bit mantissa, round half away from zero (`cvt.rna.tf32.f32`) — then multiplied and summed in fp32 ("tf32x3" and
-"ieee" stay fp32), and the outputs and final states are compared with the float64 oracle (relative Frobenius error,
-the bar of issue 3: 2e-3). The accumulation order is XLA:CPU's, not the tensor cores', so the figures are an
-estimate: on 2026-11-30 the default read 1.71e-3 / 2.96e-4 here (T256, beta = 1) against 1.71e-3 / 2.97e-4 measured
-on the H200 for the same kind of case (BENCHMARKS.md, run 32), and 1.78e-3 / 8.61e-4 on identical keys against
-1.76e-3 / 7.97e-4 there (other random data). w and kd are stored in fp16 as on the GPU; every case starts from a
-non-zero initial state, as the GPU script's do.
+dot's operands are first rounded as the H200's tensor cores take them — "bf16" and "fp16": round to nearest even;
+"tf32": a 10-bit mantissa, round half away from zero (`cvt.rna.tf32.f32`) — then multiplied and summed in fp32
+("tf32x3" and "ieee" stay fp32; "bf16x3": the three products of the bf16 halves), and the outputs and final states
+are compared with the float64 oracle (relative Frobenius error, the bar of issue 3: 2e-3). The accumulation order is
+XLA:CPU's, not the tensor cores', so the figures are an estimate: on 2026-11-30 the default read 1.71e-3 / 2.96e-4
+here (T256, beta = 1) against 1.71e-3 / 2.97e-4 measured on the H200 for the same kind of case (BENCHMARKS.md, run
+32), and 1.78e-3 / 8.61e-4 on identical keys against 1.76e-3 / 7.97e-4 there (other random data). w and kd are stored
+in fp16 as on the GPU; every case starts from a non-zero initial state, as the GPU script's do.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from tests.gdn_oracle import gated_delta_rule_oracle, random_gdn_inputs, rel_err
 
 CONFIGS = {
-    "default (TF32 dots, the gram as three bf16 dots)": {},
+    "default (TF32 dots, the gram tiles in fp16)": {},
     "bf16 recurrence and output dots": dict(p_ws="bf16", p_kv="bf16", p_qs="bf16", p_av="bf16"),
     "bf16 output dots": dict(p_qs="bf16", p_av="bf16"),
     "bf16 recurrence dots": dict(p_ws="bf16", p_kv="bf16"),
     "bf16 everywhere but the inverse": dict(p_ws="bf16", p_kv="bf16", p_qs="bf16", p_av="bf16", p_kk="bf16",
                                             p_wu="bf16", p_qk="bf16"),
-    # the gram tiles as one bf16 dot (the default before 2026-12-02's run 114; the default since is three bf16 dots of
-    # the keys' halves, exact in their products: runs 111-116)
+    # the gram tiles as one bf16 dot (the default before 2026-12-02's run 114), as three bf16 dots of the keys' halves
+    # (exact products; the default in runs 114-116); the default since run 117 is one fp16 dot on the normalised keys
     "gram as one bf16 dot": dict(p_kk="bf16"),
+    "gram as three bf16 dots (runs 114-116's default)": dict(p_kk="bf16x3"),
 }
 CASES = [("T256, beta = 1", dict(B=1, T=256, HK=2, HV=4), dict(beta_kind="one")),
          ("T130, realistic", dict(B=2, T=130, HK=2, HV=4), dict()),
@@ -67,6 +68,8 @@ def emulated_dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
                 + _FP32_DOT(a_hi, b_hi, "ieee", True, **kw))
     if prec == "bf16":
         a, b = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (a, b))
+    elif prec == "fp16":
+        a, b = (x.astype(jnp.float16).astype(jnp.float32) for x in (a, b))
     elif prec == "tf32":
         a, b = tf32(a), tf32(b)
     return _FP32_DOT(a, b, prec, True, trans_a=trans_a, trans_b=trans_b)

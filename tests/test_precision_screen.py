@@ -27,7 +27,8 @@ def test_emulated_dot_rounds_operands_then_sums_in_fp32():
     a = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
     exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    for prec, rnd in (("bf16", lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)), ("tf32", tf32)):
+    for prec, rnd in (("bf16", lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)), ("tf32", tf32),
+                      ("fp16", lambda x: x.astype(jnp.float16).astype(jnp.float32))):
         want = np.asarray(rnd(a), np.float64) @ np.asarray(rnd(b), np.float64)
         got = np.asarray(emulated_dot(a, b, prec, True), np.float64)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # fp32 sums of the rounded products

@@ -73,7 +73,9 @@ from .wy import CHUNK
 #   "h" or "v_new" transposes only that one (same bits; run 34: both slower than the default, 5.03 and 5.42 against
 #   4.79 ms over the sweep's two shapes);
 #   with design="fused" it does not apply (the default is ignored there; any other explicit value is refused);
-#   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u); p_ws, p_kv: recurrence dots (w S,
+#   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u; p_kk may be "auto": `_gram_precision`),
+#   each one of `wy.PRECISIONS` ("ieee", "tf32", "tf32x3", "bf16", "bf16x3": three bf16 dots of the operands' hi / lo
+#   halves, "fp16": operands rounded to fp16); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
 #   prep and recurrence kernels (fused).
 # Measured on the H200 (BENCHMARKS.md, run 3): split with 4 prep warps was the fastest over (1, 8192, 16, 32) +
@@ -154,19 +156,21 @@ from .wy import CHUNK
 # 1.73e-3 and the state from 1.4e-3 to 4.8e-4 (`precision_screen.py`; run 112 measured 1.73e-3 / 4.77e-4 on the
 # H200 for the same tiles on the raw keys) at 8-9% of the prefill's time (run 113: 1.078 / 3.424 against 1.001 / 3.142
 # ms at (1, 8192) / (8, 4096)); "tf32" cost the replay step's kernel 1 30% (run 111); the raw keys' form 15-23%
-# (branch experiment/gram-raw). Since runs 114-116 (2026-12-02) p_kk="bf16x3" is the default: on the H200 every
-# accuracy case within 1.76e-3 / 7.9e-4 (random keys: 1.73e-3 / 4.78e-4), the six chunk bitwise checks, the replay
-# step's five and the model's replay and batch checks PASS; its cost there 8.7% / 10.6% of the prefill at (1, 8192) /
-# (8, 4096) (1.069 / 3.410 against 0.983 / 3.083 ms) and 8% of the replay step at B = 64 (kernel 1 75.8 against
-# 63.0 us). The one bf16 dot (p_kk="bf16", the default from run 34 to run 113) is the faster choice: its output
-# error on random keys with g ~ 0, beta = 1 was 2.000e-3 and 2.026e-3 on two draws, at and over the bar.
+# (branch experiment/gram-raw). Runs 114-116 (2026-12-02) made p_kk="bf16x3" the default (every check PASS on the
+# H200; +8.7% / +10.6% of the prefill at (1, 8192) / (8, 4096), +8% of the replay step at B = 64). Since run 117
+# the default is p_kk="auto" (`_gram_precision`): one fp16 dot on the L2-normalised keys, whose 10 mantissa bits
+# are TF32's — as accurate as TF32 tiles (random keys: 1.73e-3 / 5.03e-4; every accuracy case within 1.76e-3 /
+# 8.7e-4), the six chunk bitwise checks and the replay step's five PASS, and as fast as one bf16 dot: 4.087 against
+# 4.088 ms over the sweep's two shapes (bf16x3: 4.454), the replay step 165.6 against 164.4 us at B = 64 (run 118).
+# Without the L2 norm "auto" takes "bf16x3" (fp16 overflows past 65504). The one bf16 dot ("bf16", the default from
+# run 34 to run 113) put random keys with g ~ 0, beta = 1 at 2.000e-3 and 2.026e-3 on two draws, at and over the bar.
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    p_kk="bf16x3", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
+    p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
 
@@ -429,8 +433,9 @@ def _transposed(cfg) -> tuple[bool, bool]:
     return t in (True, "h"), t in (True, "v_new")
 
 
-def _checked_config(config, V: int) -> dict:
-    """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked."""
+def _checked_config(config, V: int, use_l2: bool = True) -> dict:
+    """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked, and
+    p_kk="auto" resolved for `use_l2` (`_gram_precision`)."""
     cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
                         blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_tiny": V, "bv_replay": V},
                         extra=("only_prep", "stop_after", "warps_replay"))
@@ -454,9 +459,21 @@ def _checked_config(config, V: int) -> dict:
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     for name, p in cfg.items():
-        if name.startswith("p_") and p not in wy.PRECISIONS:
-            raise ValueError(f"{name}={p!r}: expected one of {wy.PRECISIONS}")
+        if name.startswith("p_") and p not in wy.PRECISIONS and not (name == "p_kk" and p == "auto"):
+            also = " or 'auto'" if name == "p_kk" else ""
+            raise ValueError(f"{name}={p!r}: expected one of {wy.PRECISIONS}{also}")
+    cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
     return cfg
+
+
+def _gram_precision(p_kk: str, use_l2: bool) -> str:
+    """The gram tiles' dot precision: p_kk="auto" (default) is "fp16" when the keys are L2-normalised (every element
+    in [-1, 1], beta in [0, 1]: no overflow; 10 mantissa bits, TF32's, where bf16 keeps 7), else "bf16x3" (three
+    bf16 dots of the operands' hi / lo halves: any finite keys). Either keeps random keys with g ~ 0 and beta = 1
+    inside issue 3's 2e-3 bar, which one bf16 dot ("bf16") reaches (runs 109-116)."""
+    if p_kk != "auto":
+        return p_kk
+    return "fp16" if use_l2 else "bf16x3"
 
 
 def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bool) -> dict:
@@ -508,7 +525,7 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
                 config):
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cfg = _recurrence_blocks(_checked_config(config, V), config, B, HV, V, interpret)
+    cfg = _recurrence_blocks(_checked_config(config, V, use_qk_l2norm), config, B, HV, V, interpret)
     nt = -(-T // CHUNK)
     tp = nt * CHUNK
     if tp != T:

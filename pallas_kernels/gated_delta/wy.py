@@ -24,7 +24,7 @@ EPS = 1e-6
 #   "tf32x3": three TF32 products (~fp32)         "bf16": operands rounded to bf16, fp32 accumulation
 #   "bf16x3": three bf16 dots of the operands' halves (a = a_hi + a_lo, both bf16; every product exact in fp32,
 #             only a_lo b_lo dropped: ~2^-16 relative), fp32 accumulation
-PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "bf16x3")
+PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "bf16x3", "fp16")
 
 
 def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
@@ -37,6 +37,8 @@ def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     if prec == "bf16":
         return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
                                preferred_element_type=jnp.float32)
+    if prec == "fp16":  # operands rounded to fp16 (10 mantissa bits, as TF32; finite only below 65504 in magnitude)
+        return lax.dot_general(a.astype(jnp.float16), b.astype(jnp.float16), dn, preferred_element_type=jnp.float32)
     if prec == "bf16x3":  # (a_hi b_lo + a_lo b_hi) + a_hi b_hi, in that order
         (a_hi, a_lo), (b_hi, b_lo) = bf16_halves(a), bf16_halves(b)
         small = (lax.dot_general(a_hi, b_lo, dn, preferred_element_type=jnp.float32)

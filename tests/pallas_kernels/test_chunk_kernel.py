@@ -132,6 +132,37 @@ def test_bf16x3_dot_is_near_fp32():
     assert np.abs(got3 - exact).max() < 2.0 ** -14 * scale < np.abs(got1 - exact).max() / 32
 
 
+def test_fp16_dot_keeps_ten_mantissa_bits():
+    """`wy.dot`'s "fp16" off interpret mode (the default's gram tiles on L2-normalised keys): operands rounded to fp16
+    (2^-11 relative), so within 2^-10 of the float64 product where one bf16 dot (2^-8 per operand) is several times
+    further off; and products of values near 1 stay finite."""
+    from pallas_kernels.gated_delta import wy
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((16, 128)).astype(np.float32)
+    a /= np.linalg.norm(a, axis=1, keepdims=True)  # unit rows, as the normalised keys
+    exact = a.astype(np.float64) @ a.astype(np.float64).T
+    got16 = np.asarray(wy.dot(jnp.asarray(a), jnp.asarray(a), "fp16", False, trans_b=True), np.float64)
+    got1 = np.asarray(wy.dot(jnp.asarray(a), jnp.asarray(a), "bf16", False, trans_b=True), np.float64)
+    err16, err1 = np.abs(got16 - exact).max(), np.abs(got1 - exact).max()
+    assert err16 < 2.0 ** -10 and err1 > 4 * err16
+
+
+def test_gram_precision_auto_takes_fp16_only_for_normalised_keys():
+    """p_kk="auto" (the default): fp16 gram tiles where the keys are L2-normalised (bounded by 1), three bf16 dots
+    where they are not (fp16 would overflow past 65504); an explicit choice is kept; an unknown one is refused."""
+    from pallas_kernels.gated_delta import chunk
+
+    assert chunk.DEFAULT_CONFIG["p_kk"] == "auto"
+    assert chunk._checked_config(None, 128, use_l2=True)["p_kk"] == "fp16"
+    assert chunk._checked_config(None, 128, use_l2=False)["p_kk"] == "bf16x3"
+    assert chunk._checked_config({"p_kk": "bf16"}, 128, use_l2=True)["p_kk"] == "bf16"
+    with pytest.raises(ValueError, match="or 'auto'"):
+        chunk._checked_config({"p_kk": "fp8"}, 128)
+    with pytest.raises(ValueError, match="p_ws='auto'"):
+        chunk._checked_config({"p_ws": "auto"}, 128)
+
+
 @pytest.mark.parametrize("keys", ["random", "identical", "nearly_parallel", "alternating_sign"])
 def test_w_and_kd_rows_have_norm_at_most_one(keys):
     """The bound fp16 storage of w and kd relies on (`chunk._wk_dtype`): with L2-normalised keys, beta in [0, 1] and
