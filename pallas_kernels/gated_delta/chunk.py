@@ -470,7 +470,8 @@ def _gram_precision(p_kk: str, use_l2: bool) -> str:
     """The gram tiles' dot precision: p_kk="auto" (default) is "fp16" when the keys are L2-normalised (every element
     in [-1, 1], beta in [0, 1]: no overflow; 10 mantissa bits, TF32's, where bf16 keeps 7), else "bf16x3" (three
     bf16 dots of the operands' hi / lo halves: any finite keys). Either keeps random keys with g ~ 0 and beta = 1
-    inside issue 3's 2e-3 bar, which one bf16 dot ("bf16") reaches (runs 109-116)."""
+    inside issue 3's 2e-3 bar, which one bf16 dot ("bf16") reaches (runs 109-117). In interpret mode every dot is
+    fp32 whatever this returns."""
     if p_kk != "auto":
         return p_kk
     return "fp16" if use_l2 else "bf16x3"

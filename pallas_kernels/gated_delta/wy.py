@@ -24,6 +24,8 @@ EPS = 1e-6
 #   "tf32x3": three TF32 products (~fp32)         "bf16": operands rounded to bf16, fp32 accumulation
 #   "bf16x3": three bf16 dots of the operands' halves (a = a_hi + a_lo, both bf16; every product exact in fp32,
 #             only a_lo b_lo dropped: ~2^-16 relative), fp32 accumulation
+#   "fp16":   operands rounded to fp16 (TF32's 10-bit mantissa at bf16's rate; finite only below 65504 in magnitude:
+#             the default gram tiles on L2-normalised keys, `chunk._gram_precision`), fp32 accumulation
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16", "bf16x3", "fp16")
 
 
