@@ -995,8 +995,8 @@ REPLAY_STEP_CONFIGS = {"default": None}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
 # one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against
 # three bf16 dots' 75.8 us at B = 64, the default then; run 118: 62.9 against the fp16 dot's 62.8, the default since
-# run 117). Run 111 timed them in TF32 ({"p_kk": "tf32"}: 83.5 against 64.3 us
-# for one bf16 dot), run 113 on the raw keys (69.4 against 64.0)
+# run 117). Run 111 timed the tiles in TF32 ({"p_kk": "tf32"}: 83.5 against 64.3 us for one bf16 dot), run 113 on
+# the raw keys (69.4 against 64.0)
 REPLAY_STEP_TIMING_ONLY = {"gram_bf16": dict(p_kk="bf16")}
 
 

@@ -66,10 +66,9 @@ def emulated_dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
         kw = dict(trans_a=trans_a, trans_b=trans_b)
         return ((_FP32_DOT(a_hi, b_lo, "ieee", True, **kw) + _FP32_DOT(a_lo, b_hi, "ieee", True, **kw))
                 + _FP32_DOT(a_hi, b_hi, "ieee", True, **kw))
-    if prec == "bf16":
-        a, b = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (a, b))
-    elif prec == "fp16":
-        a, b = (x.astype(jnp.float16).astype(jnp.float32) for x in (a, b))
+    if prec in ("bf16", "fp16"):
+        dt = jnp.bfloat16 if prec == "bf16" else jnp.float16
+        a, b = (x.astype(dt).astype(jnp.float32) for x in (a, b))
     elif prec == "tf32":
         a, b = tf32(a), tf32(b)
     return _FP32_DOT(a, b, prec, True, trans_a=trans_a, trans_b=trans_b)

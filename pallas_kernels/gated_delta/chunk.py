@@ -458,17 +458,18 @@ def _checked_config(config, V: int, use_l2: bool = True) -> dict:
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
+    cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
     for name, p in cfg.items():
-        if name.startswith("p_") and p not in wy.PRECISIONS and not (name == "p_kk" and p == "auto"):
+        if name.startswith("p_") and p not in wy.PRECISIONS:
             also = " or 'auto'" if name == "p_kk" else ""
             raise ValueError(f"{name}={p!r}: expected one of {wy.PRECISIONS}{also}")
-    cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
     return cfg
 
 
 def _gram_precision(p_kk: str, use_l2: bool) -> str:
     """The gram tiles' dot precision: p_kk="auto" (default) is "fp16" when the keys are L2-normalised (every element
-    in [-1, 1], beta in [0, 1]: no overflow; 10 mantissa bits, TF32's, where bf16 keeps 7), else "bf16x3" (three
+    in [-1, 1], so beta k overflows fp16 only for beta past 65504; 10 mantissa bits, TF32's, where bf16 keeps 7), else
+    "bf16x3" (three
     bf16 dots of the operands' hi / lo halves: any finite keys). Either keeps random keys with g ~ 0 and beta = 1
     inside issue 3's 2e-3 bar, which one bf16 dot ("bf16") reaches (runs 109-117). In interpret mode every dot is
     fp32 whatever this returns."""

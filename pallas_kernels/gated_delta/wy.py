@@ -36,11 +36,9 @@ def dot(a, b, prec, interpret, *, trans_a=False, trans_b=False):
     dn = (((ca,), (cb,)), ((), ()))
     if interpret:
         return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    if prec == "bf16":
-        return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
-                               preferred_element_type=jnp.float32)
-    if prec == "fp16":  # operands rounded to fp16 (10 mantissa bits, as TF32; finite only below 65504 in magnitude)
-        return lax.dot_general(a.astype(jnp.float16), b.astype(jnp.float16), dn, preferred_element_type=jnp.float32)
+    if prec in ("bf16", "fp16"):  # operands rounded to the 16-bit type, one tensor-core dot
+        dt = jnp.bfloat16 if prec == "bf16" else jnp.float16
+        return lax.dot_general(a.astype(dt), b.astype(dt), dn, preferred_element_type=jnp.float32)
     if prec == "bf16x3":  # (a_hi b_lo + a_lo b_hi) + a_hi b_hi, in that order
         (a_hi, a_lo), (b_hi, b_lo) = bf16_halves(a), bf16_halves(b)
         small = (lax.dot_general(a_hi, b_lo, dn, preferred_element_type=jnp.float32)

@@ -79,8 +79,8 @@ def _decode(x, s0, prompt, steps, config=None):
     # qg S0 as two dots
     (2, 4, jnp.bfloat16, "realistic", "realistic", (60, 3), 70, V, {"replay_kd": "fold"}),  # kernel 4 computing kd
     # itself (the default before run 103) instead of loading kernel 1's
-    # the gram tiles as one bf16 dot (the default before run 114; now three bf16 dots), in the prefill, prime and step
-    # alike
+    # the gram tiles as one bf16 dot (the default before run 114; now one fp16 dot: `chunk._gram_precision`), in the
+    # prefill, prime and step alike
     (1, 2, jnp.bfloat16, "near_zero", "one", (45, 20), 60, V, {"p_kk": "bf16"}),
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
