@@ -73,7 +73,8 @@ from .wy import CHUNK
 #   "h" or "v_new" transposes only that one (same bits; run 34: both slower than the default, 5.03 and 5.42 against
 #   4.79 ms over the sweep's two shapes);
 #   with design="fused" it does not apply (the default is ignored there; any other explicit value is refused);
-#   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u; p_kk may be "auto": `_gram_precision`),
+#   p_kk, p_inv, p_wu: prep-kernel dots (gram matrix, inverse merge, w/u; p_kk may be "auto": `_gram_precision`;
+#   p_qk too: `_qk_precision`),
 #   each one of `wy.PRECISIONS` ("ieee", "tf32", "tf32x3", "bf16", "bf16x3": three bf16 dots of the operands' hi / lo
 #   halves, "fp16": operands rounded to fp16); p_ws, p_kv: recurrence dots (w S,
 #   k^T v_new); p_qk, p_qs, p_av: output-side dots (q k^T, q S, A v_new) — in the output kernel (split) or in the
@@ -118,7 +119,7 @@ from .wy import CHUNK
 # replay_qk_cols: the replay step's kernel 2 takes row t of q k^T as column 0 of k q16^T ([C, K] x [K, 16], q16 holding
 # q's row t and zeros; the same 64-row wgmma, the operands' roles swapped) instead of row t of the 64-row q k^T: a
 # [16, K] operand in shared memory instead of [64, K]. The same bits on the H200 (run 74: the 560 rows and 8
-# boundary states), not on XLA:CPU (1.5e-8 off), so "auto" (default) takes it on the GPU and the 64-row form in
+# boundary states; run 122 again with q k^T in fp16, `_qk_precision`), not on XLA:CPU (1.5e-8 off), so "auto" (default) takes it on the GPU and the 64-row form in
 # interpret mode; True / False force either. Run 74, kernel 2 us per step at B=64 / 256: 32.2 / 121.3 before, 27.3
 # / 104.6 with it (8 warps), 18.2 / 64.4 with it on 4 warps (the default since).
 # replay_kd: where the replay step's kernel 4 takes a completing chunk's kd from: "prep" (default since run 103),
@@ -170,7 +171,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="tf32", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
+    p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
 
@@ -433,9 +434,10 @@ def _transposed(cfg) -> tuple[bool, bool]:
     return t in (True, "h"), t in (True, "v_new")
 
 
-def _checked_config(config, V: int, use_l2: bool = True) -> dict:
+def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = None) -> dict:
     """DEFAULT_CONFIG updated with `config`, with the choices that would otherwise fail silently checked, and
-    p_kk="auto" resolved for `use_l2` (`_gram_precision`)."""
+    p_kk="auto" and p_qk="auto" resolved for `use_l2` and the query scale (`_gram_precision`, `_qk_precision`; scale
+    None: K^-0.5's range)."""
     cfg = merged_config("chunk_gated_delta_rule", DEFAULT_CONFIG, config,
                         blocks={"bv": V, "bv_out": V, "bv_small": V, "bv_tiny": V, "bv_replay": V},
                         extra=("only_prep", "stop_after", "warps_replay"))
@@ -459,9 +461,10 @@ def _checked_config(config, V: int, use_l2: bool = True) -> dict:
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
+    cfg["p_qk"] = _qk_precision(cfg["p_qk"], use_l2, scale)
     for name, p in cfg.items():
         if name.startswith("p_") and p not in wy.PRECISIONS:
-            also = " or 'auto'" if name == "p_kk" else ""
+            also = " or 'auto'" if name in ("p_kk", "p_qk") else ""
             raise ValueError(f"{name}={p!r}: expected one of {wy.PRECISIONS}{also}")
     return cfg
 
@@ -476,6 +479,19 @@ def _gram_precision(p_kk: str, use_l2: bool) -> str:
     if p_kk != "auto":
         return p_kk
     return "fp16" if use_l2 else "bf16x3"
+
+
+def _qk_precision(p_qk: str, use_l2: bool, scale: float | None) -> str:
+    """The output's q k^T dot precision (the output kernel's and the replay step's row of it): p_qk="auto" (default) is
+    "fp16" when both operands are bounded — q and k L2-normalised, q times a scale in [2^-10, 2^10] (K^-0.5 by
+    default): fp16 neither overflows nor loses more than TF32 to subnormals there — else "tf32". fp16 keeps TF32's 10
+    mantissa bits at twice its rate from half its shared memory: the prefill 2.2% faster over the sweep's shapes, its
+    output kernel ~7% (run 121), as accurate (every accuracy case the default's to three digits). In interpret mode
+    every dot is fp32 whatever this returns."""
+    if p_qk != "auto":
+        return p_qk
+    bounded = use_l2 and (scale is None or 2.0 ** -10 <= abs(scale) <= 2.0 ** 10)
+    return "fp16" if bounded else "tf32"
 
 
 def _recurrence_blocks(cfg: dict, config, B: int, HV: int, V: int, interpret: bool) -> dict:
@@ -527,7 +543,7 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
                 config):
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cfg = _recurrence_blocks(_checked_config(config, V, use_qk_l2norm), config, B, HV, V, interpret)
+    cfg = _recurrence_blocks(_checked_config(config, V, use_qk_l2norm, scale), config, B, HV, V, interpret)
     nt = -(-T // CHUNK)
     tp = nt * CHUNK
     if tp != T:

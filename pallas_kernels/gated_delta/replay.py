@@ -451,7 +451,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     B = src.batch
     HK, K, HV, V = src.heads
     G = HV // HK
-    cfg = ck._checked_config(config, V, use_qk_l2norm)
+    cfg = ck._checked_config(config, V, use_qk_l2norm, scale)
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
     if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):

@@ -163,6 +163,23 @@ def test_gram_precision_auto_takes_fp16_only_for_normalised_keys():
         chunk._checked_config({"p_ws": "auto"}, 128)
 
 
+def test_qk_precision_auto_takes_fp16_only_for_bounded_operands():
+    """p_qk="auto" (the default): the output's q k^T in fp16 where q and k are L2-normalised and q's scale keeps it
+    inside fp16's normal range ([2^-10, 2^10]; K^-0.5 by default), TF32 otherwise; the prefill and the replay step
+    resolve it alike (both pass their scale); an explicit choice is kept; an unknown one is refused."""
+    from pallas_kernels.gated_delta import chunk
+
+    assert chunk.DEFAULT_CONFIG["p_qk"] == "auto"
+    assert chunk._checked_config(None, 128, use_l2=True)["p_qk"] == "fp16"
+    assert chunk._checked_config(None, 128, use_l2=True, scale=128 ** -0.5)["p_qk"] == "fp16"
+    assert chunk._checked_config(None, 128, use_l2=False, scale=128 ** -0.5)["p_qk"] == "tf32"
+    for scale in (2.0 ** -11, 2.0 ** 11, -(2.0 ** 11)):
+        assert chunk._checked_config(None, 128, use_l2=True, scale=scale)["p_qk"] == "tf32", scale
+    assert chunk._checked_config({"p_qk": "bf16"}, 128, use_l2=True)["p_qk"] == "bf16"
+    with pytest.raises(ValueError, match="p_qk='fp8'.*or 'auto'"):
+        chunk._checked_config({"p_qk": "fp8"}, 128)
+
+
 @pytest.mark.parametrize("keys", ["random", "identical", "nearly_parallel", "alternating_sign"])
 def test_w_and_kd_rows_have_norm_at_most_one(keys):
     """The bound fp16 storage of w and kd relies on (`chunk._wk_dtype`): with L2-normalised keys, beta in [0, 1] and

@@ -117,7 +117,7 @@ def test_chunk_lowers_for_h200(B, T, HK, HV, K, V, dtype, stride):
                                     {"prep_kernels": 2, "warps_apply": 8}, {"warps_prep": 8},
                                     {"wk_dtype": "float32"}, {"states_t": False, "bv_out": 64},
                                     {"states_t": False, "bv": 64}, {"states_t": "h"}, {"states_t": "v_new", "bv": 32},
-                                    {"p_kk": "bf16"}, {"p_kk": "bf16x3", "prep_kernels": 2}])
+                                    {"p_kk": "bf16"}, {"p_kk": "bf16x3", "prep_kernels": 2}, {"p_qk": "tf32"}])
 def test_chunk_configs_lower(config):
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    config=config)
