@@ -29,7 +29,7 @@ import numpy as np
 
 from pallas_kernels import CHUNK
 
-from .errors import JaxGDNError
+from .errors import InputError, JaxGDNError
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
@@ -169,9 +169,9 @@ class PrefixCache:
 
     def __post_init__(self):
         if self.interval <= 0 or self.interval % CHUNK:
-            raise ValueError(f"interval must be a positive multiple of {CHUNK}; got {self.interval}")
+            raise InputError(f"interval must be a positive multiple of {CHUNK}; got {self.interval}")
         if self.max_bytes is not None and self.max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
+            raise InputError("max_bytes must be >= 0")
 
     # ---- reading -------------------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import CapacityError, InputError, JaxGDNError
+from .errors import CapacityError, CheckpointError, InputError, JaxGDNError
 
 PRESETS = ("tiny", "tiny-next")
 PRESET_MAX_LENGTH = 4096  # the CLI's capacity limit for the embedded presets (they have no max_position_embeddings)
@@ -123,6 +123,9 @@ def _load_model(args, deterministic: bool | None = None):
         model = _preset(args.model, args.model_seed, args.dtype)
         source = f"preset {args.model!r} (seed {args.model_seed})"
     else:
+        if not os.path.exists(args.model):
+            raise CheckpointError(f"model directory {args.model} does not exist (nor is it a preset: "
+                                  f"{', '.join(PRESETS)})")
         model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype))
         source = f"checkpoint {args.model}"
     return dataclasses.replace(model, deterministic=det, decode_mode=mode, gdn_prefill=form), source

@@ -208,7 +208,7 @@ class Engine:
                     raise InputError(f"{where}: a prompt must be a sequence of integer token ids") from None
                 try:
                     _check_request(self.model, [ids], p.max_new_tokens, p.temperature, p.top_k, p.top_p,
-                                   p.stop_token_ids)
+                                   p.stop_token_ids, seed=p.seed)
                 except InputError as e:
                     raise type(e)(f"{where}: {e}") from None
             need = sum(len(m) for m in prompts) + len(prompts) * p.max_new_tokens

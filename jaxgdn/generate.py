@@ -153,28 +153,62 @@ def _stop_lists(stop_token_ids, n: int) -> list[list[int]]:
 
 
 def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
-                   return_top_logprobs: int = 0):
+                   return_top_logprobs: int = 0, seed=0):
     """Validate a generation request (scalars or per-request sequences); raises InputError naming the problem."""
     V = model.config.vocab_size
-    if prompts is None or len(prompts) == 0:
-        raise InputError("no prompts given")
+    if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+        raise InputError("no prompts given" if prompts is None or len(prompts) == 0 else
+                         "prompts must be a list of token-id sequences (got a string: encode it with a tokenizer)")
+    if all(_is_int(t) for t in prompts):
+        raise InputError("prompts must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
+                         "list)")
     n = len(prompts)
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, an integer; got {max_new_tokens!r}")
     for t, p in zip(_per_request(temperature, n, "temperature"), _per_request(top_p, n, "top_p")):
-        if not (t >= 0 and 0 < p <= 1):  # also rejects NaN
-            raise InputError(f"invalid sampling parameters: temperature={t}, top_p={p}")
+        try:
+            t, p = float(t), float(p)
+        except (TypeError, ValueError):
+            raise InputError(f"invalid sampling parameters: temperature={t!r}, top_p={p!r} (numbers)") from None
+        if not t >= 0:  # also rejects NaN
+            raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0; 0 is greedy)")
+        if not 0 < p <= 1:
+            raise InputError(f"invalid sampling parameters: top_p={p} (must lie in (0, 1])")
     if top_k is not None and not 1 <= top_k <= V:
         raise InputError(f"invalid sampling parameters: top_k={top_k} (must lie in [1, {V}])")
     if not 0 <= return_top_logprobs <= V:
         raise InputError(f"return_top_logprobs must lie in [0, {V}]; got {return_top_logprobs}")
+    for s in _per_request(seed, n, "seeds"):
+        if not _is_int(s) or not 0 <= s < 2**32:
+            raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")
     for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise InputError(f"prompt {i} is empty")
-        if min(p) < 0 or max(p) >= V:
-            raise InputError(f"prompt {i} holds token ids outside [0, {V})")
+        _check_prompt(p, i, V)
     if any(not 0 <= s < V for row in _stop_lists(stop_token_ids, n) for s in row):
         raise InputError(f"stop_token_ids must lie in [0, {V})")
+
+
+def _is_int(x) -> bool:
+    """A Python or NumPy integer (not a bool)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_prompt(p, i: int, V: int) -> None:
+    """Prompt i must be a flat, non-empty sequence of integer token ids in [0, V); raises InputError otherwise."""
+    if isinstance(p, (str, bytes)):
+        raise InputError(f"prompt {i} must be a sequence of integer token ids; got a string (encode it with a "
+                         f"tokenizer)")
+    try:
+        a = np.asarray(p)
+    except (TypeError, ValueError):
+        raise InputError(f"prompt {i} must be a flat sequence of integer token ids") from None
+    if a.ndim != 1:
+        raise InputError(f"prompt {i} must be a flat sequence of integer token ids; got shape {a.shape}")
+    if a.size == 0:
+        raise InputError(f"prompt {i} is empty")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"prompt {i} must hold integer token ids; got {a.dtype}")
+    if a.min() < 0 or a.max() >= V:
+        raise InputError(f"prompt {i} holds token ids outside [0, {V}): min {int(a.min())}, max {int(a.max())}")
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -189,7 +223,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     per generated token, the k most likely tokens and their logprobs. Returns a `Generations` list with one
     `GenerationResult` per prompt, in order, `.cache` (the new prefix cache when `cache` was given) and `.timings`.
     """
-    _check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids, return_top_logprobs)
+    _check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids, return_top_logprobs,
+                   seed)
     B = len(prompts)
     seeds = [int(s) for s in _per_request(seed, B, "seeds")]
     temperatures = _per_request(temperature, B, "temperature")

@@ -67,9 +67,9 @@ class Model:
 
     def __post_init__(self):
         if self.decode_mode not in ("recurrent", "replay"):
-            raise ValueError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
+            raise InputError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
         if self.gdn_prefill not in ("chunked", "recurrent"):
-            raise ValueError(f"gdn_prefill must be 'chunked' or 'recurrent'; got {self.gdn_prefill!r}")
+            raise InputError(f"gdn_prefill must be 'chunked' or 'recurrent'; got {self.gdn_prefill!r}")
 
     @property
     def keeps_open_chunk(self) -> bool:

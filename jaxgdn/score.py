@@ -83,6 +83,8 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
             raise InputError(f"sequence {i} must hold integer token ids; got {s.dtype}")
         if s.min() < 0 or s.max() >= V:
             raise InputError(f"sequence {i} holds token ids outside [0, {V}): min {int(s.min())}, max {int(s.max())}")
+        if len(s) < 2:
+            raise InputError(f"sequence {i} has one token: scoring needs at least 2 (token 0 has no context)")
         if not 1 <= st < len(s):
             raise InputError(f"start {st} is out of range for sequence {i} of {len(s)} tokens: it must lie in "
                              f"[1, {len(s) - 1}] (token 0 has no context; at least one token must be scored)")

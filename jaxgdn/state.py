@@ -13,6 +13,7 @@ from pallas_kernels import CHUNK, replay_caches
 from pallas_kernels.attention import DEFAULT_CONFIG as _ATTENTION_CONFIG
 
 from .config import LINEAR, ModelConfig
+from .errors import InputError
 
 ATTENTION_KEY_BLOCK = _ATTENTION_CONFIG["bk"]  # KV capacities are rounded up to it (`init_state`)
 
@@ -95,7 +96,7 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
     padded one at every call (measured on the H200: ~0.18 ms per attention layer and decode step at B=64 with 1104
     slots)."""
     if batch_size < 1 or capacity < 1:
-        raise ValueError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
+        raise InputError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
     capacity = -(-capacity // ATTENTION_KEY_BLOCK) * ATTENTION_KEY_BLOCK
     layers = []
     for t in config.layer_types:

@@ -133,8 +133,12 @@ def test_admission_rule_and_predicate(tiny):
     off_grid = checkpoint_from_state(decoded, 0, toks + [7])
     with pytest.raises(jaxgdn.CheckpointRefused, match="not on the cache grid"):
         nondet.insert(off_grid)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(jaxgdn.InputError, match="multiple of 64"):  # a ValueError too
         jaxgdn.PrefixCache(interval=100)
+    with pytest.raises(jaxgdn.InputError, match="max_bytes"):
+        jaxgdn.PrefixCache(interval=INTERVAL, max_bytes=-1)
+    with pytest.raises(jaxgdn.InputError, match="batch_size and capacity must be >= 1"):
+        tiny.init_state(2, 0)
 
 
 def test_insert_is_functional_and_lookup_longest_prefix(tiny):

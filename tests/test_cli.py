@@ -132,7 +132,7 @@ def _bad_dirs(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--model", "{missing}", "--tokens", "1"], "does not exist"),
+    (["--model", "{missing}", "--tokens", "1"], "does not exist (nor is it a preset: tiny, tiny-next)"),
     (["--model", "{bad_json}", "--tokens", "1"], "is not valid JSON"),
     (["--model", "{llama}", "--tokens", "1"], "unsupported model_type 'llama'"),
     (["--model", "{no_weights}", "--tokens", "1"], "no *.safetensors"),
@@ -148,6 +148,9 @@ def _bad_dirs(tmp_path):
     (["--tokens", "1", "--top-k", "0"], "invalid sampling parameters"),
     (["--tokens", "1", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--tokens", "1", "--stop-token-ids", "300"], "stop_token_ids"),
+    (["--tokens", "1", "--top-p", "1.5"], "top_p=1.5 (must lie in (0, 1])"),
+    (["--tokens", "1", "--temperature", "1", "--seed", "-1"], "seed must be an integer in [0, 2**32); got -1"),
+    (["--tokens", "1", "--seed", str(2**32)], "seed must be an integer in [0, 2**32)"),
 ])
 def test_generate_bad_input(capsys, tmp_path, argv, match):
     paths = dict(_bad_dirs(tmp_path), missing=tmp_path / "missing")
@@ -190,7 +193,7 @@ def test_score_tokens_json(capsys, tmp_path, preset):
 
 @pytest.mark.parametrize("argv, match", [
     (["--tokens", "5,6,7", "--start", "3"], "start 3 is out of range"),
-    (["--tokens", "5"], "out of range for sequence 0 of 1 tokens"),
+    (["--tokens", "5"], "sequence 0 has one token: scoring needs at least 2"),
     (["--tokens", "5,6", "--completion-tokens", "7,256"], "completion holds token ids outside"),
     (["--tokens", "5,6", "--start", "1", "--completion", "x"], "cannot be combined"),
     (["--tokens", "5,6", "--output", "{out}/s.txt"], "must end in .json or .csv"),

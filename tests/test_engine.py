@@ -108,6 +108,7 @@ def test_plain_token_lists_use_default_params(det, requests):
     ([[1, 2], [3, 300]], {}, jaxgdn.InputError, "request 1: .*outside"),
     ([Request([1], SamplingParams(top_p=0.0))], {}, jaxgdn.InputError, "sampling parameters"),
     ([Request([1], SamplingParams(max_new_tokens=0))], {}, jaxgdn.InputError, "max_new_tokens"),
+    ([[1], Request([1], SamplingParams(seed=-1))], {}, jaxgdn.InputError, r"request 1: seed must be an integer"),
     ([Request([1], SamplingParams(stop_token_ids=(999,)))], {}, jaxgdn.InputError, "stop_token_ids"),
     ([Conversation([])], {}, jaxgdn.InputError, "conversation 0 has no messages"),
     (["abc"], {}, jaxgdn.InputError, "request 0: a prompt must be a sequence of integer token ids"),

@@ -125,6 +125,14 @@ def test_no_recompilation_within_a_bucket(tiny, prompts, greedy):
     (dict(max_new_tokens=4, top_k=257), "top_k"),
     (dict(max_new_tokens=4, stop_token_ids=[256]), "stop_token_ids"),
     (dict(max_new_tokens=4, seed=[1, 2, 3]), "seeds"),
+    (dict(max_new_tokens=4, temperature=-1.0), r"temperature=-1.0 \(must be >= 0"),
+    (dict(max_new_tokens=4, top_p=1.5), r"top_p=1.5 \(must lie in \(0, 1\]\)"),
+    (dict(max_new_tokens=4, temperature="hot"), "numbers"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be >= 1, an integer; got 2.5"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(max_new_tokens=4, seed=-1), r"seed must be an integer in \[0, 2\*\*32\); got -1"),
+    (dict(max_new_tokens=4, seed=2**32), "seed must be an integer"),
+    (dict(max_new_tokens=4, seed=[1, 1.5]), "got 1.5"),
 ])
 def test_invalid_parameters(tiny, prompts, kwargs, match):
     with pytest.raises(jaxgdn.InputError, match=match):
@@ -136,6 +144,13 @@ def test_invalid_parameters(tiny, prompts, kwargs, match):
     ([[1, 2], []], "prompt 1 is empty"),
     ([[1, 256]], "prompt 0"),
     ([[-1, 2]], "prompt 0"),
+    ([1, 2, 3], "one flat sequence of ids: wrap it in a list"),
+    ("hello", "got a string"),
+    (["hello"], "prompt 0 must be a sequence of integer token ids; got a string"),
+    ([[1.7, 2.2, 3.9]], "prompt 0 must hold integer token ids; got float64"),
+    ([[1, 2], [True, False]], "prompt 1 must hold integer token ids; got bool"),
+    (np.zeros((1, 2, 3), np.int32), r"prompt 0 must be a flat sequence of integer token ids; got shape \(2, 3\)"),
+    ([[1, 2], 5], r"prompt 1 must be a flat sequence .*got shape \(\)"),
 ])
 def test_invalid_prompts(tiny, bad_prompts, match):
     with pytest.raises(jaxgdn.InputError, match=match):

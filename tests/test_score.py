@@ -82,7 +82,7 @@ def test_no_recompilation_within_a_bucket(det, scored):
     ([[1.5, 2.0]], 1, "integer"),
     ([[1, 2, 3]], 0, "start 0 is out of range"),
     ([[1, 2, 3]], 3, "start 3 is out of range"),
-    ([[7]], 1, "out of range for sequence 0 of 1 tokens"),
+    ([[7]], 1, "sequence 0 has one token: scoring needs at least 2"),
     ([[1, 2, 3], [4, 5]], [1], "1 start values for 2 sequences"),
     ([[[1, 2], [3, 4]]], 1, "flat list"),
     (np.array([1, 2, 3]), 1, "wrap it in a list"),
