@@ -1,5 +1,7 @@
 """Exceptions raised by jaxgdn. Each names what was wrong so callers and the CLI can report one clear line."""
 
+import numpy as np
+
 
 class JaxGDNError(Exception):
     """Base class for jaxgdn's own errors."""
@@ -19,3 +21,17 @@ class InputError(JaxGDNError, ValueError):
 
 class CapacityError(InputError):
     """The KV cache of a state has no room for the tokens asked for."""
+
+
+def check_token_ids(ids: np.ndarray, what: str, vocab_size: int) -> None:
+    """`ids` (what the caller calls `what`: "prompt 3", "sequence 0") must be a flat, non-empty array of integer token
+    ids in [0, vocab_size); raises InputError naming the problem otherwise (shared by `generate` and `score`)."""
+    if ids.ndim != 1:
+        raise InputError(f"{what} must be a flat sequence of integer token ids; got shape {ids.shape}")
+    if ids.size == 0:
+        raise InputError(f"{what} is empty")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{what} must hold integer token ids; got {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InputError(f"{what} holds token ids outside [0, {vocab_size}): min {int(ids.min())}, "
+                         f"max {int(ids.max())}")

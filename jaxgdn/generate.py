@@ -26,7 +26,7 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
-from .errors import InputError
+from .errors import InputError, check_token_ids
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState, at_boundary
 
@@ -201,14 +201,7 @@ def _check_prompt(p, i: int, V: int) -> None:
         a = np.asarray(p)
     except (TypeError, ValueError):
         raise InputError(f"prompt {i} must be a flat sequence of integer token ids") from None
-    if a.ndim != 1:
-        raise InputError(f"prompt {i} must be a flat sequence of integer token ids; got shape {a.shape}")
-    if a.size == 0:
-        raise InputError(f"prompt {i} is empty")
-    if not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"prompt {i} must hold integer token ids; got {a.dtype}")
-    if a.min() < 0 or a.max() >= V:
-        raise InputError(f"prompt {i} holds token ids outside [0, {V}): min {int(a.min())}, max {int(a.max())}")
+    check_token_ids(a, f"prompt {i}", V)
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
-from .errors import InputError
+from .errors import InputError, check_token_ids
 from .model import Model, jit, prefill_chunk
 
 DEFAULT_WINDOW = 512
@@ -75,14 +75,7 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
             raise InputError(f"{len(starts)} start values for {len(seqs)} sequences")
     out = []
     for i, (s, st) in enumerate(zip(seqs, starts)):
-        if s.ndim != 1:
-            raise InputError(f"sequence {i} must be a flat list of token ids; got shape {s.shape}")
-        if s.size == 0:
-            raise InputError(f"sequence {i} is empty")
-        if not np.issubdtype(s.dtype, np.integer):
-            raise InputError(f"sequence {i} must hold integer token ids; got {s.dtype}")
-        if s.min() < 0 or s.max() >= V:
-            raise InputError(f"sequence {i} holds token ids outside [0, {V}): min {int(s.min())}, max {int(s.max())}")
+        check_token_ids(s, f"sequence {i}", V)
         if len(s) < 2:
             raise InputError(f"sequence {i} has one token: scoring needs at least 2 (token 0 has no context)")
         if not 1 <= st < len(s):

@@ -84,7 +84,7 @@ def test_no_recompilation_within_a_bucket(det, scored):
     ([[1, 2, 3]], 3, "start 3 is out of range"),
     ([[7]], 1, "sequence 0 has one token: scoring needs at least 2"),
     ([[1, 2, 3], [4, 5]], [1], "1 start values for 2 sequences"),
-    ([[[1, 2], [3, 4]]], 1, "flat list"),
+    ([[[1, 2], [3, 4]]], 1, "sequence 0 must be a flat sequence of integer token ids"),
     (np.array([1, 2, 3]), 1, "wrap it in a list"),
 ])
 def test_bad_input(det, sequences, start, match):
