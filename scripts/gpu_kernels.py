@@ -997,7 +997,7 @@ REPLAY_STEP_CONFIGS = {"default": None}
 # three bf16 dots' 75.8 us at B = 64, the default then; run 118: 62.9 against the fp16 dot's 62.8, the default since
 # run 117). Run 111 timed the tiles in TF32 ({"p_kk": "tf32"}: 83.5 against 64.3 us for one bf16 dot), run 113 on
 # the raw keys (69.4 against 64.0); run 120: gram_bf16 164.9 against the default's 164.5 us per step at B = 64.
-# qk_tf32: kernel 2's row of q k^T in TF32, the default before run 121 (now one fp16 dot: `chunk._qk_precision`)
+# qk_tf32: kernel 2's row of q k^T in TF32, the default before run 122 (now one fp16 dot: `chunk._qk_precision`)
 REPLAY_STEP_TIMING_ONLY = {"qk_tf32": dict(p_qk="tf32")}
 
 
@@ -1270,7 +1270,7 @@ def main():
         "kk_tf32": dict(p_kk="tf32"),
         # 2026-12-03: the output kernel's q k^T (and the replay step's row of it) as one fp16 dot, both operands
         # L2-normalised as the gram tiles' are (then times the scale K^-0.5 on q): run 121, 4.008 against 4.097 ms
-        # over the sweep's shapes, as accurate; the default since (`chunk._qk_precision`). qk_tf32: the dot before
+        # over the sweep's shapes, as accurate; the default since run 122 (`chunk._qk_precision`). qk_tf32: the dot before
         "qk_tf32": dict(p_qk="tf32"),
         # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
         # other bits than the default, mma.sync dots at bv 32, not faster — removed

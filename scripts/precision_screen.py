@@ -28,7 +28,7 @@ from tests.gdn_oracle import gated_delta_rule_oracle, random_gdn_inputs, rel_err
 
 CONFIGS = {
     "default (TF32 dots, the gram tiles and q k^T in fp16)": {},
-    "q k^T in TF32 (the default before run 121)": dict(p_qk="tf32"),
+    "q k^T in TF32 (the default before run 122)": dict(p_qk="tf32"),
     "bf16 recurrence and output dots": dict(p_ws="bf16", p_kv="bf16", p_qs="bf16", p_av="bf16"),
     "bf16 output dots": dict(p_qs="bf16", p_av="bf16"),
     "bf16 recurrence dots": dict(p_ws="bf16", p_kv="bf16"),

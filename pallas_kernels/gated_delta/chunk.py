@@ -485,8 +485,8 @@ def _qk_precision(p_qk: str, use_l2: bool, scale: float | None) -> str:
     """The output's q k^T dot precision (the output kernel's and the replay step's row of it): p_qk="auto" (default) is
     "fp16" when both operands are bounded — q and k L2-normalised, q times a scale in [2^-10, 2^10] (K^-0.5 by
     default): fp16 neither overflows nor loses more than TF32 to subnormals there — else "tf32". fp16 keeps TF32's 10
-    mantissa bits at twice its rate from half its shared memory: the prefill 2.2% faster over the sweep's shapes, its
-    output kernel ~7% (run 121), as accurate (every accuracy case the default's to three digits). In interpret mode
+    mantissa bits at twice its rate from half its shared memory: the prefill 1.4-2.2% faster over the sweep's shapes,
+    its output kernel ~7% (runs 121 and 123; the default since run 122), as accurate (every accuracy case the default's to three digits). In interpret mode
     every dot is fp32 whatever this returns."""
     if p_qk != "auto":
         return p_qk
