@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import LINEAR, ModelConfig
 from .errors import CheckpointError
-from .model import Model
+from .model import Model, check_model_options
 from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -207,6 +207,7 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
     mesh: a `jax.sharding.Mesh` with a "tp" axis (`jaxgdn.sharding.make_mesh`): parameters placed for tensor
     parallelism (`jaxgdn.sharding.shard_model`), each device's slice read from the file on its own.
     """
+    check_model_options(dtype, backend)
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"model directory {path} does not exist")

@@ -775,10 +775,11 @@ def _parser() -> argparse.ArgumentParser:
                           description="Builds the embedded tiny model from a fixed seed, generates greedily from a "
                                       "random prompt, prints tokens and logprobs, and a per-GDN-layer table comparing "
                                       "the state after one prefill with the state after prefill + decode.")
-    demo.add_argument("--preset", default="tiny", choices=["tiny", "tiny-next"])
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--prompt-len", type=int, default=100)
-    demo.add_argument("--new-tokens", type=int, default=40)
+    demo.add_argument("--preset", default="tiny", choices=["tiny", "tiny-next"],
+                      help="tiny: dense Qwen3.5; tiny-next: Qwen3-Next MoE (default tiny)")
+    demo.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the model and the prompt (default 0)")
+    demo.add_argument("--prompt-len", type=int, metavar="N", default=100, help="random prompt length (default 100)")
+    demo.add_argument("--new-tokens", type=int, metavar="N", default=40, help="tokens generated (default 40)")
 
     gen = sub.add_parser("generate", help="generate a completion of a prompt",
                          description="Generate a completion (text in, text out through the tokenizer; or token ids "
@@ -788,8 +789,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_prompt_args(gen)
     gen.add_argument("--max-new-tokens", type=int, metavar="N", default=32, help="default 32")
     gen.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 (default): greedy")
-    gen.add_argument("--top-k", type=int, metavar="K", default=None)
-    gen.add_argument("--top-p", type=float, metavar="P", default=1.0)
+    gen.add_argument("--top-k", type=int, metavar="K", default=None,
+                     help="sample among the K most likely tokens (default: all)")
+    gen.add_argument("--top-p", type=float, metavar="P", default=1.0,
+                     help="nucleus sampling: the smallest set of tokens with probability >= P (default 1.0: all)")
     gen.add_argument("--seed", type=int, metavar="N", default=0, help="sampling seed (default 0)")
     gen.add_argument("--stop-token-ids", metavar="IDS", help="stop tokens, e.g. '1,2' (default: the tokenizer's eos)")
     gen.add_argument("--no-stop", action="store_true", help="no stop tokens")
@@ -843,7 +846,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="random prompt length (>= 65; default 100)")
     cd.add_argument("--new-tokens", type=int, metavar="N", default=32, help="tokens generated per request (default 32)")
     cd.add_argument("--interval", type=int, metavar="N", default=64, help="prefix cache grid (default 64)")
-    cd.add_argument("--seed", type=int, metavar="N", default=0)
+    cd.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the random prompts (default 0)")
     cd.add_argument("--unsafe-cache", action="store_true",
                     help="admit decode-produced states into the cache (what the deterministic cache refuses): "
                          "the cache check fails, and the warm-vs-cold check on prompts where the decoded states' "
@@ -856,10 +859,11 @@ def _parser() -> argparse.ArgumentParser:
                         description="Times one prefill of --prompt-len tokens per row and a compiled loop of "
                                     "--decode-steps decode steps (median of --repeats runs, after a compiling run).")
     _add_model_args(be)
-    be.add_argument("--batch-size", type=int, metavar="N", default=1)
-    be.add_argument("--prompt-len", type=int, metavar="N", default=128)
-    be.add_argument("--decode-steps", type=int, metavar="N", default=32)
-    be.add_argument("--repeats", type=int, metavar="N", default=3)
+    be.add_argument("--batch-size", type=int, metavar="N", default=1, help="rows per call (default 1)")
+    be.add_argument("--prompt-len", type=int, metavar="N", default=128, help="prompt tokens per row (default 128)")
+    be.add_argument("--decode-steps", type=int, metavar="N", default=32,
+                    help="decode steps in the compiled loop (default 32)")
+    be.add_argument("--repeats", type=int, metavar="N", default=3, help="timed runs; the median is reported (default 3)")
     be.add_argument("--max-length", type=int, metavar="N", help="capacity limit on prompt + decode tokens")
     be.add_argument("--output", metavar="FILE.json", help="also write the results as JSON")
     return parser

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import CHUNK, resolve_backend
+from pallas_kernels import BACKENDS, CHUNK, resolve_backend
 
 from .config import LINEAR, ModelConfig
 from .errors import CapacityError, InputError
@@ -37,6 +37,24 @@ from .layers.mlp import feed_forward
 from .layers.norm import rms_norm
 from .params import ModelParams
 from .state import GDNLayerState, ModelState, PrefillCheckpoints, Provenance, init_state
+
+
+MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def check_model_options(dtype, backend) -> None:
+    """A model's activation dtype is float32 or bfloat16 (the two the tests and the GPU checks cover) and its kernel
+    backend one `pallas_kernels.backend` knows, or None; raised at construction (before any weights are read by
+    `load_pretrained`), not at the first call."""
+    try:
+        ok = jnp.dtype(dtype) in MODEL_DTYPES
+    except TypeError:
+        ok = False
+    if not ok:
+        raise InputError(f"dtype must be float32 or bfloat16; got {dtype!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise InputError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS} or None (the device's "
+                         f"default)")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
@@ -66,6 +84,7 @@ class Model:
     gdn_prefill: str = "chunked"
 
     def __post_init__(self):
+        check_model_options(self.dtype, self.backend)
         if self.decode_mode not in ("recurrent", "replay"):
             raise InputError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
         if self.gdn_prefill not in ("chunked", "recurrent"):
@@ -139,17 +158,30 @@ def _concrete(x) -> bool:
 
 
 def _check_tokens(cfg: ModelConfig, tokens, rank: int, what: str):
+    """tokens as int32, after checking their rank and dtype (the ids: `_check_ids`)."""
     if not hasattr(tokens, "dtype"):
         tokens = np.asarray(tokens)
     if tokens.ndim != rank:
         raise InputError(f"{what} must have rank {rank}; got shape {tuple(tokens.shape)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise InputError(f"{what} must be an integer array (int32); got {tokens.dtype}")
-    if _concrete(tokens) and tokens.size:
-        lo, hi = int(np.min(tokens)), int(np.max(tokens))
-        if lo < 0 or hi >= cfg.vocab_size:
-            raise InputError(f"{what} holds ids outside [0, {cfg.vocab_size}): min {lo}, max {hi}")
     return jnp.asarray(tokens, jnp.int32)
+
+
+def _check_ids(cfg: ModelConfig, tokens: jax.Array, what: str, lengths=None):
+    """On concrete values, that every id lies in the vocabulary — for a prefill with `lengths`, every id of a valid
+    position: padding may hold anything (-1 included), since it reaches neither a state nor a valid logit."""
+    if not (_concrete(tokens) and tokens.size and (lengths is None or _concrete(lengths))):
+        return
+    ids = np.asarray(tokens)
+    bad = (ids < 0) | (ids >= cfg.vocab_size)
+    if lengths is not None:
+        bad &= np.arange(ids.shape[1]) < np.asarray(lengths)[:, None]
+    if np.any(bad):
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        scope = " (padding past `lengths` is not checked)" if lengths is not None else ""
+        raise InputError(f"{what} holds ids outside [0, {cfg.vocab_size}): {int(ids[at])} at index {list(at)}, "
+                         f"{int(np.sum(bad))} such id(s) in all{scope}")
 
 
 def _check_capacity(state: ModelState, advance):
@@ -194,6 +226,7 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
         if _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
             raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
         lengths = jnp.asarray(lengths, jnp.int32)
+    _check_ids(cfg, tokens, "tokens", lengths)
     _check_capacity(state, lengths)
     if grid_rule and _concrete(state.position) and _concrete(lengths):
         pos, lens = np.asarray(state.position), np.asarray(lengths)
@@ -209,6 +242,7 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
 
 def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None):
     token = _check_tokens(cfg, token, 1, "token")
+    _check_ids(cfg, token, "token")
     if token.shape[0] != state.batch_size:
         raise InputError(f"token has {token.shape[0]} rows but the state holds {state.batch_size}")
     _check_state_kind(state, open_chunk)

@@ -6,15 +6,17 @@ import jax
 import jax.numpy as jnp
 
 from .config import PRESETS
+from .errors import InputError
 from .init import random_params
-from .model import Model
+from .model import Model, check_model_options
 
 
 def tiny_model(name: str = "tiny", seed: int = 0, dtype=jnp.float32, backend: str | None = None,
                deterministic: bool = False) -> Model:
     """A random model of a preset config ("tiny", "tiny-next", "qwen3.5-9b" — the last only under eval_shape)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        raise InputError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    check_model_options(dtype, backend)
     config = PRESETS[name]()
     return Model(params=random_params(config, jax.random.key(seed), dtype), config=config, dtype=dtype,
                  backend=backend, deterministic=deterministic)

@@ -295,3 +295,21 @@ def test_errors_are_jaxgdn_errors():
     assert issubclass(jaxgdn.UnsupportedModelError, jaxgdn.CheckpointError)
     assert issubclass(jaxgdn.CheckpointError, jaxgdn.JaxGDNError)
     assert issubclass(jaxgdn.InputError, ValueError)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype=jnp.int32), "dtype must be float32 or bfloat16"),
+    (dict(dtype=jnp.float16), "dtype must be float32 or bfloat16"),
+    (dict(dtype="not a dtype"), "dtype must be float32 or bfloat16"),
+    (dict(backend="cuda"), "unknown kernel backend 'cuda'"),
+])
+def test_bad_model_options_are_rejected_before_loading(kw, match):
+    """dtype and backend are checked before any file is read (the directory here does not even exist) and on every
+    way to make a model."""
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.load_pretrained("/nonexistent/model/dir", **kw)
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.tiny_model("tiny", **kw)
+    model = jaxgdn.tiny_model("tiny")
+    with pytest.raises(jaxgdn.InputError, match=match):
+        dataclasses.replace(model, **kw)  # as with_backend and every other copy does

@@ -409,6 +409,23 @@ def test_prefill_rejects_out_of_range_jax_tokens(tiny, state2):
         tiny.prefill_chunk(state2, jnp.full((2, 4), 300, jnp.int32))
 
 
+def test_padding_past_lengths_may_hold_any_id(tiny, state2):
+    """Only valid positions' ids are checked: padding (here -1 and 10**6) reaches neither the state nor a valid
+    logit, so the call gives bitwise what zero padding gives; an id out of range inside `lengths` is named."""
+    valid = np.array([[7, 8, 9, 10], [11, 12, 0, 0]], np.int32)
+    lengths = np.array([4, 2], np.int32)
+    odd = valid.copy()
+    odd[1, 2:] = [-1, 10**6]
+    s0, l0 = tiny.prefill_chunk(state2, valid, lengths)
+    s1, l1 = tiny.prefill_chunk(state2, odd, lengths)
+    chex.assert_trees_all_equal(s0, s1)
+    assert np.array_equal(np.asarray(l0)[0], np.asarray(l1)[0])
+    assert np.array_equal(np.asarray(l0)[1, :2], np.asarray(l1)[1, :2])
+    odd[1, 1] = 256
+    with pytest.raises(jaxgdn.InputError, match=r"256 at index \[1, 1\], 1 such id"):
+        tiny.prefill_chunk(state2, odd, lengths)
+
+
 @pytest.mark.parametrize("lengths, match", [
     ([5, 4], r"\[0, T=4\]"),  # > T
     ([-1, 4], r"\[0, T=4\]"),  # negative
