@@ -156,9 +156,10 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
                    return_top_logprobs: int = 0, seed=0):
     """Validate a generation request (scalars or per-request sequences); raises InputError naming the problem."""
     V = model.config.vocab_size
-    if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-        raise InputError("no prompts given" if prompts is None or len(prompts) == 0 else
-                         "prompts must be a list of token-id sequences (got a string: encode it with a tokenizer)")
+    if isinstance(prompts, (str, bytes)):
+        raise InputError("prompts must be a list of token-id sequences (got a string: encode it with a tokenizer)")
+    if prompts is None or len(prompts) == 0:
+        raise InputError("no prompts given")
     if all(_is_int(t) for t in prompts):
         raise InputError("prompts must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
                          "list)")
