@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import BACKENDS, CHUNK, resolve_backend
+from pallas_kernels import CHUNK, resolve_backend
 
 from .config import LINEAR, ModelConfig
 from .errors import CapacityError, InputError
@@ -52,9 +52,11 @@ def check_model_options(dtype, backend) -> None:
         ok = False
     if not ok:
         raise InputError(f"dtype must be float32 or bfloat16; got {dtype!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise InputError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS} or None (the device's "
-                         f"default)")
+    if backend is not None:
+        try:
+            resolve_backend(backend)  # the one place that knows the backends
+        except ValueError as e:
+            raise InputError(str(e)) from None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
@@ -216,6 +218,7 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
     _check_state_kind(state, open_chunk)
     if T == 0:
         raise InputError("tokens has no columns (T == 0)")
+    padded = lengths is not None
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     else:
@@ -226,7 +229,7 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
         if _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
             raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
         lengths = jnp.asarray(lengths, jnp.int32)
-    _check_ids(cfg, tokens, "tokens", lengths)
+    _check_ids(cfg, tokens, "tokens", lengths if padded else None)
     _check_capacity(state, lengths)
     if grid_rule and _concrete(state.position) and _concrete(lengths):
         pos, lens = np.asarray(state.position), np.asarray(lengths)
