@@ -159,7 +159,7 @@ def _concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _check_tokens(cfg: ModelConfig, tokens, rank: int, what: str):
+def _check_tokens(tokens, rank: int, what: str):
     """tokens as int32, after checking their rank and dtype (the ids: `_check_ids`)."""
     if not hasattr(tokens, "dtype"):
         tokens = np.asarray(tokens)
@@ -209,26 +209,38 @@ def _check_state_kind(state: ModelState, open_chunk: bool | None):
                      "decide their layout)")
 
 
-def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False,
-                   open_chunk: bool | None = None):
-    tokens = _check_tokens(cfg, tokens, 2, "tokens")
-    B, T = tokens.shape
+def _check_shapes(state: ModelState, tokens, lengths, open_chunk: bool | None, decode: bool = False):
+    """The checks that need only shapes and dtypes, so they hold under a trace too (the pure functions make them):
+    tokens [B, T] with `lengths` [B] or None (a prefill) or token [B] (`decode`), B the state's batch, and a state
+    laid out for the model. Returns tokens and lengths as int32 arrays (lengths None stays None)."""
+    what = "token" if decode else "tokens"
+    tokens = _check_tokens(tokens, 1 if decode else 2, what)
+    B = tokens.shape[0]
     if B != state.batch_size:
-        raise InputError(f"tokens have {B} rows but the state holds {state.batch_size}")
+        raise InputError(f"{what} {'has' if decode else 'have'} {B} rows but the state holds {state.batch_size}")
     _check_state_kind(state, open_chunk)
-    if T == 0:
+    if decode:
+        return tokens, None
+    if tokens.shape[1] == 0:
         raise InputError("tokens has no columns (T == 0)")
-    padded = lengths is not None
-    if lengths is None:
-        lengths = jnp.full((B,), T, jnp.int32)
-    else:
+    if lengths is not None:
         if not hasattr(lengths, "dtype"):
             lengths = np.asarray(lengths)
         if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise InputError(f"lengths must be an int array of shape ({B},); got {lengths.dtype}{tuple(lengths.shape)}")
-        if _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
-            raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
         lengths = jnp.asarray(lengths, jnp.int32)
+    return tokens, lengths
+
+
+def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False,
+                   open_chunk: bool | None = None):
+    padded = lengths is not None
+    tokens, lengths = _check_shapes(state, tokens, lengths, open_chunk)
+    B, T = tokens.shape
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    elif _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
+        raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
     _check_ids(cfg, tokens, "tokens", lengths if padded else None)
     _check_capacity(state, lengths)
     if grid_rule and _concrete(state.position) and _concrete(lengths):
@@ -244,11 +256,8 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
 
 
 def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None):
-    token = _check_tokens(cfg, token, 1, "token")
+    token, _ = _check_shapes(state, token, None, open_chunk, decode=True)
     _check_ids(cfg, token, "token")
-    if token.shape[0] != state.batch_size:
-        raise InputError(f"token has {token.shape[0]} rows but the state holds {state.batch_size}")
-    _check_state_kind(state, open_chunk)
     _check_capacity(state, 1)
     return token
 
@@ -276,9 +285,12 @@ def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) ->
     return ModelState(layers=tuple(layers), position=state.position + lengths, provenance=provenance)
 
 
-def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array,
+def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array | None = None,
                   checkpoint_stride: int | None = None, last_only: bool = False):
-    """Pure prefill. tokens int32 [B, T]; lengths int32 [B]. Returns (state, logits fp32 [B, T, Vocab]).
+    """Pure prefill. tokens int32 [B, T]; lengths int32 [B] (None: T). Returns (state, logits fp32 [B, T, Vocab]).
+
+    Shapes, dtypes and the state's layout are checked (InputError), under `jit` too; values are not (see
+    `Model.prefill_chunk`, which checks them).
 
     `last_only`: logits only for each row's last valid token, [B, Vocab] (bitwise the same rows; saves the
     [B, T, Vocab] tensor — 8 GB for one 8k-token prompt of a 248k vocabulary — and its matmul).
@@ -291,6 +303,9 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
         raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
     replay = model.keeps_open_chunk
+    tokens, lengths = _check_shapes(state, tokens, lengths, replay)
+    if lengths is None:
+        lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
     cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
@@ -330,7 +345,10 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
     Recurrent mode: the one-token recurrent update (taints the state DECODE). Replay mode: a one-token prefill —
     with the chunked GDN prefill the replay step over the open chunk since the last grid boundary, with
     gdn_prefill="recurrent" one step of the token-by-token kernel — bitwise what a prefill computes.
+
+    Shapes, dtypes and the state's layout are checked (InputError), under `jit` too; values are not.
     """
+    token, _ = _check_shapes(state, token, None, model.keeps_open_chunk, decode=True)
     if model.decode_mode == "replay":
         state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))
         return state, logits[:, 0]

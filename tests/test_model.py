@@ -451,6 +451,39 @@ def test_decode_rejects_bad_token(tiny, state2, bad, match):
         tiny.decode_step(state2, bad)
 
 
+@pytest.mark.parametrize("call, match", [
+    ("prefill_rows", "3 rows but the state holds 2"),
+    ("prefill_float", "integer"),
+    ("prefill_lengths", r"shape \(2,\)"),
+    ("prefill_state_kind", "open-chunk buffers"),
+    ("decode_rows", "3 rows but the state holds 2"),
+    ("decode_rank", "rank 1"),
+])
+def test_pure_functions_check_shapes_under_jit(tiny, state2, call, match):
+    """The pure functions check what needs no values — ranks, dtypes, the batch, the state's layout — at trace
+    time, so a jitted call fails with a named InputError instead of a shape error from deep inside the model."""
+    prefill, decode = jax.jit(jaxgdn.prefill_chunk), jax.jit(jaxgdn.decode_step)
+    two = jnp.full((2,), 4, jnp.int32)
+    calls = {
+        "prefill_rows": lambda: prefill(tiny, state2, jnp.zeros((3, 4), jnp.int32), jnp.full((3,), 4, jnp.int32)),
+        "prefill_float": lambda: prefill(tiny, state2, jnp.zeros((2, 4), jnp.float32), two),
+        "prefill_lengths": lambda: prefill(tiny, state2, jnp.zeros((2, 4), jnp.int32), jnp.full((3,), 4, jnp.int32)),
+        "prefill_state_kind": lambda: prefill(tiny.with_decode_mode("replay"), state2, jnp.zeros((2, 4), jnp.int32),
+                                              two),
+        "decode_rows": lambda: decode(tiny, state2, jnp.zeros((3,), jnp.int32)),
+        "decode_rank": lambda: decode(tiny, state2, jnp.zeros((2, 1), jnp.int32)),
+    }
+    with pytest.raises(jaxgdn.InputError, match=match):
+        calls[call]()
+
+
+def test_pure_prefill_lengths_default_to_every_token(tiny, state2):
+    tokens = jnp.asarray(np.arange(8, dtype=np.int32).reshape(2, 4))
+    got = _prefill_jit(tiny, state2, tokens)
+    want = _prefill_jit(tiny, state2, tokens, jnp.full((2,), 4, jnp.int32))
+    chex.assert_trees_all_equal(got, want)
+
+
 def test_prefill_capacity_exceeded(tiny):
     state = tiny.init_state(2, 64)
     with pytest.raises(jaxgdn.CapacityError, match="capacity 64"):
