@@ -301,7 +301,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     separate prefill ending there.
     """
     if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
-        raise ValueError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
+        raise InputError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
     replay = model.keeps_open_chunk
     tokens, lengths = _check_shapes(state, tokens, lengths, replay)
     if lengths is None:

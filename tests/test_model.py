@@ -477,6 +477,12 @@ def test_pure_functions_check_shapes_under_jit(tiny, state2, call, match):
         calls[call]()
 
 
+@pytest.mark.parametrize("stride", [0, 32, 100])
+def test_pure_prefill_rejects_a_stride_off_the_grid(tiny, state2, stride):
+    with pytest.raises(jaxgdn.InputError, match="positive multiple of 64"):
+        jaxgdn.prefill_chunk(tiny, state2, jnp.zeros((2, 4), jnp.int32), checkpoint_stride=stride)
+
+
 def test_pure_prefill_lengths_default_to_every_token(tiny, state2):
     tokens = jnp.asarray(np.arange(8, dtype=np.int32).reshape(2, 4))
     got = _prefill_jit(tiny, state2, tokens)
