@@ -212,7 +212,8 @@ def _check_state_kind(state: ModelState, open_chunk: bool | None):
 def _check_shapes(state: ModelState, tokens, lengths, open_chunk: bool | None, decode: bool = False):
     """The checks that need only shapes and dtypes, so they hold under a trace too (the pure functions make them):
     tokens [B, T] with `lengths` [B] or None (a prefill) or token [B] (`decode`), B the state's batch, and a state
-    laid out for the model. Returns tokens and lengths as int32 arrays (lengths None stays None)."""
+    laid out for the model. Returns tokens and lengths as int32 arrays (a prefill's lengths None: T for every row;
+    a decode's lengths: None)."""
     what = "token" if decode else "tokens"
     tokens = _check_tokens(tokens, 1 if decode else 2, what)
     B = tokens.shape[0]
@@ -223,23 +224,21 @@ def _check_shapes(state: ModelState, tokens, lengths, open_chunk: bool | None, d
         return tokens, None
     if tokens.shape[1] == 0:
         raise InputError("tokens has no columns (T == 0)")
-    if lengths is not None:
-        if not hasattr(lengths, "dtype"):
-            lengths = np.asarray(lengths)
-        if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-            raise InputError(f"lengths must be an int array of shape ({B},); got {lengths.dtype}{tuple(lengths.shape)}")
-        lengths = jnp.asarray(lengths, jnp.int32)
-    return tokens, lengths
+    if lengths is None:
+        return tokens, jnp.full((B,), tokens.shape[1], jnp.int32)
+    if not hasattr(lengths, "dtype"):
+        lengths = np.asarray(lengths)
+    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise InputError(f"lengths must be an int array of shape ({B},); got {lengths.dtype}{tuple(lengths.shape)}")
+    return tokens, jnp.asarray(lengths, jnp.int32)
 
 
 def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False,
                    open_chunk: bool | None = None):
     padded = lengths is not None
     tokens, lengths = _check_shapes(state, tokens, lengths, open_chunk)
-    B, T = tokens.shape
-    if lengths is None:
-        lengths = jnp.full((B,), T, jnp.int32)
-    elif _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
+    T = tokens.shape[1]
+    if padded and _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
         raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
     _check_ids(cfg, tokens, "tokens", lengths if padded else None)
     _check_capacity(state, lengths)
@@ -304,8 +303,6 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
         raise InputError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
     replay = model.keeps_open_chunk
     tokens, lengths = _check_shapes(state, tokens, lengths, replay)
-    if lengths is None:
-        lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
     cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []

@@ -451,30 +451,23 @@ def test_decode_rejects_bad_token(tiny, state2, bad, match):
         tiny.decode_step(state2, bad)
 
 
-@pytest.mark.parametrize("call, match", [
-    ("prefill_rows", "3 rows but the state holds 2"),
-    ("prefill_float", "integer"),
-    ("prefill_lengths", r"shape \(2,\)"),
-    ("prefill_state_kind", "open-chunk buffers"),
-    ("decode_rows", "3 rows but the state holds 2"),
-    ("decode_rank", "rank 1"),
+@pytest.mark.parametrize("replay, tokens, lengths, match", [
+    (False, np.zeros((3, 4), np.int32), np.full((3,), 4, np.int32), "3 rows but the state holds 2"),
+    (False, np.zeros((2, 4), np.float32), np.full((2,), 4, np.int32), "integer"),
+    (False, np.zeros((2, 4), np.int32), np.full((3,), 4, np.int32), r"shape \(2,\)"),
+    (True, np.zeros((2, 4), np.int32), np.full((2,), 4, np.int32), "open-chunk buffers"),
+    (False, np.zeros((3,), np.int32), None, "3 rows but the state holds 2"),  # a decode
+    (False, np.zeros((2, 1), np.int32), None, "rank 1"),  # a decode
 ])
-def test_pure_functions_check_shapes_under_jit(tiny, state2, call, match):
+def test_pure_functions_check_shapes_under_jit(tiny, state2, replay, tokens, lengths, match):
     """The pure functions check what needs no values — ranks, dtypes, the batch, the state's layout — at trace
     time, so a jitted call fails with a named InputError instead of a shape error from deep inside the model."""
-    prefill, decode = jax.jit(jaxgdn.prefill_chunk), jax.jit(jaxgdn.decode_step)
-    two = jnp.full((2,), 4, jnp.int32)
-    calls = {
-        "prefill_rows": lambda: prefill(tiny, state2, jnp.zeros((3, 4), jnp.int32), jnp.full((3,), 4, jnp.int32)),
-        "prefill_float": lambda: prefill(tiny, state2, jnp.zeros((2, 4), jnp.float32), two),
-        "prefill_lengths": lambda: prefill(tiny, state2, jnp.zeros((2, 4), jnp.int32), jnp.full((3,), 4, jnp.int32)),
-        "prefill_state_kind": lambda: prefill(tiny.with_decode_mode("replay"), state2, jnp.zeros((2, 4), jnp.int32),
-                                              two),
-        "decode_rows": lambda: decode(tiny, state2, jnp.zeros((3,), jnp.int32)),
-        "decode_rank": lambda: decode(tiny, state2, jnp.zeros((2, 1), jnp.int32)),
-    }
+    model = tiny.with_decode_mode("replay") if replay else tiny
     with pytest.raises(jaxgdn.InputError, match=match):
-        calls[call]()
+        if lengths is None:
+            jax.jit(jaxgdn.decode_step)(model, state2, jnp.asarray(tokens))
+        else:
+            jax.jit(jaxgdn.prefill_chunk)(model, state2, jnp.asarray(tokens), jnp.asarray(lengths))
 
 
 @pytest.mark.parametrize("stride", [0, 32, 100])

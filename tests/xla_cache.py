@@ -7,9 +7,10 @@ back crashed an xdist worker in 2 of 4 full runs from fresh clones sharing one w
 SIGABRT with other test processes beside it, inside `get_executable_and_time` while deserialising an XLA:CPU
 executable of test_replay's interpret-mode programs; both tests passed on rerun). Without it the suite took ~10.5
 min on 2 cores then (fewer tests) against ~3 with a warm cache. Keys hash the program, so a changed model never
-reuses a stale executable. A cold cache (an empty directory, as a fresh CI machine would have) gave no gain on 2026-12-03: after 28
-min such a run had reached about 73% of the tests, where e356f02 without the cache (5 tests fewer) had finished all
-612 in 32 min that morning (stopped there, so no full time; which programs recur across workers was not counted).
+reuses a stale executable. A cold cache (an empty directory, as a fresh CI machine would have) gave no gain on
+2026-12-03: after 28 min such a run had reached about 73% of the tests, where e356f02 without the cache (5 tests
+fewer) had finished all 612 in 32 min that morning (stopped there, so no full time; which programs recur across
+workers was not counted).
 """
 
 from __future__ import annotations
