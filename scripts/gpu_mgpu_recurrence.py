@@ -1,0 +1,151 @@
+"""The chunked prefill's state recurrence as a Mosaic GPU kernel (`pallas_kernels/gated_delta/recurrence_mgpu.py`)
+against today's Pallas-Triton one (`chunk._state_split_kernel`), on the H200: bitwise on the same inputs, then timed.
+
+Run on the GPU machine from the repo root (nothing to install):
+  PYTHONPATH=. python3 scripts/gpu_mgpu_recurrence.py [--shapes B,T,HK,HV;...] [--no-timing] [--out DIR]
+For each shape it runs the prefill's prep kernel once (fresh random bf16 q, k, v, realistic gates, a random initial
+state, rows of different lengths on the check shapes), feeds its w, u, kd, gc to both recurrences and prints, for h
+(the state at every chunk start), v_new and the final state, how many elements differ and the largest difference
+relative to the largest element. Then it times, on the sweep's shapes: the Triton recurrence (the prefill stopped
+after the recurrence, less the prefill stopped after the prep: `stop_after`), the Mosaic GPU kernel alone (its
+operands made beforehand) and with the XLA operations that make its operands from the Triton prep's outputs.
+Exit status 0 whatever it finds (a measurement); results.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.recurrence_mgpu import (mgpu_operands, state_recurrence_mgpu,
+                                                        state_recurrence_mgpu_call)
+
+CHECK_SHAPES = [(2, 300, 2, 4), (3, 1000, 16, 32), (1, 8192, 16, 32)]
+TIMING_SHAPES = [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32), (2, 8192, 16, 32)]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def inputs(B, T, HK, HV, K=128, V=128, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    q = jax.random.normal(ks[0], (B, T, HK, K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, HK, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, HV, V), jnp.bfloat16)
+    A = jax.random.uniform(ks[3], (HV,), minval=1.0, maxval=16.0)
+    g = (-A * jax.nn.softplus(jax.random.normal(ks[4], (B, T, HV)) - 2.0) / 4.0).astype(jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, HV))).astype(jnp.float32)
+    s0 = jax.random.normal(ks[6], (B, HV, K, V), jnp.float32) * 0.1
+    lengths = jnp.asarray([T - (37 * i) % max(T // 2, 1) for i in range(B)], jnp.int32)
+    return q, k, v, g, beta, s0, lengths
+
+
+def prefill(stop, q, k, v, g, beta, s0, lengths):
+    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, initial_state=s0, lengths=lengths,
+                                         config=dict(stop_after=stop))
+
+
+def bench(f, *args, n=10, reps=7):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def compare(name, a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return dict(name=name, shape_a=a.shape, shape_b=b.shape, equal=False)
+    diff = a != b
+    scale = float(np.max(np.abs(b))) or 1.0
+    return dict(name=name, equal=bool(not diff.any()), differ=int(diff.sum()), of=int(diff.size),
+                max_rel=float(np.max(np.abs(a.astype(np.float64) - b)) / scale))
+
+
+def checks(shapes, results):
+    prep = jax.jit(functools.partial(prefill, "prep"))
+    state = jax.jit(functools.partial(prefill, "state"))
+    mgpu = jax.jit(state_recurrence_mgpu)
+    for shp in shapes:
+        q, k, v, g, beta, s0, lengths = inputs(*shp)
+        w, u, kd, gc = prep(q, k, v, g, beta, s0, lengths)
+        h_t, vn_t, final_t = state(q, k, v, g, beta, s0, lengths)
+        h_m, vn_m, final_m = mgpu(w, u, kd, gc, s0)
+        rows = [compare(n, a, b) for n, a, b in (("h", h_m, h_t), ("v_new", vn_m, vn_t), ("final", final_m, final_t))]
+        again = mgpu(w, u, kd, gc, s0)
+        rows.append(dict(name="mgpu twice", equal=all(np.array_equal(np.asarray(x), np.asarray(y))
+                                                       for x, y in zip(again, (h_m, vn_m, final_m)))))
+        for r in rows:
+            log(f"{str(shp):>22s} {r['name']:>10s} {'EQUAL' if r['equal'] else 'DIFFER'} "
+                + (f"{r['differ']} of {r['of']}, max |diff| / max |x| {r['max_rel']:.2e}" if "differ" in r else ""))
+        results["checks"].append(dict(shape=shp, rows=rows))
+
+
+def timing(shapes, results):
+    prep = jax.jit(functools.partial(prefill, "prep"))
+    state = jax.jit(functools.partial(prefill, "state"))
+    mgpu = jax.jit(state_recurrence_mgpu)
+    kernel = jax.jit(state_recurrence_mgpu_call)
+    for shp in shapes:
+        q, k, v, g, beta, s0, _ = inputs(*shp)
+        lengths = jnp.full((shp[0],), shp[1], jnp.int32)
+        args = (q, k, v, g, beta, s0, lengths)
+        t_prep = bench(prep, *args)
+        t_state = bench(state, *args)
+        w, u, kd, gc = prep(*args)
+        ops = jax.block_until_ready(jax.jit(mgpu_operands)(w, u, kd, gc, s0))
+        t_kernel = bench(kernel, *ops)
+        t_mgpu = bench(mgpu, w, u, kd, gc, s0)
+        row = dict(shape=shp, prep_ms=t_prep * 1e3, triton_recurrence_ms=(t_state - t_prep) * 1e3,
+                   mgpu_kernel_ms=t_kernel * 1e3, mgpu_with_operands_ms=t_mgpu * 1e3)
+        log(f"{str(shp):>22s} prep {row['prep_ms']:.3f} ms | recurrence: Triton {row['triton_recurrence_ms']:.3f}, "
+            f"Mosaic GPU kernel {row['mgpu_kernel_ms']:.3f} ({row['mgpu_kernel_ms'] / row['triton_recurrence_ms']:.2f}x)"
+            f", with its operands made {row['mgpu_with_operands_ms']:.3f} ms")
+        results["timing"].append(row)
+        del q, k, v, g, beta, s0, w, u, kd, gc, ops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
+    ap.add_argument("--no-timing", action="store_true")
+    args = ap.parse_args()
+    shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
+              else CHECK_SHAPES)
+    results = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                             jax=jax.__version__, device=jax.devices()[0].device_kind), checks=[], timing=[])
+    log(json.dumps(results["meta"]))
+    t0 = time.time()
+    try:
+        checks(shapes, results)
+        if not args.no_timing:
+            timing(TIMING_SHAPES, results)
+    finally:
+        results["seconds"] = time.time() - t0
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The chunked prefill's state recurrence as a Mosaic GPU kernel (`recurrence_mgpu.py`, an experiment beside the
+Pallas-Triton recurrence): lowered for an H200 on CPU, and run in Mosaic GPU's interpret mode on CPU against the
+float64 oracle of the recurrence and the Triton recurrence (interpret mode) on the prep's outputs for the same inputs;
+plus the bitwise properties a prefix cache needs (run twice, a row alone against the row in a batch, the state at
+a chunk start against a call that ends there). Whether its bits equal the Triton recurrence's is a GPU question
+(`scripts/gpu_mgpu_recurrence.py`); on CPU both compute their dots in fp32 and this kernel rounds S and v_new to
+TF32 first, so they agree within the tolerance below, not bit for bit.
+
+Tolerance: relative (max-norm) error <= 2e-3 (TF32 operands: 2^-11 relative rounding of S and v_new per chunk).
+Shapes: K = 32, V = 64 (the kernel's V block is 64), two or three chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu
+from tests.gdn_oracle import random_gdn_inputs
+
+K, V, HK, HV = 32, 64, 1, 2
+TOL = 2e-3
+
+
+def prep_outputs(d, lengths, stop="prep"):
+    """The Triton prep's w, u, kd, gc (stop="prep") or its recurrence's h, v_new^T, final state ("state"), interpret
+    mode."""
+    return chunk_gated_delta_rule_pallas(
+        *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
+        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(stop_after=stop))
+
+
+def mgpu(w, u, kd, gc, s0):
+    return tuple(np.asarray(x) for x in jax.jit(lambda *a: state_recurrence_mgpu(*a, interpret=True))(w, u, kd, gc, s0))
+
+
+def oracle(w, u, kd, gc, s0):
+    """float64 recurrence: h[c] = S, v_new = u - w S, S = exp(gc_last) S + kd^T v_new; returns (h [B,HV,NT,V,K],
+    v_new^T [B,HV,V,Tp], final [B,HV,K,V]) in the kernel's layouts."""
+    w, u, kd, gc, S = (np.asarray(x, np.float64) for x in (w, u, kd, gc, s0))
+    hs, vns = [], []
+    for c in range(w.shape[2] // 64):
+        sl = slice(64 * c, 64 * c + 64)
+        hs.append(np.swapaxes(S, -1, -2))
+        vn = u[:, :, sl] - w[:, :, sl] @ S
+        vns.append(vn)
+        S = np.exp(gc[:, :, 64 * c + 63])[..., None, None] * S + np.swapaxes(kd[:, :, sl], -1, -2) @ vn
+    return np.stack(hs, 2), np.swapaxes(np.concatenate(vns, 2), -1, -2), S
+
+
+def rel(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def case():
+    """Three rows of different lengths (T = 150: not a multiple of 64; the last row mostly padding), a non-zero
+    initial state (a prefill that continues a state), realistic gates."""
+    d = random_gdn_inputs(np.random.default_rng(7), 3, 150, HK, HV, K, V)
+    lengths = [150, 97, 5]
+    return d, lengths, prep_outputs(d, lengths)
+
+
+def test_lowers_for_an_h200_at_the_models_head_size():
+    """The kernel lowers for CUDA at K = V = 128 (the shared-memory budget and wgmma shapes are checked here)."""
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256, 128), jnp.float32),
+            sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256), jnp.float32), sds((2, 4, 128, 128), jnp.float32))
+    text = jax.jit(state_recurrence_mgpu).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_matches_the_oracle_and_the_triton_recurrence(case):
+    d, lengths, (w, u, kd, gc) = case
+    got = mgpu(w, u, kd, gc, d["initial_state"])
+    want = oracle(w, u, kd, gc, d["initial_state"])
+    triton = [np.asarray(x) for x in prep_outputs(d, lengths, stop="state")]
+    for name, g, o, t in zip(("h", "v_new", "final"), got, want, triton):
+        assert g.shape == o.shape == t.shape, name
+        assert np.all(np.isfinite(g)), name
+        assert rel(g, o) <= TOL, (name, rel(g, o))
+        assert rel(g, t) <= TOL, (name, rel(g, t))
+    assert rel(got[0], want[0]) > 0  # the operands really are rounded (not an fp32 copy of the reference)
+
+
+def test_same_call_twice_is_bitwise(case):
+    d, _, (w, u, kd, gc) = case
+    a, b = mgpu(w, u, kd, gc, d["initial_state"]), mgpu(w, u, kd, gc, d["initial_state"])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_row_alone_equals_row_in_batch(case):
+    d, _, (w, u, kd, gc) = case
+    batch = mgpu(w, u, kd, gc, d["initial_state"])
+    alone = mgpu(w[1:2], u[1:2], kd[1:2], gc[1:2], d["initial_state"][1:2])
+    assert all(np.array_equal(x[1:2], y) for x, y in zip(batch, alone))
+
+
+def test_chunk_start_state_equals_a_call_that_ends_there(case):
+    """h at chunk c (a checkpoint the prefix cache would take) is bitwise the final state of the same recurrence
+    run over the first c chunks only."""
+    d, _, (w, u, kd, gc) = case
+    h, _, _ = mgpu(w, u, kd, gc, d["initial_state"])
+    _, _, final = mgpu(w[:, :, :128], u[:, :, :128], kd[:, :, :128], gc[:, :, :128], d["initial_state"])
+    assert np.array_equal(np.swapaxes(h[:, :, 2], -1, -2), final)
+
+
+def test_padded_rows_leave_the_state_unchanged(case):
+    """Row 2 has 5 tokens: its last two chunks are padding (w, u, kd zero, gc flat), so its state after chunk 0 is
+    carried through them bit for bit."""
+    d, _, (w, u, kd, gc) = case
+    h, _, final = mgpu(w, u, kd, gc, d["initial_state"])
+    assert np.array_equal(h[2, :, 1], h[2, :, 2])
+    assert np.array_equal(np.swapaxes(h[2, :, 2], -1, -2), final[2])
+
+
+@pytest.mark.parametrize("shape,match", [((1, 2, 100, K), "multiple of 64"), ((1, 2, 128, 48), "of 32")])
+def test_bad_shapes_are_refused(shape, match):
+    B, H, T, k = shape
+    w = jnp.zeros((B, H, T, k), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        state_recurrence_mgpu(w, jnp.zeros((B, H, T, V)), w, jnp.zeros((B, H, T)), jnp.zeros((B, H, k, V)))
