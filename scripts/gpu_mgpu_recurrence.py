@@ -7,8 +7,8 @@ For each shape it runs the prefill's prep kernel once (fresh random bf16 q, k, v
 state, rows of different lengths on the check shapes), feeds its w, u, kd, gc to both recurrences and prints, for h
 (the state at every chunk start), v_new and the final state, how many elements differ and the largest difference
 relative to the largest element. Then it times, on the sweep's shapes: the Triton recurrence (the prefill stopped
-after the recurrence, less the prefill stopped after the prep: `stop_after`), the Mosaic GPU kernel alone (its
-operands made beforehand) and with the XLA operations that make its operands from the Triton prep's outputs.
+after the recurrence, less the prefill stopped after the prep: `stop_after`) and the Mosaic GPU one on the prep's
+outputs (with the XLA transpose of its final state).
 Exit status 0 whatever it finds (a measurement); results.json into --out.
 """
 
@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
-from pallas_kernels.gated_delta.recurrence_mgpu import (mgpu_operands, state_recurrence_mgpu,
-                                                        state_recurrence_mgpu_call)
+from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu
 
 CHECK_SHAPES = [(2, 300, 2, 4), (3, 1000, 16, 32), (1, 8192, 16, 32)]
 TIMING_SHAPES = [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32), (2, 8192, 16, 32)]
@@ -104,7 +103,6 @@ def timing(shapes, results):
     prep = jax.jit(functools.partial(prefill, "prep"))
     state = jax.jit(functools.partial(prefill, "state"))
     mgpu = jax.jit(state_recurrence_mgpu)
-    kernel = jax.jit(state_recurrence_mgpu_call)
     for shp in shapes:
         q, k, v, g, beta, s0, _ = inputs(*shp)
         lengths = jnp.full((shp[0],), shp[1], jnp.int32)
@@ -112,16 +110,14 @@ def timing(shapes, results):
         t_prep = bench(prep, *args)
         t_state = bench(state, *args)
         w, u, kd, gc = prep(*args)
-        ops = jax.block_until_ready(jax.jit(mgpu_operands)(w, u, kd, gc, s0))
-        t_kernel = bench(kernel, *ops)
         t_mgpu = bench(mgpu, w, u, kd, gc, s0)
         row = dict(shape=shp, prep_ms=t_prep * 1e3, triton_recurrence_ms=(t_state - t_prep) * 1e3,
-                   mgpu_kernel_ms=t_kernel * 1e3, mgpu_with_operands_ms=t_mgpu * 1e3)
+                   mgpu_recurrence_ms=t_mgpu * 1e3)
         log(f"{str(shp):>22s} prep {row['prep_ms']:.3f} ms | recurrence: Triton {row['triton_recurrence_ms']:.3f}, "
-            f"Mosaic GPU kernel {row['mgpu_kernel_ms']:.3f} ({row['mgpu_kernel_ms'] / row['triton_recurrence_ms']:.2f}x)"
-            f", with its operands made {row['mgpu_with_operands_ms']:.3f} ms")
+            f"Mosaic GPU {row['mgpu_recurrence_ms']:.3f} ms "
+            f"({row['mgpu_recurrence_ms'] / row['triton_recurrence_ms']:.2f}x)")
         results["timing"].append(row)
-        del q, k, v, g, beta, s0, w, u, kd, gc, ops
+        del q, k, v, g, beta, s0, w, u, kd, gc
 
 
 def main():

@@ -16,6 +16,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    16 with three where that gives at most 264: `_recurrence_blocks`), sequential over chunks with the fp32 state
    block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
+   On a Hopper GPU the same recurrence runs by default as a Pallas Mosaic GPU kernel (`recurrence_mgpu.py`, config
+   `recurrence`: the same bits, in less time).
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
    In-call checkpoints are exact copies of h at the requested chunk starts (or of the final state).
@@ -54,6 +56,7 @@ from jax.experimental import pallas as pl
 from ..config import merged_config, static_config
 from . import wy
 from .arith import fma, mul_rn
+from .recurrence_mgpu import state_recurrence_mgpu
 from .wy import CHUNK
 
 
@@ -148,6 +151,12 @@ from .wy import CHUNK
 # "mul_add" computes what "auto" did in the prefill at K = V = 128 and "fma" does not (runs 93-94), so the default
 # keeps the earlier bits there (at other head sizes "auto" against "mul_add" was not compared on the H200; the fused
 # design was not run). Interpret mode: a multiply and an add, whatever this says.
+# recurrence: which kernel runs the split design's state recurrence: "triton" (`_state_split_kernel`), "mosaic" (the
+# same arithmetic as a Pallas Mosaic GPU kernel, `recurrence_mgpu.py`: the state held transposed, TF32 wgmma on
+# operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, run 126, and 0.76-0.87x
+# its time; in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
+# Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, V a multiple of 64, K of
+# 32 and at most 128 (shared memory) — else "triton". `_recurrence_kernel` decides.
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -171,6 +180,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
+    recurrence="auto",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -458,6 +468,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"states_t={t!r}: True, False, 'h' or 'v_new'; other than False only with the split design")
     if cfg["wk_dtype"] not in ("auto", "float16", "float32"):
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
+    if cfg["recurrence"] not in ("auto", "triton", "mosaic"):
+        raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
@@ -698,36 +710,13 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     HV, V = v.shape[2], v.shape[3]
     G = HV // HK
     nt = tp // CHUNK
-    bv = min(cfg["bv"], V)
     bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
-    h, vn, final = pl.pallas_call(
-        functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
-        grid=(V // bv, HV, B),
-        in_specs=[
-            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
-            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0)),
-            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, nt, bv, K), lambda j, h, b: (b, h, 0, j, 0)) if ht else
-            pl.BlockSpec((None, None, nt, K, bv), lambda j, h, b: (b, h, 0, 0, j)),
-            pl.BlockSpec((None, None, bv, tp), lambda j, h, b: (b, h, j, 0)) if vt else
-            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
-            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, HV, nt) + ((V, K) if ht else (K, V)), f32),  # state at the start of every chunk
-            jax.ShapeDtypeStruct((B, HV) + ((V, tp) if vt else (tp, V)), f32),  # v_new
-            jax.ShapeDtypeStruct((B, HV, K, V), f32),  # final state
-        ],
-        compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
-        interpret=interpret,
-        name="gdn_chunk_state",
-    )(w, u, kd, gc, initial_state)
+    if _recurrence_kernel(cfg, K, V, interpret) == "mosaic":
+        h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, interpret=interpret)
+    else:
+        h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
     if cfg.get("stop_after") == "state":
         return h, vn, final
 
@@ -760,6 +749,57 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     parts += [final for i in idx if i >= nt]
     ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
     return o, final, ck
+
+
+def _state_split_call(w, u, kd, gc, initial_state, *, nt, interpret, cfg):
+    """The Triton recurrence (`_state_split_kernel`): (h, v_new, final state) in the layouts `_transposed` names."""
+    B, HV, tp, K = w.shape
+    V = u.shape[-1]
+    bv = min(cfg["bv"], V)
+    f32 = jnp.float32
+    ht, vt = _transposed(cfg)
+    return pl.pallas_call(
+        functools.partial(_state_split_kernel, nt=nt, cfg=cfg, interpret=interpret),
+        grid=(V // bv, HV, B),
+        in_specs=[
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
+            pl.BlockSpec((None, None, tp, K), lambda j, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, tp), lambda j, h, b: (b, h, 0)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, nt, bv, K), lambda j, h, b: (b, h, 0, j, 0)) if ht else
+            pl.BlockSpec((None, None, nt, K, bv), lambda j, h, b: (b, h, 0, 0, j)),
+            pl.BlockSpec((None, None, bv, tp), lambda j, h, b: (b, h, j, 0)) if vt else
+            pl.BlockSpec((None, None, tp, bv), lambda j, h, b: (b, h, 0, j)),
+            pl.BlockSpec((None, None, K, bv), lambda j, h, b: (b, h, 0, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, HV, nt) + ((V, K) if ht else (K, V)), f32),  # state at the start of every chunk
+            jax.ShapeDtypeStruct((B, HV) + ((V, tp) if vt else (tp, V)), f32),  # v_new
+            jax.ShapeDtypeStruct((B, HV, K, V), f32),  # final state
+        ],
+        compiler_params=_triton_params(cfg["warps_state"], cfg["stages_state"]),
+        interpret=interpret,
+        name="gdn_chunk_state",
+    )(w, u, kd, gc, initial_state)
+
+
+def _recurrence_kernel(cfg: dict, K: int, V: int, interpret: bool) -> str:
+    """"triton" or "mosaic": which kernel runs the split design's recurrence (config `recurrence`, DEFAULT_CONFIG's
+    notes). "auto" takes the Mosaic GPU kernel on a Hopper GPU where it applies; an explicit "mosaic" where it
+    cannot apply is refused."""
+    fits = _transposed(cfg) == (True, True) and V % 64 == 0 and K % 32 == 0 and K <= 128
+    if cfg["recurrence"] == "mosaic":
+        if not fits:
+            raise ValueError(f"recurrence='mosaic' needs states_t=True, V a multiple of 64 and K a multiple of 32 "
+                             f"up to 128; got states_t={cfg['states_t']!r}, K={K}, V={V}")
+        return "mosaic"
+    if cfg["recurrence"] == "triton" or interpret or not fits:
+        return "triton"
+    device = jax.devices()[0]
+    return "mosaic" if device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0" else "triton"
 
 
 def _triton_params(num_warps, num_stages):

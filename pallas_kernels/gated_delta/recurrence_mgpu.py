@@ -1,27 +1,28 @@
-"""The split design's state recurrence (`chunk._state_split_kernel`) as a Pallas Mosaic GPU kernel: an experiment
-towards moving the kernels off the deprecated Pallas Triton backend (`docs/mosaic_gpu.md`, `docs/speed_gaps.md`).
+"""The split design's state recurrence (`chunk._state_split_kernel`) as a Pallas Mosaic GPU kernel: the first
+kernel off the deprecated Pallas Triton backend (`docs/mosaic_gpu.md`), and the chunked prefill's recurrence on a
+Hopper GPU by default (`chunk.py`, config `recurrence`).
 
-Dimension legend as in `reference.py`; C = 64 (the chunk), NT = Tp / C, BV = this kernel's V block (64 or 128).
+Dimension legend as in `reference.py`; C = 64 (the chunk), NT = Tp / C, BV = 64 (this kernel's V block: shared
+memory holds no more).
 
 Per program (grid (V // BV, HV, B)) and chunk c, with the state held transposed, S^T [BV, K] fp32:
   h[c]    = S^T                                  (the state at the chunk's start, stored as `states_t=True` has it)
   v_new^T = u^T - S^T w^T                        (= (u - w S)^T; one TF32 wgmma, M = BV, N = C, K = K)
   S^T     = exp(gc_last) S^T + v_new^T kd        (= (exp(gc_last) S + kd^T v_new)^T; one TF32 wgmma, M = BV, N = K,
                                                   K = C, accumulating into the decayed state)
-The transposed form is what Mosaic GPU's TF32 wgmma takes: both A operands (S^T, v_new^T) come from shared memory
-K-major, and both B operands are K-major as stored (w [C, K] as the prep writes it; kd^T [K, C]).
+The transposed form is what Mosaic GPU's TF32 wgmma takes (no transposed fp32 operands): both A operands (S^T,
+v_new^T) come from shared memory K-major, and so do both B operands (w [C, K] as the prep stores it; kd^T [K, C],
+transposed on its way into shared memory). The kernel reads the Triton recurrence's inputs in their layouts (w and kd
+in fp16 or fp32 as the prep stores them, converted in shared memory while a dot runs; u [Tp, V] read transposed) and
+writes its outputs in the layouts the output kernel reads.
 
-Why the bits can equal the Triton recurrence's (to be checked on the H200; `scripts/gpu_kernels.py --only mgpu`):
-every element is the same products summed over the same axis in the same k order by the same wgmma instruction
-family, only with the operands' roles swapped (run 74 found a swapped dot gave the same bits in Triton); Triton
-rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the hardware, which
-truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared memory (w and kd
-hold fp16 values, exact in TF32); the decayed state is the accumulator the second dot adds into, as Triton feeds it;
-exp is Mosaic GPU's exact one (run 108: Triton's bits).
-
-Inputs are the Triton recurrence's, in its layouts; what this kernel needs otherwise (w and kd in fp32, kd and u
-transposed, the chunks' last gc, S0 transposed) is made by XLA around it (one pass over w, u, kd: a cost the prep
-kernel could take over by storing them so, if the kernel earns its place).
+Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
+runs 126-128): every element is the same products summed over the same axis in the same k order by the same wgmma
+instruction, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in Triton);
+Triton rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the hardware,
+which truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared memory (fp16
+w and kd are TF32 values already; fp32 ones are rounded too); the decayed state is the accumulator the second dot
+adds into, as Triton feeds it; exp is Mosaic GPU's exact one (run 108: Triton's bits).
 """
 
 from __future__ import annotations
@@ -44,33 +45,55 @@ def _tf32_rna(x):
     return lax.bitcast_convert_type((bits + 0x1000) & jnp.int32(-0x2000), jnp.float32)
 
 
-def _kernel(w_gmem, u_gmem, kd_gmem, gl_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
-            w_s, u_s, kd_s, gl_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int, interpret: bool):
-    """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs:
-    w [B, HV, Tp, K], u^T [B, HV, V, Tp], kd^T [B, HV, K, Tp], the chunks' last gc [B, HV, NT4] (NT4 = NT rounded
-    up to a multiple of 4: TMA's 16-byte rule), S0^T [B, HV, V, K]; outputs h [B, HV, NT, V, K], v_new^T
-    [B, HV, V, Tp], the final S^T [B, HV, V, K]."""
+def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
+            w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int,
+            interpret: bool):
+    """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs, the
+    Triton recurrence's layouts: w, kd [B, HV, Tp, K] (as stored: fp16 or fp32), u fp32 [B, HV, Tp, V], gc fp32
+    [B, HV, Tp], S0 fp32 [B, HV, K, V]; outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final S^T
+    [B, HV, V, K].
+
+    Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in their stored
+    dtype and are converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its
+    buffer: kd(c) during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     cols = pl.ds(j * bv, bv)
-    w_bar, u_bar, kd_bar, gl_bar, s0_bar = (bars.at[i] for i in range(5))
+    w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
 
-    def load_chunk(c, w_too=True, u_too=True, kd_too=True):
-        rows = pl.ds(c * CHUNK, CHUNK)
-        if w_too:
-            plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows, :], w_s, w_bar)
-        if u_too:
-            plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, cols, rows], u_s, u_bar)
-        if kd_too:
-            plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, :, rows], kd_s, kd_bar)
+    def rows(c):
+        return pl.ds(c * CHUNK, CHUNK)
 
-    plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, cols, :], h_s, s0_bar)
-    plgpu.copy_gmem_to_smem(gl_gmem.at[b, hv, :], gl_s, gl_bar)
-    load_chunk(0)
+    def load_w(c):
+        plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c), :], w16_s, w_bar)
+
+    def load_kd(c):
+        plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c), :], kd16_s, kd_bar)
+
+    def load_u_gc(c):
+        plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
+        plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s, gc_bar)
+
+    def tf32(x):  # fp16 values are TF32 values; fp32 ones are rounded to nearest as Triton's dots round them
+        return x.astype(jnp.float32) if x.dtype == jnp.float16 else _tf32_rna(x)
+
+    def convert_w(wait=True):  # w [C, K] as the first dot's B operand (K-major as stored)
+        if wait:
+            plgpu.barrier_wait(w_bar)
+        w_s[...] = tf32(w16_s[...])
+
+    def convert_kd():  # kd^T [K, C] as the second dot's B operand
+        plgpu.barrier_wait(kd_bar)
+        kd_s[...] = tf32(kd16_s.T[...])
+
+    plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
+    load_w(0)
+    load_kd(0)
+    load_u_gc(0)
     plgpu.barrier_wait(s0_bar)
-    plgpu.barrier_wait(gl_bar)
-    s_init = plgpu.layout_cast(h_s[...], plgpu.Layout.WGMMA)
+    s_init = plgpu.layout_cast(kd_s.T[...], plgpu.Layout.WGMMA)  # S0^T [BV, K]
+    convert_w()
 
     def body(c, s):
         more = c + 1 < nt
@@ -78,49 +101,48 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gl_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         h_s[...] = s
         sa_s[...] = _tf32_rna(s)
-        plgpu.commit_smem()
+        plgpu.commit_smem()  # (also w(c)'s conversion, every read of w's staging buffer and, at c = 0, of S0)
         plgpu.copy_smem_to_gmem(h_s, h_gmem.at[b, hv, c, cols, :])
 
-        plgpu.barrier_wait(w_bar)
+        load_w(lax.select(more, c + 1, c))  # (the last chunk loads its own again: every dot's conversion waits)
 
         def ws_dot(acc):
             plgpu.wgmma(acc, sa_s, w_s.T)  # S^T w^T = (w S)^T [BV, C]
+            convert_kd()  # kd(c), while the dot runs (the second dot of c - 1, which read kd_s, is done)
             return acc[...]  # (reading waits for the wgmma)
 
         ws = pl.run_scoped(ws_dot, plgpu.ACC((bv, CHUNK), jnp.float32))
-
-        @pl.when(more)
-        def _():
-            load_chunk(c + 1, u_too=False, kd_too=False)
-
         plgpu.barrier_wait(u_bar)
-        v = u_s[...] - ws  # v_new^T [BV, C]
+        v = plgpu.layout_cast(u_s.T[...], plgpu.Layout.WGMMA) - ws  # v_new^T [BV, C]
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read vn_s
         vn_s[...] = v
         va_s[...] = _tf32_rna(v)
-        plgpu.commit_smem()  # (also: every thread's read of u_s is done before its next copy lands)
-        plgpu.copy_smem_to_gmem(vn_s, vn_gmem.at[b, hv, cols, pl.ds(c * CHUNK, CHUNK)])
+        plgpu.barrier_wait(gc_bar)
+        decay = jnp.exp(lax.broadcast_in_dim(gc_s[CHUNK - 1], s.shape, ()))
+        plgpu.commit_smem()  # (also kd(c)'s conversion, and every read of u, gc and kd's staging buffers)
+        plgpu.copy_smem_to_gmem(vn_s, vn_gmem.at[b, hv, cols, rows(c)])
 
         @pl.when(more)
         def _():
-            load_chunk(c + 1, w_too=False, kd_too=False)
+            load_u_gc(c + 1)
+            load_kd(c + 1)
 
-        decay = jnp.exp(lax.broadcast_in_dim(gl_s[c], s.shape, ()))
-        plgpu.barrier_wait(kd_bar)
+        overlap = w_gmem.dtype == jnp.float16  # (the rounding's integer constants do not lower inside run_state)
+        if overlap:
+            plgpu.barrier_wait(w_bar)  # (a barrier's index does not lower inside run_state either: jax 0.11.2)
 
         def kv_dot(acc):
             plgpu.wgmma(acc, va_s, kd_s.T)  # += v_new^T kd = (kd^T v_new)^T [BV, K]
+            if overlap:
+                convert_w(wait=False)  # w(c + 1), while the dot runs (the first dot of c, which read w_s, is done)
 
         if interpret:  # (the CPU interpreter has no accumulator given a value: the add after the dot)
             s_next = s * decay + pl.run_scoped(lambda acc: (kv_dot(acc), acc[...])[1],
                                                plgpu.ACC((bv, s.shape[1]), jnp.float32))
         else:
             s_next = pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
-
-        @pl.when(more)
-        def _():
-            load_chunk(c + 1, w_too=False, u_too=False)
-
+        if not overlap:
+            convert_w()
         return s_next
 
     s_final = lax.fori_loop(0, nt, body, s_init)
@@ -137,55 +159,37 @@ def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
                          f"memory), V ({V}) a multiple of it and K ({K}) of 32")
 
 
-def mgpu_operands(w, u, kd, gc, initial_state):
-    """The kernel's operands from the Triton recurrence's inputs (`state_recurrence_mgpu`), made by XLA: w and kd^T
-    in fp32 (TF32 values), u^T, each chunk's last gc (padded to a multiple of 4 chunks), S0^T."""
-    B, HV, tp, _ = w.shape
-    nt = tp // CHUNK
-    f32 = jnp.float32
-    g_last = gc.reshape(B, HV, nt, CHUNK)[..., -1]
-    g_last = jnp.pad(g_last, ((0, 0), (0, 0), (0, -(-nt // 4) * 4 - nt)))
-    # w and kd are the dots' B operands, which the wgmma would truncate: rounded to nearest as Triton's dots round
-    # them (a no-op on the fp16 values the GPU default stores)
-    return (_tf32_rna(w.astype(f32)), jnp.swapaxes(u, -1, -2), jnp.swapaxes(_tf32_rna(kd.astype(f32)), -1, -2),
-            g_last, jnp.swapaxes(initial_state.astype(f32), -1, -2))
-
-
-def state_recurrence_mgpu_call(w, u_t, kd_t, g_last, s0_t, *, bv: int = 64, interpret: bool = False):
-    """The kernel on `mgpu_operands`' operands. Returns h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final
-    state transposed [B, HV, V, K]."""
+def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, interpret: bool = False):
+    """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
+    and kd [B, HV, Tp, K] as the prep stores them (fp16 or fp32), u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
+    initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K]
+    (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
-    V = u_t.shape[2]
+    V = u.shape[-1]
     _check_shapes(tp, K, V, bv)
+    if kd.dtype != w.dtype or w.dtype not in (jnp.float16, jnp.float32):
+        raise ValueError(f"state_recurrence_mgpu: w and kd fp16 or fp32, one dtype; got {w.dtype}, {kd.dtype}")
     nt = tp // CHUNK
     f32 = jnp.float32
-    swizzled = (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
 
-    def smem(*shape):
-        return plgpu.SMEM(shape, f32, transforms=swizzled)
+    def smem(*shape, dtype=f32):  # swizzled as the wgmma takes its operands (128-byte rows; narrower at tiny K)
+        swizzle = min(_SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
+        return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                                                    plgpu.SwizzleTransform(swizzle)))
 
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-    return plgpu.kernel(
+    h, vn_t, s_t = plgpu.kernel(
         functools.partial(_kernel, nt=nt, bv=bv, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((B, HV, nt, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32),
                   jax.ShapeDtypeStruct((B, HV, V, K), f32)],
-        scratch_types=[smem(CHUNK, K), smem(bv, CHUNK), smem(K, CHUNK), plgpu.SMEM(g_last.shape[-1:], f32),
-                       smem(bv, K), smem(bv, CHUNK), smem(bv, K), smem(bv, CHUNK), plgpu.Barrier(num_barriers=5)],
+        scratch_types=[smem(CHUNK, K, dtype=w.dtype), smem(CHUNK, K), smem(CHUNK, K, dtype=w.dtype), smem(K, CHUNK),
+                       smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
+                       smem(bv, CHUNK), plgpu.Barrier(num_barriers=5)],
         grid=(V // bv, HV, B),
         grid_names=("j", "h", "b"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **params,
-    )(w, u_t, kd_t, g_last, s0_t)
-
-
-def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, interpret: bool = False):
-    """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
-    and kd [B, HV, Tp, K] as the prep stores them, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the initial state
-    fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K] (the state at each
-    chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V]."""
-    _check_shapes(w.shape[2], w.shape[3], u.shape[3], bv)
-    h, vn_t, s_t = state_recurrence_mgpu_call(*mgpu_operands(w, u, kd, gc, initial_state), bv=bv,
-                                              interpret=interpret)
+    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32))
     return h, vn_t, jnp.swapaxes(s_t, -1, -2)

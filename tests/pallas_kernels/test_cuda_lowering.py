@@ -125,6 +125,20 @@ def test_chunk_configs_lower(config):
     assert not dot_problems(modules)[1]
 
 
+@pytest.mark.parametrize("K,V,stride", [(128, 128, 64), (64, 128, None)])
+def test_chunk_with_the_mosaic_recurrence_lowers_for_h200(K, V, stride):
+    """The prefill with its recurrence as the Mosaic GPU kernel (config recurrence="mosaic", the default on a Hopper
+    GPU): prep and output on Triton, the recurrence a Mosaic GPU custom call."""
+    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
+                                                                   checkpoint_stride=stride,
+                                                                   config={"recurrence": "mosaic"})
+    lowered, modules = lower_for_h200(f, *chunk_args(2, 200, 2, 4, K, V, jnp.bfloat16))
+    assert len(modules) == 2  # prep and output (Triton); the recurrence is not a Triton kernel
+    assert not dot_problems(modules)[1]
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
+
+
 @pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
                                                (2, 130, 64, {"bv": 64, "num_warps": 4}), (3, 7, None, {"bv": 16}),
                                                (1, 300, 64, {"bv": 8, "ahead": 4})])

@@ -124,3 +124,39 @@ def test_bad_shapes_are_refused(shape, match):
     w = jnp.zeros((B, H, T, k), jnp.float32)
     with pytest.raises(ValueError, match=match):
         state_recurrence_mgpu(w, jnp.zeros((B, H, T, V)), w, jnp.zeros((B, H, T)), jnp.zeros((B, H, k, V)))
+
+
+def run_prefill(d, lengths, recurrence, **kw):
+    out = chunk_gated_delta_rule_pallas(
+        *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
+        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(recurrence=recurrence), **kw)
+    return [np.asarray(x) for x in out]
+
+
+def test_prefill_with_the_mosaic_recurrence(case):
+    """config recurrence="mosaic" (interpret mode: Mosaic GPU's interpreter) gives the prefill's outputs and states
+    within the tolerance of the default, and its in-call checkpoints equal the final states of calls that end there,
+    bit for bit."""
+    d, lengths, _ = case
+    o, final, ck = run_prefill(d, lengths, "mosaic", checkpoint_stride=64)
+    o_ref, final_ref, ck_ref = run_prefill(d, lengths, "triton", checkpoint_stride=64)
+    assert rel(o, o_ref) <= TOL and rel(final, final_ref) <= TOL and rel(ck, ck_ref) <= TOL
+    part = {n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}
+    _, final_128 = run_prefill(dict(part, initial_state=d["initial_state"]), [min(n, 128) for n in lengths], "mosaic")
+    assert np.array_equal(ck[:, 1], final_128)
+
+
+def test_auto_takes_the_triton_recurrence_off_a_hopper_gpu(case):
+    d, lengths, _ = case
+    auto = run_prefill(d, lengths, "auto")
+    triton = run_prefill(d, lengths, "triton")
+    assert all(np.array_equal(a, t) for a, t in zip(auto, triton))
+
+
+@pytest.mark.parametrize("config,match", [({"recurrence": "cuda"}, "recurrence="),
+                                          ({"recurrence": "mosaic", "states_t": False}, "states_t=True")])
+def test_bad_recurrence_configs_are_refused(case, config, match):
+    d, lengths, _ = case
+    with pytest.raises(ValueError, match=match):
+        chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), interpret=True,
+                                      config=config)
