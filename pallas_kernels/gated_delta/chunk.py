@@ -155,8 +155,9 @@ from .wy import CHUNK
 # same arithmetic as a Pallas Mosaic GPU kernel, `recurrence_mgpu.py`: the state held transposed, TF32 wgmma on
 # operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, run 126, and 0.76-0.87x
 # its time; in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
-# Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, V a multiple of 64, K of
-# 32 and at most 128 (shared memory) — else "triton". `_recurrence_kernel` decides.
+# Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, w and kd stored in fp16
+# (`_wk_dtype`: the GPU default), V a multiple of 64, K of 32 and at most 128 (shared memory) — else "triton".
+# `_recurrence_kernel` decides.
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -713,7 +714,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
-    if _recurrence_kernel(cfg, K, V, interpret) == "mosaic":
+    if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
         h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, interpret=interpret)
     else:
         h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
@@ -786,15 +787,17 @@ def _state_split_call(w, u, kd, gc, initial_state, *, nt, interpret, cfg):
     )(w, u, kd, gc, initial_state)
 
 
-def _recurrence_kernel(cfg: dict, K: int, V: int, interpret: bool) -> str:
+def _recurrence_kernel(cfg: dict, K: int, V: int, wk_dtype, interpret: bool) -> str:
     """"triton" or "mosaic": which kernel runs the split design's recurrence (config `recurrence`, DEFAULT_CONFIG's
     notes). "auto" takes the Mosaic GPU kernel on a Hopper GPU where it applies; an explicit "mosaic" where it
     cannot apply is refused."""
-    fits = _transposed(cfg) == (True, True) and V % 64 == 0 and K % 32 == 0 and K <= 128
+    fits = (_transposed(cfg) == (True, True) and V % 64 == 0 and K % 32 == 0 and K <= 128
+            and wk_dtype == jnp.float16)
     if cfg["recurrence"] == "mosaic":
         if not fits:
-            raise ValueError(f"recurrence='mosaic' needs states_t=True, V a multiple of 64 and K a multiple of 32 "
-                             f"up to 128; got states_t={cfg['states_t']!r}, K={K}, V={V}")
+            raise ValueError(f"recurrence='mosaic' needs states_t=True, w and kd stored in fp16 (wk_dtype), V a "
+                             f"multiple of 64 and K a multiple of 32 up to 128; got states_t={cfg['states_t']!r}, "
+                             f"w and kd in {jnp.dtype(wk_dtype).name}, K={K}, V={V}")
         return "mosaic"
     if cfg["recurrence"] == "triton" or interpret or not fits:
         return "triton"

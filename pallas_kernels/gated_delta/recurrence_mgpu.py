@@ -13,7 +13,7 @@ Per program (grid (V // BV, HV, B)) and chunk c, with the state held transposed,
 The transposed form is what Mosaic GPU's TF32 wgmma takes (no transposed fp32 operands): both A operands (S^T,
 v_new^T) come from shared memory K-major, and so do both B operands (w [C, K] as the prep stores it; kd^T [K, C],
 transposed on its way into shared memory). The kernel reads the Triton recurrence's inputs in their layouts (w and kd
-in fp16 or fp32 as the prep stores them, converted in shared memory while a dot runs; u [Tp, V] read transposed) and
+in fp16 as the prep stores them on the GPU, converted in shared memory while a dot runs; u [Tp, V] read transposed) and
 writes its outputs in the layouts the output kernel reads.
 
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
@@ -21,7 +21,7 @@ runs 126-128): every element is the same products summed over the same axis in t
 instruction, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in Triton);
 Triton rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the hardware,
 which truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared memory (fp16
-w and kd are TF32 values already; fp32 ones are rounded too); the decayed state is the accumulator the second dot
+w and kd are TF32 values already); the decayed state is the accumulator the second dot
 adds into, as Triton feeds it; exp is Mosaic GPU's exact one (run 108: Triton's bits).
 """
 
@@ -49,7 +49,7 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
             w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int,
             interpret: bool):
     """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs, the
-    Triton recurrence's layouts: w, kd [B, HV, Tp, K] (as stored: fp16 or fp32), u fp32 [B, HV, Tp, V], gc fp32
+    Triton recurrence's layouts: w, kd fp16 [B, HV, Tp, K] (as the prep stores them), u fp32 [B, HV, Tp, V], gc fp32
     [B, HV, Tp], S0 fp32 [B, HV, K, V]; outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final S^T
     [B, HV, V, K].
 
@@ -75,17 +75,14 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
         plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
         plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s, gc_bar)
 
-    def tf32(x):  # fp16 values are TF32 values; fp32 ones are rounded to nearest as Triton's dots round them
-        return x.astype(jnp.float32) if x.dtype == jnp.float16 else _tf32_rna(x)
-
-    def convert_w(wait=True):  # w [C, K] as the first dot's B operand (K-major as stored)
+    def convert_w(wait=True):  # w [C, K] as the first dot's B operand (K-major as stored; fp16 values are TF32's)
         if wait:
             plgpu.barrier_wait(w_bar)
-        w_s[...] = tf32(w16_s[...])
+        w_s[...] = w16_s[...].astype(jnp.float32)
 
     def convert_kd():  # kd^T [K, C] as the second dot's B operand
         plgpu.barrier_wait(kd_bar)
-        kd_s[...] = tf32(kd16_s.T[...])
+        kd_s[...] = kd16_s.T[...].astype(jnp.float32)
 
     plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
     load_w(0)
@@ -127,22 +124,17 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
             load_u_gc(c + 1)
             load_kd(c + 1)
 
-        overlap = w_gmem.dtype == jnp.float16  # (the rounding's integer constants do not lower inside run_state)
-        if overlap:
-            plgpu.barrier_wait(w_bar)  # (a barrier's index does not lower inside run_state either: jax 0.11.2)
+        plgpu.barrier_wait(w_bar)  # (here: a barrier's index does not lower inside run_state, jax 0.11.2)
 
         def kv_dot(acc):
             plgpu.wgmma(acc, va_s, kd_s.T)  # += v_new^T kd = (kd^T v_new)^T [BV, K]
-            if overlap:
-                convert_w(wait=False)  # w(c + 1), while the dot runs (the first dot of c, which read w_s, is done)
+            convert_w(wait=False)  # w(c + 1), while the dot runs (the first dot of c, which read w_s, is done)
 
         if interpret:  # (the CPU interpreter has no accumulator given a value: the add after the dot)
             s_next = s * decay + pl.run_scoped(lambda acc: (kv_dot(acc), acc[...])[1],
                                                plgpu.ACC((bv, s.shape[1]), jnp.float32))
         else:
             s_next = pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
-        if not overlap:
-            convert_w()
         return s_next
 
     s_final = lax.fori_loop(0, nt, body, s_init)
@@ -161,7 +153,7 @@ def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
 
 def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, interpret: bool = False):
     """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
-    and kd [B, HV, Tp, K] as the prep stores them (fp16 or fp32), u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
+    and kd [B, HV, Tp, K] in fp16 as the prep stores them on the GPU, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
     initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K]
     (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -169,8 +161,9 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, interpre
     B, HV, tp, K = w.shape
     V = u.shape[-1]
     _check_shapes(tp, K, V, bv)
-    if kd.dtype != w.dtype or w.dtype not in (jnp.float16, jnp.float32):
-        raise ValueError(f"state_recurrence_mgpu: w and kd fp16 or fp32, one dtype; got {w.dtype}, {kd.dtype}")
+    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:  # (fp32 staging buffers would not fit shared memory)
+        raise ValueError(f"state_recurrence_mgpu: w and kd must be fp16 (the prep's GPU storage, `chunk._wk_dtype`); "
+                         f"got {w.dtype}, {kd.dtype}")
     nt = tp // CHUNK
     f32 = jnp.float32
 

@@ -24,14 +24,15 @@ from tests.gdn_oracle import random_gdn_inputs
 
 K, V, HK, HV = 32, 64, 1, 2
 TOL = 2e-3
+WK16 = dict(wk_dtype="float16")  # w and kd stored in fp16, as the prep stores them on the GPU (the kernel's input)
 
 
 def prep_outputs(d, lengths, stop="prep"):
     """The Triton prep's w, u, kd, gc (stop="prep") or its recurrence's h, v_new^T, final state ("state"), interpret
-    mode."""
+    mode, w and kd stored in fp16."""
     return chunk_gated_delta_rule_pallas(
         *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
-        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(stop_after=stop))
+        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(stop_after=stop, **WK16))
 
 
 def mgpu(w, u, kd, gc, s0):
@@ -118,10 +119,12 @@ def test_padded_rows_leave_the_state_unchanged(case):
     assert np.array_equal(np.swapaxes(h[2, :, 2], -1, -2), final[2])
 
 
-@pytest.mark.parametrize("shape,match", [((1, 2, 100, K), "multiple of 64"), ((1, 2, 128, 48), "of 32")])
-def test_bad_shapes_are_refused(shape, match):
+@pytest.mark.parametrize("shape,dtype,match", [((1, 2, 100, K), jnp.float16, "multiple of 64"),
+                                                ((1, 2, 128, 48), jnp.float16, "of 32"),
+                                                ((1, 2, 128, K), jnp.float32, "fp16")])
+def test_bad_inputs_are_refused(shape, dtype, match):
     B, H, T, k = shape
-    w = jnp.zeros((B, H, T, k), jnp.float32)
+    w = jnp.zeros((B, H, T, k), dtype)
     with pytest.raises(ValueError, match=match):
         state_recurrence_mgpu(w, jnp.zeros((B, H, T, V)), w, jnp.zeros((B, H, T)), jnp.zeros((B, H, k, V)))
 
@@ -129,7 +132,7 @@ def test_bad_shapes_are_refused(shape, match):
 def run_prefill(d, lengths, recurrence, **kw):
     out = chunk_gated_delta_rule_pallas(
         *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
-        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(recurrence=recurrence), **kw)
+        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(recurrence=recurrence, **WK16), **kw)
     return [np.asarray(x) for x in out]
 
 
@@ -154,7 +157,8 @@ def test_auto_takes_the_triton_recurrence_off_a_hopper_gpu(case):
 
 
 @pytest.mark.parametrize("config,match", [({"recurrence": "cuda"}, "recurrence="),
-                                          ({"recurrence": "mosaic", "states_t": False}, "states_t=True")])
+                                          ({"recurrence": "mosaic", "states_t": False, **WK16}, "states_t=True"),
+                                          ({"recurrence": "mosaic"}, "fp16")])  # (interpret mode stores fp32)
 def test_bad_recurrence_configs_are_refused(case, config, match):
     d, lengths, _ = case
     with pytest.raises(ValueError, match=match):
