@@ -19,7 +19,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu
+from scripts.gpu_kernels import bench_jax
 
 CHECK_SHAPES = [(2, 300, 2, 4), (3, 1000, 16, 32), (1, 8192, 16, 32)]
 TIMING_SHAPES = [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32), (2, 8192, 16, 32)]
@@ -60,16 +60,10 @@ def prefill(stop, q, k, v, g, beta, s0, lengths):
                                          config=dict(stop_after=stop, recurrence="triton"))
 
 
-def bench(f, *args, n=10, reps=7):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
+def jitted():
+    """(prep, Triton recurrence, Mosaic GPU recurrence), each under jax.jit."""
+    return (jax.jit(functools.partial(prefill, "prep")), jax.jit(functools.partial(prefill, "state")),
+            jax.jit(state_recurrence_mgpu))
 
 
 def compare(name, a, b):
@@ -83,9 +77,7 @@ def compare(name, a, b):
 
 
 def checks(shapes, results):
-    prep = jax.jit(functools.partial(prefill, "prep"))
-    state = jax.jit(functools.partial(prefill, "state"))
-    mgpu = jax.jit(state_recurrence_mgpu)
+    prep, state, mgpu = jitted()
     for shp in shapes:
         q, k, v, g, beta, s0, lengths = inputs(*shp)
         w, u, kd, gc = prep(q, k, v, g, beta, s0, lengths)
@@ -102,9 +94,9 @@ def checks(shapes, results):
 
 
 def timing(shapes, results):
-    prep = jax.jit(functools.partial(prefill, "prep"))
-    state = jax.jit(functools.partial(prefill, "state"))
-    mgpu = jax.jit(state_recurrence_mgpu)
+    """Medians of 7 x 10 back-to-back calls (`gpu_kernels.bench_jax`)."""
+    prep, state, mgpu = jitted()
+    bench = functools.partial(bench_jax, n=10)
     for shp in shapes:
         q, k, v, g, beta, s0, _ = inputs(*shp)
         lengths = jnp.full((shp[0],), shp[1], jnp.int32)
@@ -128,8 +120,13 @@ def main():
     ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
     ap.add_argument("--no-timing", action="store_true")
     args = ap.parse_args()
-    shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
-              else CHECK_SHAPES)
+    try:
+        shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
+                  else CHECK_SHAPES)
+        if not all(len(shp) == 4 and min(shp) > 0 for shp in shapes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--shapes {args.shapes!r}: expected B,T,HK,HV groups of positive integers separated by ';'")
     results = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                              jax=jax.__version__, device=jax.devices()[0].device_kind), checks=[], timing=[])
     log(json.dumps(results["meta"]))
