@@ -153,7 +153,7 @@ from .wy import CHUNK
 # design was not run). Interpret mode: a multiply and an add, whatever this says.
 # recurrence: which kernel runs the split design's state recurrence: "triton" (`_state_split_kernel`), "mosaic" (the
 # same arithmetic as a Pallas Mosaic GPU kernel, `recurrence_mgpu.py`: the state held transposed, TF32 wgmma on
-# operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, run 126, and 0.76-0.87x
+# operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, runs 126-128, in 0.76-0.90x
 # its time; in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
 # Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, w and kd stored in fp16
 # (`_wk_dtype`: the GPU default), V a multiple of 64, K of 32 and at most 128 (shared memory) — else "triton".

@@ -21,8 +21,8 @@ runs 126-128): every element is the same products summed over the same axis in t
 instruction, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in Triton);
 Triton rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the hardware,
 which truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared memory (fp16
-w and kd are TF32 values already); the decayed state is the accumulator the second dot
-adds into, as Triton feeds it; exp is Mosaic GPU's exact one (run 108: Triton's bits).
+w and kd are TF32 values already); the decayed state is the accumulator the second dot adds into, as Triton
+feeds it; exp is Mosaic GPU's exact one (run 108: Triton's bits).
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
     [B, HV, Tp], S0 fp32 [B, HV, K, V]; outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final S^T
     [B, HV, V, K].
 
-    Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in their stored
-    dtype and are converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its
-    buffer: kd(c) during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
+    Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in fp16 and are
+    converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its buffer: kd(c) during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
