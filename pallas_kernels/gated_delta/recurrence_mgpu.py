@@ -18,11 +18,11 @@ writes its outputs in the layouts the output kernel reads.
 
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
 runs 126-128): every element is the same products summed over the same axis in the same k order by TF32 wgmma
-instructions in both, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in Triton);
-Triton rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the hardware,
-which truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared memory (fp16
-w and kd are TF32 values already); the decayed state is the accumulator the second dot adds into, as Triton
-feeds it; exp is Mosaic GPU's exact one (run 108: Triton's bits).
+instructions in both, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in
+Triton); Triton rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the
+hardware, which truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared
+memory (fp16 w and kd are TF32 values already); the decayed state is the accumulator the second dot adds into, as
+Triton feeds it; exp is Mosaic GPU's exact one (run 108: Triton's bits).
 """
 
 from __future__ import annotations
