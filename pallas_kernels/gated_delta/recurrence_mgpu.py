@@ -54,7 +54,8 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
     [B, HV, V, K].
 
     Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in fp16 and are
-    converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its buffer: kd(c) during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
+    converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its buffer: kd(c)
+    during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
