@@ -1,4 +1,4 @@
-"""The chunked prefill's state recurrence as a Mosaic GPU kernel (`recurrence_mgpu.py`, an experiment beside the
+"""The chunked prefill's state recurrence as a Mosaic GPU kernel (`recurrence_mgpu.py`, the Hopper default beside the
 Pallas-Triton recurrence): lowered for an H200 on CPU, and run in Mosaic GPU's interpret mode on CPU against the
 float64 oracle of the recurrence and the Triton recurrence (interpret mode) on the prep's outputs for the same inputs;
 plus the bitwise properties a prefix cache needs (run twice, a row alone against the row in a batch, the state at
@@ -11,6 +11,8 @@ Shapes: K = 32, V = 64 (the kernel's V block is 64), two or three chunks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -35,8 +37,11 @@ def prep_outputs(d, lengths, stop="prep"):
         lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(stop_after=stop, **WK16))
 
 
+_mgpu_interpreted = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True))  # one compile per shape
+
+
 def mgpu(w, u, kd, gc, s0):
-    return tuple(np.asarray(x) for x in jax.jit(lambda *a: state_recurrence_mgpu(*a, interpret=True))(w, u, kd, gc, s0))
+    return tuple(np.asarray(x) for x in _mgpu_interpreted(w, u, kd, gc, s0))
 
 
 def oracle(w, u, kd, gc, s0):
