@@ -6,9 +6,10 @@ Run on the GPU machine from the repo root (nothing to install):
 For each shape it runs the prefill's prep kernel once (fresh random bf16 q, k, v, realistic gates, a random initial
 state, rows of different lengths on the check shapes), feeds its w, u, kd, gc to both recurrences and prints, for h
 (the state at every chunk start), v_new and the final state, how many elements differ and the largest difference
-relative to the largest element. Then it times, on the sweep's shapes: the Triton recurrence (the prefill stopped
-after the recurrence, less the prefill stopped after the prep: `stop_after`) and the Mosaic GPU one on the prep's
-outputs (with the XLA transpose of its final state).
+relative to the largest element, for both forms of the Mosaic GPU kernel (on one warpgroup, the default, and
+warp-specialised). Then it times, on the sweep's shapes: the Triton recurrence (the prefill stopped after the
+recurrence, less the prefill stopped after the prep: `stop_after`) and both Mosaic GPU forms on the prep's outputs
+(with the XLA transpose of their final state).
 Exit status 0 whatever it finds (a measurement); results.json into --out.
 """
 
@@ -60,10 +61,14 @@ def prefill(stop, q, k, v, g, beta, s0, lengths):
                                          config=dict(stop_after=stop, recurrence="triton"))
 
 
+FORMS = {"one warpgroup": False, "warp-specialised": True}  # state_recurrence_mgpu(warp_specialised=...)
+
+
 def jitted():
-    """(prep, Triton recurrence, Mosaic GPU recurrence), each under jax.jit."""
+    """(prep, Triton recurrence, {form: Mosaic GPU recurrence}), each under jax.jit."""
     return (jax.jit(functools.partial(prefill, "prep")), jax.jit(functools.partial(prefill, "state")),
-            jax.jit(state_recurrence_mgpu))
+            {name: jax.jit(functools.partial(state_recurrence_mgpu, warp_specialised=ws))
+             for name, ws in FORMS.items()})
 
 
 def compare(name, a, b):
@@ -77,25 +82,28 @@ def compare(name, a, b):
 
 
 def checks(shapes, results):
-    prep, state, mgpu = jitted()
+    prep, state, forms = jitted()
     for shp in shapes:
         q, k, v, g, beta, s0, lengths = inputs(*shp)
         w, u, kd, gc = prep(q, k, v, g, beta, s0, lengths)
         h_t, vn_t, final_t = state(q, k, v, g, beta, s0, lengths)
-        h_m, vn_m, final_m = mgpu(w, u, kd, gc, s0)
-        rows = [compare(n, a, b) for n, a, b in (("h", h_m, h_t), ("v_new", vn_m, vn_t), ("final", final_m, final_t))]
-        again = mgpu(w, u, kd, gc, s0)
-        rows.append(dict(name="mgpu twice", equal=all(np.array_equal(np.asarray(x), np.asarray(y))
-                                                       for x, y in zip(again, (h_m, vn_m, final_m)))))
-        for r in rows:
-            log(f"{str(shp):>22s} {r['name']:>10s} {'EQUAL' if r['equal'] else 'DIFFER'} "
-                + (f"{r['differ']} of {r['of']}, max |diff| / max |x| {r['max_rel']:.2e}" if "differ" in r else ""))
-        results["checks"].append(dict(shape=shp, rows=rows))
+        for form, mgpu in forms.items():
+            h_m, vn_m, final_m = mgpu(w, u, kd, gc, s0)
+            rows = [compare(n, a, b) for n, a, b in (("h", h_m, h_t), ("v_new", vn_m, vn_t),
+                                                    ("final", final_m, final_t))]
+            again = mgpu(w, u, kd, gc, s0)
+            rows.append(dict(name="mgpu twice", equal=all(np.array_equal(np.asarray(x), np.asarray(y))
+                                                           for x, y in zip(again, (h_m, vn_m, final_m)))))
+            for r in rows:
+                log(f"{str(shp):>22s} {form:>16s} {r['name']:>10s} {'EQUAL' if r['equal'] else 'DIFFER'} "
+                    + (f"{r['differ']} of {r['of']}, max |diff| / max |x| {r['max_rel']:.2e}" if "differ" in r
+                       else ""))
+            results["checks"].append(dict(shape=shp, form=form, rows=rows))
 
 
 def timing(shapes, results):
     """Medians of 7 x 10 back-to-back calls (`gpu_kernels.bench_jax`)."""
-    prep, state, mgpu = jitted()
+    prep, state, forms = jitted()
     bench = functools.partial(bench_jax, n=10)
     for shp in shapes:
         q, k, v, g, beta, s0, _ = inputs(*shp)
@@ -104,12 +112,11 @@ def timing(shapes, results):
         t_prep = bench(prep, *args)
         t_state = bench(state, *args)
         w, u, kd, gc = prep(*args)
-        t_mgpu = bench(mgpu, w, u, kd, gc, s0)
         row = dict(shape=shp, prep_ms=t_prep * 1e3, triton_recurrence_ms=(t_state - t_prep) * 1e3,
-                   mgpu_recurrence_ms=t_mgpu * 1e3)
+                   mgpu_recurrence_ms={form: bench(mgpu, w, u, kd, gc, s0) * 1e3 for form, mgpu in forms.items()})
         log(f"{str(shp):>22s} prep {row['prep_ms']:.3f} ms | recurrence: Triton {row['triton_recurrence_ms']:.3f}, "
-            f"Mosaic GPU {row['mgpu_recurrence_ms']:.3f} ms "
-            f"({row['mgpu_recurrence_ms'] / row['triton_recurrence_ms']:.2f}x)")
+            + ", ".join(f"Mosaic GPU {form} {ms:.3f} ms ({ms / row['triton_recurrence_ms']:.2f}x)"
+                        for form, ms in row["mgpu_recurrence_ms"].items()))
         results["timing"].append(row)
         del q, k, v, g, beta, s0, w, u, kd, gc
 

@@ -145,13 +145,131 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
     plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
+               w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *, nt: int, bv: int,
+               interpret: bool):
+    """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
+    them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
+    The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
+    operand) and `free` ([w, kd], arrived by the consumer when the dot that read it is done, and for kd once more
+    after S0, which arrives through kd's fp32 buffer, is in registers) hand the two fp32 buffers back and forth, so
+    the producer converts w(c + 1) while the consumer finishes chunk c and kd(c + 1) while it starts chunk c + 1."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    cols = pl.ds(j * bv, bv)
+    w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
+    w_ready, kd_ready = ready.at[0], ready.at[1]
+    w_free, kd_free = free.at[0], free.at[1]
+
+    def rows(c):
+        return pl.ds(c * CHUNK, CHUNK)
+
+    @pl.when(wg == 1)
+    def _producer():
+        plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
+        plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
+
+        @pl.loop(0, nt)
+        def _(c):
+            more = c + 1 < nt
+            plgpu.barrier_wait(w_bar)
+
+            @pl.when(c > 0)
+            def _():
+                plgpu.barrier_wait(w_free)  # the consumer's first dot of c - 1 is done with w_s
+
+            w_s[...] = w16_s[...].astype(jnp.float32)  # w [C, K] (fp16 values are TF32's)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(w_ready)
+
+            @pl.when(more)
+            def _():
+                plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
+
+            plgpu.barrier_wait(kd_bar)
+            plgpu.barrier_wait(kd_free)  # the consumer's second dot of c - 1 (at c = 0: its read of S0) is done
+            kd_s[...] = kd16_s.T[...].astype(jnp.float32)  # kd^T [K, C]
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(kd_ready)
+
+            @pl.when(more)
+            def _():
+                plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c + 1), :], kd16_s, kd_bar)
+
+        plgpu.barrier_wait(w_free)  # the last chunk's dots (every arrival observed before the barriers go)
+        plgpu.barrier_wait(kd_free)
+
+    @pl.when(wg == 0)
+    def _consumer():
+        def load_u_gc(c):
+            plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
+            plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s, gc_bar)
+
+        plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
+        load_u_gc(0)
+        plgpu.barrier_wait(s0_bar)
+        s_init = plgpu.layout_cast(kd_s.T[...], plgpu.Layout.WGMMA)  # S0^T [BV, K]
+        plgpu.barrier_arrive(kd_free)
+
+        def body(c, s):
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # h[c-1]'s store has read h_s
+            h_s[...] = s
+            sa_s[...] = _tf32_rna(s)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(h_s, h_gmem.at[b, hv, c, cols, :])
+            plgpu.barrier_wait(w_ready)
+
+            def ws_dot(acc):
+                plgpu.wgmma(acc, sa_s, w_s.T)  # S^T w^T = (w S)^T [BV, C]
+                return acc[...]
+
+            ws = pl.run_scoped(ws_dot, plgpu.ACC((bv, CHUNK), jnp.float32))
+            plgpu.barrier_arrive(w_free)
+            plgpu.barrier_wait(u_bar)
+            v = plgpu.layout_cast(u_s.T[...], plgpu.Layout.WGMMA) - ws  # v_new^T [BV, C]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read vn_s
+            vn_s[...] = v
+            va_s[...] = _tf32_rna(v)
+            plgpu.barrier_wait(gc_bar)
+            decay = jnp.exp(lax.broadcast_in_dim(gc_s[CHUNK - 1], s.shape, ()))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(vn_s, vn_gmem.at[b, hv, cols, rows(c)])
+
+            @pl.when(c + 1 < nt)
+            def _():
+                load_u_gc(c + 1)
+
+            plgpu.barrier_wait(kd_ready)
+
+            def kv_dot(acc):
+                plgpu.wgmma(acc, va_s, kd_s.T)  # += v_new^T kd = (kd^T v_new)^T [BV, K]
+
+            if interpret:  # (the CPU interpreter has no accumulator given a value: the add after the dot)
+                s_next = s * decay + pl.run_scoped(lambda acc: (kv_dot(acc), acc[...])[1],
+                                                   plgpu.ACC((bv, s.shape[1]), jnp.float32))
+            else:
+                s_next = pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
+            plgpu.barrier_arrive(kd_free)
+            return s_next
+
+        s_final = lax.fori_loop(0, nt, body, s_init)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        h_s[...] = s_final
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(h_s, sf_gmem.at[b, hv, cols, :])
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
     if tp % CHUNK or bv != 64 or V % bv or K % 32:
         raise ValueError(f"state_recurrence_mgpu: Tp ({tp}) must be a multiple of {CHUNK}, bv ({bv}) 64 (shared "
                          f"memory), V ({V}) a multiple of it and K ({K}) of 32")
 
 
-def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, interpret: bool = False):
+def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool = False,
+                          interpret: bool = False):
     """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
     and kd [B, HV, Tp, K] in fp16 as the prep stores them on the GPU, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
     initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K]
@@ -173,13 +291,18 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, interpre
                                                     plgpu.SwizzleTransform(swizzle)))
 
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    body, extra = _kernel, []
+    if warp_specialised:
+        body = _kernel_ws
+        extra = [plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]
+        params.update(num_threads=2, thread_name="wg")
     h, vn_t, s_t = plgpu.kernel(
-        functools.partial(_kernel, nt=nt, bv=bv, interpret=interpret),
+        functools.partial(body, nt=nt, bv=bv, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((B, HV, nt, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32),
                   jax.ShapeDtypeStruct((B, HV, V, K), f32)],
         scratch_types=[smem(CHUNK, K, dtype=w.dtype), smem(CHUNK, K), smem(CHUNK, K, dtype=w.dtype), smem(K, CHUNK),
                        smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
-                       smem(bv, CHUNK), plgpu.Barrier(num_barriers=5)],
+                       smem(bv, CHUNK), plgpu.Barrier(num_barriers=5), *extra],
         grid=(V // bv, HV, B),
         grid_names=("j", "h", "b"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -71,12 +71,15 @@ def case():
     return d, lengths, prep_outputs(d, lengths)
 
 
-def test_lowers_for_an_h200_at_the_models_head_size():
-    """The kernel lowers for CUDA at K = V = 128 (the shared-memory budget and wgmma shapes are checked here)."""
+@pytest.mark.parametrize("warp_specialised", [False, True])
+def test_lowers_for_an_h200_at_the_models_head_size(warp_specialised):
+    """The kernel lowers for CUDA at K = V = 128 (the shared-memory budget and wgmma shapes are checked here), in
+    both forms."""
     sds = jax.ShapeDtypeStruct
     args = (sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256, 128), jnp.float32),
             sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256), jnp.float32), sds((2, 4, 128, 128), jnp.float32))
-    text = jax.jit(state_recurrence_mgpu).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    fn = jax.jit(functools.partial(state_recurrence_mgpu, warp_specialised=warp_specialised))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -97,6 +100,15 @@ def test_same_call_twice_is_bitwise(case):
     d, _, (w, u, kd, gc) = case
     a, b = mgpu(w, u, kd, gc, d["initial_state"]), mgpu(w, u, kd, gc, d["initial_state"])
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_warp_specialised_form_is_bitwise_the_one_warpgroup_one(case):
+    """`warp_specialised=True` (a second warpgroup converts w and kd while the first runs the chain) and the default
+    (one warpgroup converting them between its dots) run the same arithmetic: the same bits."""
+    d, _, (w, u, kd, gc) = case
+    ws = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=True))
+    got = [np.asarray(x) for x in ws(w, u, kd, gc, d["initial_state"])]
+    assert all(np.array_equal(x, y) for x, y in zip(got, mgpu(w, u, kd, gc, d["initial_state"])))
 
 
 def test_row_alone_equals_row_in_batch(case):
