@@ -146,14 +146,18 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
 
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
-               w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *, nt: int, bv: int,
+               w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut, nt: int, bv: int,
                interpret: bool):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
     operand) and `free` ([w, kd], arrived by the consumer when the dot that read it is done, and for kd once more
     after S0, which arrives through kd's fp32 buffer, is in registers) hand the two fp32 buffers back and forth, so
-    the producer converts w(c + 1) while the consumer finishes chunk c and kd(c + 1) while it starts chunk c + 1."""
+    the producer converts w(c + 1) while the consumer finishes chunk c and kd(c + 1) while it starts chunk c + 1.
+
+    With `ut` (`warp_specialised="u"`: ut_s [BV, C] fp32 and gc_s [2, C]) the producer also loads u and gc and
+    transposes u into ut_s, which the consumer reads untransposed (`ready` / `free` gain a third barrier for it; gc
+    alternates between two slots, so that gc(c + 1) can land while the consumer has yet to read gc(c))."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
@@ -162,14 +166,23 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
     w_ready, kd_ready = ready.at[0], ready.at[1]
     w_free, kd_free = free.at[0], free.at[1]
+    ut_s = ut[0] if ut else None
+    if ut:
+        u_ready, u_free = ready.at[2], free.at[2]
 
     def rows(c):
         return pl.ds(c * CHUNK, CHUNK)
+
+    def load_u_gc(c):
+        plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
+        plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s.at[c % 2] if ut else gc_s, gc_bar)
 
     @pl.when(wg == 1)
     def _producer():
         plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
+        if ut:
+            load_u_gc(0)
 
         @pl.loop(0, nt)
         def _(c):
@@ -188,6 +201,23 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
             def _():
                 plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
 
+            if ut:
+                plgpu.barrier_wait(u_bar)
+                plgpu.barrier_wait(gc_bar)
+                t = plgpu.layout_cast(u_s.T[...], plgpu.Layout.WGMMA)  # u^T [BV, C]
+
+                @pl.when(c > 0)
+                def _():
+                    plgpu.barrier_wait(u_free)  # the consumer has read ut_s and gc(c - 1)
+
+                ut_s[...] = t
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(u_ready)
+
+                @pl.when(more)
+                def _():
+                    load_u_gc(c + 1)
+
             plgpu.barrier_wait(kd_bar)
             plgpu.barrier_wait(kd_free)  # the consumer's second dot of c - 1 (at c = 0: its read of S0) is done
             kd_s[...] = kd16_s.T[...].astype(jnp.float32)  # kd^T [K, C]
@@ -200,15 +230,14 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
 
         plgpu.barrier_wait(w_free)  # the last chunk's dots (every arrival observed before the barriers go)
         plgpu.barrier_wait(kd_free)
+        if ut:
+            plgpu.barrier_wait(u_free)
 
     @pl.when(wg == 0)
     def _consumer():
-        def load_u_gc(c):
-            plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
-            plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s, gc_bar)
-
         plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
-        load_u_gc(0)
+        if not ut:
+            load_u_gc(0)
         plgpu.barrier_wait(s0_bar)
         s_init = plgpu.layout_cast(kd_s.T[...], plgpu.Layout.WGMMA)  # S0^T [BV, K]
         plgpu.barrier_arrive(kd_free)
@@ -227,19 +256,28 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
 
             ws = pl.run_scoped(ws_dot, plgpu.ACC((bv, CHUNK), jnp.float32))
             plgpu.barrier_arrive(w_free)
-            plgpu.barrier_wait(u_bar)
-            v = plgpu.layout_cast(u_s.T[...], plgpu.Layout.WGMMA) - ws  # v_new^T [BV, C]
+            if ut:
+                plgpu.barrier_wait(u_ready)
+                v = plgpu.layout_cast(ut_s[...], plgpu.Layout.WGMMA) - ws  # v_new^T [BV, C]
+                g_last = gc_s[c % 2, CHUNK - 1]
+                plgpu.barrier_arrive(u_free)
+            else:
+                plgpu.barrier_wait(u_bar)
+                v = plgpu.layout_cast(u_s.T[...], plgpu.Layout.WGMMA) - ws  # v_new^T [BV, C]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read vn_s
             vn_s[...] = v
             va_s[...] = _tf32_rna(v)
-            plgpu.barrier_wait(gc_bar)
-            decay = jnp.exp(lax.broadcast_in_dim(gc_s[CHUNK - 1], s.shape, ()))
+            if not ut:
+                plgpu.barrier_wait(gc_bar)
+                g_last = gc_s[CHUNK - 1]
+            decay = jnp.exp(lax.broadcast_in_dim(g_last, s.shape, ()))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(vn_s, vn_gmem.at[b, hv, cols, rows(c)])
 
-            @pl.when(c + 1 < nt)
-            def _():
-                load_u_gc(c + 1)
+            if not ut:
+                @pl.when(c + 1 < nt)
+                def _():
+                    load_u_gc(c + 1)
 
             plgpu.barrier_wait(kd_ready)
 
@@ -268,7 +306,7 @@ def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
                          f"memory), V ({V}) a multiple of it and K ({K}) of 32")
 
 
-def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool = False,
+def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool | str = False,
                           interpret: bool = False):
     """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
     and kd [B, HV, Tp, K] in fp16 as the prep stores them on the GPU, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
@@ -291,17 +329,23 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
                                                     plgpu.SwizzleTransform(swizzle)))
 
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-    body, extra = _kernel, []
+    if warp_specialised not in (False, True, "u"):
+        raise ValueError(f"state_recurrence_mgpu: warp_specialised is False, True or 'u', not {warp_specialised!r}")
+    body, extra, gc_shape = _kernel, [], (CHUNK,)
     if warp_specialised:
         body = _kernel_ws
-        extra = [plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]
+        n_bars = 3 if warp_specialised == "u" else 2
+        extra = [plgpu.Barrier(num_barriers=n_bars), plgpu.Barrier(num_barriers=n_bars)]
+        if warp_specialised == "u":
+            extra.append(smem(bv, CHUNK))
+            gc_shape = (2, CHUNK)
         params.update(num_threads=2, thread_name="wg")
     h, vn_t, s_t = plgpu.kernel(
         functools.partial(body, nt=nt, bv=bv, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((B, HV, nt, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32),
                   jax.ShapeDtypeStruct((B, HV, V, K), f32)],
         scratch_types=[smem(CHUNK, K, dtype=w.dtype), smem(CHUNK, K), smem(CHUNK, K, dtype=w.dtype), smem(K, CHUNK),
-                       smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
+                       smem(CHUNK, bv), plgpu.SMEM(gc_shape, f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
                        smem(bv, CHUNK), plgpu.Barrier(num_barriers=5), *extra],
         grid=(V // bv, HV, B),
         grid_names=("j", "h", "b"),

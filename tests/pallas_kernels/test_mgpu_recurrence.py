@@ -71,7 +71,7 @@ def case():
     return d, lengths, prep_outputs(d, lengths)
 
 
-@pytest.mark.parametrize("warp_specialised", [False, True])
+@pytest.mark.parametrize("warp_specialised", [False, True, "u"])
 def test_lowers_for_an_h200_at_the_models_head_size(warp_specialised):
     """The kernel lowers for CUDA at K = V = 128 (the shared-memory budget and wgmma shapes are checked here), in
     both forms."""
@@ -102,11 +102,13 @@ def test_same_call_twice_is_bitwise(case):
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def test_warp_specialised_form_is_bitwise_the_one_warpgroup_one(case):
-    """`warp_specialised=True` (a second warpgroup converts w and kd while the first runs the chain) and the default
-    (one warpgroup converting them between its dots) run the same arithmetic: the same bits."""
+@pytest.mark.parametrize("form", [True, "u"])
+def test_warp_specialised_forms_are_bitwise_the_one_warpgroup_one(case, form):
+    """`warp_specialised=True` (a second warpgroup converts w and kd while the first runs the chain; "u": and
+    transposes u) and the default (one warpgroup converting them between its dots) run the same arithmetic: the
+    same bits."""
     d, _, (w, u, kd, gc) = case
-    ws = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=True))
+    ws = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=form))
     got = [np.asarray(x) for x in ws(w, u, kd, gc, d["initial_state"])]
     assert all(np.array_equal(x, y) for x, y in zip(got, mgpu(w, u, kd, gc, d["initial_state"])))
 
