@@ -1290,6 +1290,10 @@ def main():
         # (the code before)
         "state_fma": dict(state_update="fma"),
         "state_auto": dict(state_update="auto"),
+        # 2026-12-03 (run 130 on): the Mosaic GPU recurrence warp-specialised (a second warpgroup converts w and kd;
+        # "_u": and transposes u)
+        "mgpu_ws": dict(recurrence_ws=True),
+        "mgpu_ws_u": dict(recurrence_ws="u"),
     }
     if args.quick:
         chunk_configs = {"default": None}

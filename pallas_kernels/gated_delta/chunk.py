@@ -157,7 +157,8 @@ from .wy import CHUNK
 # its time; in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
 # Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, w and kd stored in fp16
 # (`_wk_dtype`: the GPU default), V a multiple of 64, K of 32 and at most 128 (shared memory) — else "triton".
-# `_recurrence_kernel` decides.
+# `_recurrence_kernel` decides. recurrence_ws: the Mosaic GPU kernel's form (`state_recurrence_mgpu`'s
+# warp_specialised): False (one warpgroup), True (a second warpgroup converts w and kd) or "u" (and transposes u).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -181,7 +182,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto",
+    recurrence="auto", recurrence_ws=False,
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -471,6 +472,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     if cfg["recurrence"] not in ("auto", "triton", "mosaic"):
         raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
+    if cfg["recurrence_ws"] not in (False, True, "u"):
+        raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
@@ -715,7 +718,8 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
-        h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, interpret=interpret)
+        h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
+                                             interpret=interpret)
     else:
         h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
     if cfg.get("stop_after") == "state":

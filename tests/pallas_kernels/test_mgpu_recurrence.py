@@ -177,7 +177,8 @@ def test_auto_takes_the_triton_recurrence_off_a_hopper_gpu(case):
 
 @pytest.mark.parametrize("config,match", [({"recurrence": "cuda"}, "recurrence="),
                                           ({"recurrence": "mosaic", "states_t": False, **WK16}, "states_t=True"),
-                                          ({"recurrence": "mosaic"}, "fp16")])  # (interpret mode stores fp32)
+                                          ({"recurrence": "mosaic"}, "fp16"),  # (interpret mode stores fp32)
+                                          ({"recurrence_ws": "yes"}, "recurrence_ws=")])
 def test_bad_recurrence_configs_are_refused(case, config, match):
     d, lengths, _ = case
     with pytest.raises(ValueError, match=match):
