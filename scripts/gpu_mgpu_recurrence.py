@@ -6,8 +6,8 @@ Run on the GPU machine from the repo root (nothing to install):
 For each shape it runs the prefill's prep kernel once (fresh random bf16 q, k, v, realistic gates, a random initial
 state, rows of different lengths on the check shapes), feeds its w, u, kd, gc to both recurrences and prints, for h
 (the state at every chunk start), v_new and the final state, how many elements differ and the largest difference
-relative to the largest element, for each form of the Mosaic GPU kernel (`FORMS`: on one warpgroup, the default;
-warp-specialised; warp-specialised with u transposed by the producer). Then it times, on the sweep's shapes: the
+relative to the largest element, for each form of the Mosaic GPU kernel (`FORMS`: on one warpgroup; warp-specialised;
+warp-specialised with u transposed by the producer, the default). Then it times, on the sweep's shapes: the
 Triton recurrence (the prefill stopped after the recurrence, less the prefill stopped after the prep: `stop_after`)
 and each Mosaic GPU form on the prep's outputs (with the XLA transpose of their final state).
 Exit status 0 whatever it finds (a measurement); results.json into --out.

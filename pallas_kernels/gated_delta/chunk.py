@@ -153,12 +153,15 @@ from .wy import CHUNK
 # design was not run). Interpret mode: a multiply and an add, whatever this says.
 # recurrence: which kernel runs the split design's state recurrence: "triton" (`_state_split_kernel`), "mosaic" (the
 # same arithmetic as a Pallas Mosaic GPU kernel, `recurrence_mgpu.py`: the state held transposed, TF32 wgmma on
-# operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, runs 126-128, in 0.76-0.90x
-# its time; in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
+# operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, runs 126-130, in 0.69-0.83x
+# its time (run 130, recurrence_ws="u"); in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
 # Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, w and kd stored in fp16
 # (`_wk_dtype`: the GPU default), V a multiple of 64, K of 32 and at most 128 (shared memory) — else "triton".
 # `_recurrence_kernel` decides. recurrence_ws: the Mosaic GPU kernel's form (`state_recurrence_mgpu`'s
-# warp_specialised): False (one warpgroup), True (a second warpgroup converts w and kd) or "u" (and transposes u).
+# warp_specialised): False (one warpgroup), True (a second warpgroup converts w and kd) or "u" (default: and
+# transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
+# alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
+# 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -182,7 +185,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws=False,
+    recurrence="auto", recurrence_ws="u",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 

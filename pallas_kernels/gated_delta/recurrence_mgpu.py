@@ -16,8 +16,13 @@ transposed on its way into shared memory). The kernel reads the Triton recurrenc
 in fp16 as the prep stores them on the GPU, converted in shared memory while a dot runs; u [Tp, V] read transposed) and
 writes its outputs in the layouts the output kernel reads.
 
+Three forms (`warp_specialised`, chunk config `recurrence_ws`): one warpgroup per program (False: `_kernel`),
+converting w and kd in shared memory between its own dots; or two (`_kernel_ws`), a producer warpgroup loading and
+converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
+The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
+
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
-runs 126-128): every element is the same products summed over the same axis in the same k order by TF32 wgmma
+runs 126-130): every element is the same products summed over the same axis in the same k order by TF32 wgmma
 instructions in both, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in
 Triton); Triton rounds fp32 operands to TF32 to nearest (`cvt.rna.tf32.f32`) while Mosaic GPU hands them to the
 hardware, which truncates (runs 106-108), so S^T and v_new^T are rounded to nearest here before they reach shared
@@ -306,12 +311,13 @@ def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
                          f"memory), V ({V}) a multiple of it and K ({K}) of 32")
 
 
-def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool | str = False,
+def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool | str = "u",
                           interpret: bool = False):
     """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
     and kd [B, HV, Tp, K] in fp16 as the prep stores them on the GPU, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
     initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K]
-    (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V]."""
+    (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V].
+    `warp_specialised`: the kernel's form (module docstring), False, True or "u" (default); the same bits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape

@@ -102,14 +102,14 @@ def test_same_call_twice_is_bitwise(case):
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("form", [True, "u"])
-def test_warp_specialised_forms_are_bitwise_the_one_warpgroup_one(case, form):
-    """`warp_specialised=True` (a second warpgroup converts w and kd while the first runs the chain; "u": and
-    transposes u) and the default (one warpgroup converting them between its dots) run the same arithmetic: the
-    same bits."""
+@pytest.mark.parametrize("form", [False, True])
+def test_every_form_is_bitwise_the_default_one(case, form):
+    """The one-warpgroup form (False: it converts w and kd between its dots), the warp-specialised one (True: a
+    second warpgroup converts them while the first runs the chain) and the default ("u": the second warpgroup also
+    transposes u) run the same arithmetic: the same bits."""
     d, _, (w, u, kd, gc) = case
-    ws = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=form))
-    got = [np.asarray(x) for x in ws(w, u, kd, gc, d["initial_state"])]
+    other = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=form))
+    got = [np.asarray(x) for x in other(w, u, kd, gc, d["initial_state"])]
     assert all(np.array_equal(x, y) for x, y in zip(got, mgpu(w, u, kd, gc, d["initial_state"])))
 
 
