@@ -135,18 +135,30 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
             plgpu.wgmma(acc, va_s, kd_s.T)  # += v_new^T kd = (kd^T v_new)^T [BV, K]
             convert_w(wait=False)  # w(c + 1), while the dot runs (the first dot of c, which read w_s, is done)
 
-        if interpret:  # (the CPU interpreter has no accumulator given a value: the add after the dot)
-            s_next = s * decay + pl.run_scoped(lambda acc: (kv_dot(acc), acc[...])[1],
-                                               plgpu.ACC((bv, s.shape[1]), jnp.float32))
-        else:
-            s_next = pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
-        return s_next
+        return _decayed_plus(kv_dot, s, decay, interpret)
 
-    s_final = lax.fori_loop(0, nt, body, s_init)
+    _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[b, hv, cols, :])
+
+
+def _decayed_plus(kv_dot, s, decay, interpret: bool):
+    """decay * S^T + the second dot (`kv_dot(acc)` issues it): on the GPU the decayed state is the wgmma's initial
+    accumulator, as Triton feeds it; the CPU interpreter has no accumulator given a value, so there the add follows
+    the dot."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpret:
+        return s * decay + pl.run_scoped(lambda acc: (kv_dot(acc), acc[...])[1], plgpu.ACC(s.shape, jnp.float32))
+    return pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
+
+
+def _store_final(s_final, h_s, dst):
+    """The final S^T [BV, K] through h's buffer (once h[NT - 1]'s store has read it) to `dst`; waits for every store."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
     h_s[...] = s_final
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(h_s, sf_gmem.at[b, hv, cols, :])
+    plgpu.copy_smem_to_gmem(h_s, dst)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -289,20 +301,11 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
             def kv_dot(acc):
                 plgpu.wgmma(acc, va_s, kd_s.T)  # += v_new^T kd = (kd^T v_new)^T [BV, K]
 
-            if interpret:  # (the CPU interpreter has no accumulator given a value: the add after the dot)
-                s_next = s * decay + pl.run_scoped(lambda acc: (kv_dot(acc), acc[...])[1],
-                                                   plgpu.ACC((bv, s.shape[1]), jnp.float32))
-            else:
-                s_next = pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
+            s_next = _decayed_plus(kv_dot, s, decay, interpret)
             plgpu.barrier_arrive(kd_free)
             return s_next
 
-        s_final = lax.fori_loop(0, nt, body, s_init)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        h_s[...] = s_final
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(h_s, sf_gmem.at[b, hv, cols, :])
-        plgpu.wait_smem_to_gmem(0)
+        _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[b, hv, cols, :])
 
 
 def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
