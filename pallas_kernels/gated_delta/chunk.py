@@ -122,8 +122,8 @@ from .wy import CHUNK
 # replay_qk_cols: the replay step's kernel 2 takes row t of q k^T as column 0 of k q16^T ([C, K] x [K, 16], q16 holding
 # q's row t and zeros; the same 64-row wgmma, the operands' roles swapped) instead of row t of the 64-row q k^T: a
 # [16, K] operand in shared memory instead of [64, K]. The same bits on the H200 (run 74: the 560 rows and 8
-# boundary states; run 122 again with q k^T in fp16, `_qk_precision`), not on XLA:CPU (1.5e-8 off), so "auto" (default) takes it on the GPU and the 64-row form in
-# interpret mode; True / False force either. Run 74, kernel 2 us per step at B=64 / 256: 32.2 / 121.3 before, 27.3
+# boundary states; run 122 again with q k^T in fp16, `_qk_precision`), not on XLA:CPU (1.5e-8 off), so "auto"
+# (default) takes it on the GPU and the 64-row form in interpret mode; True / False force either. Run 74, kernel 2 us per step at B=64 / 256: 32.2 / 121.3 before, 27.3
 # / 104.6 with it (8 warps), 18.2 / 64.4 with it on 4 warps (the default since).
 # replay_kd: where the replay step's kernel 4 takes a completing chunk's kd from: "prep" (default since run 103),
 # computed by kernel 1 when the token completes the chunk and stored as the prefill's prep stores it, then loaded by
@@ -154,9 +154,10 @@ from .wy import CHUNK
 # recurrence: which kernel runs the split design's state recurrence: "triton" (`_state_split_kernel`), "mosaic" (the
 # same arithmetic as a Pallas Mosaic GPU kernel, `recurrence_mgpu.py`: the state held transposed, TF32 wgmma on
 # operands rounded to nearest as Triton rounds them; the same bits as "triton" on the H200, runs 126-130, in 0.69-0.83x
-# its time (run 130, recurrence_ws="u"); in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto" (default): "mosaic" on a
-# Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True, w and kd stored in fp16
-# (`_wk_dtype`: the GPU default), V a multiple of 64, K of 32 and at most 128 (shared memory) — else "triton".
+# its time (run 130, recurrence_ws="u"); in interpret mode Mosaic GPU's interpreter, whose dots are fp32) or "auto"
+# (default): "mosaic" on a Hopper GPU (compute capability 9.0, the wgmma it needs) where it applies — states_t=True,
+# w and kd stored in fp16 (`_wk_dtype`: the GPU default), V a multiple of 64, K of 32 and at most 128 (shared
+# memory) — else "triton".
 # `_recurrence_kernel` decides. recurrence_ws: the Mosaic GPU kernel's form (`state_recurrence_mgpu`'s
 # warp_specialised): False (one warpgroup), True (a second warpgroup converts w and kd) or "u" (default: and
 # transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
@@ -505,8 +506,8 @@ def _qk_precision(p_qk: str, use_l2: bool, scale: float | None) -> str:
     "fp16" when both operands are bounded — q and k L2-normalised, q times a scale in [2^-10, 2^10] (K^-0.5 by
     default): fp16 neither overflows nor loses more than TF32 to subnormals there — else "tf32". fp16 keeps TF32's 10
     mantissa bits at twice its rate from half its shared memory: the prefill 1.4-2.2% faster over the sweep's shapes,
-    its output kernel ~7% (runs 121 and 123; the default since run 122), as accurate (every accuracy case the default's to three digits). In interpret mode
-    every dot is fp32 whatever this returns."""
+    its output kernel ~7% (runs 121 and 123; the default since run 122), as accurate (every accuracy case the
+    default's to three digits). In interpret mode every dot is fp32 whatever this returns."""
     if p_qk != "auto":
         return p_qk
     bounded = use_l2 and (scale is None or 2.0 ** -10 <= abs(scale) <= 2.0 ** 10)

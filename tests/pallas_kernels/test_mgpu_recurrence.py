@@ -74,7 +74,7 @@ def case():
 @pytest.mark.parametrize("warp_specialised", [False, True, "u"])
 def test_lowers_for_an_h200_at_the_models_head_size(warp_specialised):
     """The kernel lowers for CUDA at K = V = 128 (the shared-memory budget and wgmma shapes are checked here), in
-    both forms."""
+    each form."""
     sds = jax.ShapeDtypeStruct
     args = (sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256, 128), jnp.float32),
             sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256), jnp.float32), sds((2, 4, 128, 128), jnp.float32))
