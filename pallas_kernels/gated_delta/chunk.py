@@ -123,8 +123,9 @@ from .wy import CHUNK
 # q's row t and zeros; the same 64-row wgmma, the operands' roles swapped) instead of row t of the 64-row q k^T: a
 # [16, K] operand in shared memory instead of [64, K]. The same bits on the H200 (run 74: the 560 rows and 8
 # boundary states; run 122 again with q k^T in fp16, `_qk_precision`), not on XLA:CPU (1.5e-8 off), so "auto"
-# (default) takes it on the GPU and the 64-row form in interpret mode; True / False force either. Run 74, kernel 2 us per step at B=64 / 256: 32.2 / 121.3 before, 27.3
-# / 104.6 with it (8 warps), 18.2 / 64.4 with it on 4 warps (the default since).
+# (default) takes it on the GPU and the 64-row form in interpret mode; True / False force either. Run 74, kernel 2
+# us per step at B=64 / 256: 32.2 / 121.3 before, 27.3 / 104.6 with it (8 warps), 18.2 / 64.4 with it on 4 warps
+# (the default since).
 # replay_kd: where the replay step's kernel 4 takes a completing chunk's kd from: "prep" (default since run 103),
 # computed by kernel 1 when the token completes the chunk and stored as the prefill's prep stores it, then loaded by
 # kernel 4 as the prefill's recurrence loads its kd; "fold" (the default before), computed in kernel 4 from k and g
