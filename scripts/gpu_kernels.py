@@ -1294,6 +1294,11 @@ def main():
         # "_u": and transposes u)
         "mgpu_ws": dict(recurrence_ws=True),
         "mgpu_ws_u": dict(recurrence_ws="u"),
+        # 2026-12-03 (run 132 on): the output kernel on Mosaic GPU (`output_mgpu.py`; "_h" / "_vn": its two dots
+        # added through the accumulator, one order or the other)
+        "mgpu_out": dict(output="mosaic"),
+        "mgpu_out_h": dict(output="mosaic", output_order="h_acc"),
+        "mgpu_out_vn": dict(output="mosaic", output_order="vn_acc"),
     }
     if args.quick:
         chunk_configs = {"default": None}

@@ -20,7 +20,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    `recurrence`: the same bits, in less time).
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
-   In-call checkpoints are exact copies of h at the requested chunk starts (or of the final state).
+   Config `output="mosaic"` runs it as a Pallas Mosaic GPU kernel instead (`output_mgpu.py`: the same bits on the
+   H200, slower). In-call checkpoints are exact copies of h at the requested chunk starts (or of the final state).
 
 "fused" (two kernels: the output computed inside the recurrence, four dots per chunk on the sequential path):
 1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
@@ -56,6 +57,9 @@ from jax.experimental import pallas as pl
 from ..config import merged_config, static_config
 from . import wy
 from .arith import fma, mul_rn
+from . import output_mgpu
+from .output_mgpu import ORDERS as OUTPUT_ORDERS
+from .output_mgpu import chunk_output_mgpu, key_norms
 from .recurrence_mgpu import state_recurrence_mgpu
 from .wy import CHUNK
 
@@ -164,6 +168,13 @@ from .wy import CHUNK
 # transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
 # alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
+# output: which kernel runs the split design's output kernel: "triton" (default: `_out_kernel`), "mosaic" (the same
+# arithmetic as a Pallas Mosaic GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel,
+# `key_norms`, so that their row sums add in Triton's order) or "auto" ("mosaic" on a Hopper GPU where it applies:
+# `_output_kernel`). The same bits as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its
+# time (the output alone, `key_norms` included). output_order: how the Mosaic GPU kernel adds its two dots
+# (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
+# does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -187,7 +198,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u",
+    recurrence="auto", recurrence_ws="u", output="triton", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -477,6 +488,10 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     if cfg["recurrence"] not in ("auto", "triton", "mosaic"):
         raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
+    if cfg["output"] not in ("auto", "triton", "mosaic"):
+        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton' or 'mosaic'")
+    if cfg["output_order"] not in OUTPUT_ORDERS:
+        raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
@@ -717,9 +732,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     """The split design's recurrence and output kernels, and the in-call checkpoints."""
     B, tp, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    G = HV // HK
     nt = tp // CHUNK
-    bvo = min(cfg["bv_out"], V)
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
@@ -730,7 +743,36 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     if cfg.get("stop_after") == "state":
         return h, vn, final
 
-    o = pl.pallas_call(
+    o = _output_call(q, k, gc, h, vn, lengths, scale=scale, use_l2=use_l2, out_dtype=v.dtype, interpret=interpret,
+                     cfg=cfg)
+    o = o[:, :T] if tp != T else o
+    if checkpoint_stride is None:
+        return o, final
+    # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
+    per = checkpoint_stride // CHUNK
+    idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
+    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]) for i in idx if i < nt]
+    parts += [final for i in idx if i >= nt]
+    ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
+    return o, final, ck
+
+
+def _output_call(q, k, gc, h, vn, lengths, *, scale, use_l2, out_dtype, interpret, cfg):
+    """The split design's output o [B, Tp, HV, V] from the inputs q, k [B, Tp, HK, K], gc and the recurrence's h and
+    v_new (in the layouts `_transposed` names): the Triton kernel (`_out_kernel`) or the Mosaic GPU one
+    (`output_mgpu.py`, config `output`)."""
+    B, tp, HK, K = q.shape
+    HV, V = vn.shape[1], (vn.shape[2] if _transposed(cfg)[1] else vn.shape[3])
+    if _output_kernel(cfg, K, V, use_l2, (q.dtype, k.dtype), out_dtype, interpret) == "mosaic":
+        r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
+        return chunk_output_mgpu(q, k, r_q, r_k, gc, h, vn, scale=scale, out_dtype=out_dtype,
+                                 qk_dtype=jnp.float16 if cfg["p_qk"] == "fp16" else jnp.bfloat16,
+                                 order=cfg["output_order"], interpret=interpret)
+    G = HV // HK
+    nt = tp // CHUNK
+    bvo = min(cfg["bv_out"], V)
+    ht, vt = _transposed(cfg)
+    return pl.pallas_call(
         functools.partial(_out_kernel, scale=scale, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=(nt, HV, B, V // bvo),
         in_specs=[
@@ -744,21 +786,32 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             pl.BlockSpec((None, None, CHUNK, bvo), lambda c, h, b, j: (b, h, c, j)),
         ],
         out_specs=pl.BlockSpec((None, CHUNK, None, bvo), lambda c, h, b, j: (b, c, h, j)),
-        out_shape=jax.ShapeDtypeStruct((B, tp, HV, V), v.dtype),
+        out_shape=jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype),
         compiler_params=_triton_params(cfg["warps_out"], cfg["stages_out"]),
         interpret=interpret,
         name="gdn_chunk_out",
     )(lengths, q, k, gc, h, vn)
-    o = o[:, :T] if tp != T else o
-    if checkpoint_stride is None:
-        return o, final
-    # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
-    per = checkpoint_stride // CHUNK
-    idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
-    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]) for i in idx if i < nt]
-    parts += [final for i in idx if i >= nt]
-    ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
-    return o, final, ck
+
+
+def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype, interpret: bool) -> str:
+    """"triton" or "mosaic": which kernel computes the split design's output (config `output`). "auto" takes the
+    Mosaic GPU kernel on a Hopper GPU where it applies; an explicit "mosaic" where it cannot apply is refused."""
+    fits = (_transposed(cfg) == (True, True) and use_l2 and K in (64, 128) and V in (64, 128)
+            and all(jnp.dtype(d).itemsize == 2 for d in qk_dtypes)
+            and output_mgpu.shared_memory_bytes(K, V, qk_dtypes[0], out_dtype) <= output_mgpu.SMEM_BYTES
+            and cfg["bv_out"] >= V and cfg["p_qk"] in ("fp16", "bf16") and cfg["p_qs"] == cfg["p_av"] == "tf32")
+    if cfg["output"] == "mosaic":
+        if not fits:
+            raise ValueError(f"output='mosaic' needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared "
+                             f"memory; at K = V = 128 outputs in q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = "
+                             f"'tf32'; got states_t={cfg['states_t']!r}, use_qk_l2norm={use_l2}, q and k in "
+                             f"{[jnp.dtype(d).name for d in qk_dtypes]}, K={K}, V={V}, bv_out={cfg['bv_out']}, "
+                             f"p_qk={cfg['p_qk']!r}, p_qs={cfg['p_qs']!r}, p_av={cfg['p_av']!r}")
+        return "mosaic"
+    if cfg["output"] == "triton" or interpret or not fits:
+        return "triton"
+    device = jax.devices()[0]
+    return "mosaic" if device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0" else "triton"
 
 
 def _state_split_call(w, u, kd, gc, initial_state, *, nt, interpret, cfg):

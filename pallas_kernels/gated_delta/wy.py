@@ -63,8 +63,14 @@ def bf16_halves(x):
     return hi, (x.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def rnorm(x):
+    """1 / sqrt(|x_i|^2 + eps) of each row of x [R, D], as [R, 1] (the one place its row sums are written: the
+    Mosaic GPU output kernel takes them from a Triton kernel that calls this, `output_mgpu.key_norms`)."""
+    return lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + EPS)
+
+
 def l2norm(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + EPS)
+    return x * rnorm(x)
 
 
 def inverse_block16(a, prec, interpret):

@@ -1,0 +1,137 @@
+"""The chunked prefill's output kernel as a Mosaic GPU kernel (`pallas_kernels/gated_delta/output_mgpu.py`, config
+`output="mosaic"`) against the Pallas-Triton one (`chunk._out_kernel`, `output="triton"`), on the H200: bitwise on
+the same inputs, then timed.
+
+Run on the GPU machine from the repo root (nothing to install):
+  PYTHONPATH=. python3 scripts/gpu_mgpu_output.py [--shapes B,T,HK,HV;...] [--no-timing] [--out DIR]
+For each check shape (fresh random bf16 q, k, v, realistic gates, a random initial state, rows of different
+lengths) it runs the whole prefill with the Triton output kernel and with the Mosaic GPU one in each of its orders
+of adding its two dots (`output_mgpu.ORDERS`), with in-call checkpoints every 128 tokens, and prints how many
+elements of the output differ and the largest difference relative to the largest element (the prep and the
+recurrence are the same kernels in every call, so the final states and checkpoints must be equal too). Then it
+times, on the sweep's shapes: the prefill stopped after the recurrence (`stop_after="state"`), the whole prefill with
+each output kernel, and their differences (each output kernel alone, with `key_norms` for the Mosaic GPU one).
+Exit status 0 whatever it finds (a measurement); results.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.output_mgpu import ORDERS
+from scripts.gpu_kernels import bench_jax
+from scripts.gpu_mgpu_recurrence import compare, inputs
+
+CHECK_SHAPES = [(2, 300, 2, 4), (3, 1000, 16, 32), (1, 8192, 16, 32)]
+TIMING_SHAPES = [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32), (2, 8192, 16, 32)]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def prefill(config, q, k, v, g, beta, s0, lengths, checkpoint_stride=None):
+    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, initial_state=s0, lengths=lengths, config=config,
+                                         checkpoint_stride=checkpoint_stride)
+
+
+CONFIGS = {"triton": dict(output="triton"), **{f"mosaic {o}": dict(output="mosaic", output_order=o) for o in ORDERS}}
+
+
+def checks(shapes, results):
+    fns = {n: jax.jit(functools.partial(prefill, c, checkpoint_stride=128)) for n, c in CONFIGS.items()}
+    for shp in shapes:
+        args = inputs(*shp)
+        o_t, final_t, ck_t = fns["triton"](*args)
+        for name, fn in fns.items():
+            if name == "triton":
+                continue
+            try:
+                o_m, final_m, ck_m = fn(*args)
+            except Exception as e:  # (an order that does not compile is reported, the others still run)
+                log(f"{str(shp):>22s} {name:>14s} FAILED: {type(e).__name__}: {str(e)[:600]}")
+                results["checks"].append(dict(shape=shp, config=name, error=f"{type(e).__name__}: {e}"))
+                continue
+            rows = [compare(n, a, b) for n, a, b in (("o", o_m, o_t), ("final", final_m, final_t),
+                                                    ("checkpoints", ck_m, ck_t))]
+            again = fn(*args)[0]
+            rows.append(dict(name="twice", equal=bool(np.array_equal(np.asarray(again), np.asarray(o_m)))))
+            if shp[0] > 1:  # the last row alone == the same row in the batch
+                alone = fn(*(x[-1:] for x in args))[0]
+                rows.append(dict(name="row alone", equal=bool(np.array_equal(np.asarray(alone),
+                                                                             np.asarray(o_m)[-1:]))))
+            for r in rows:
+                log(f"{str(shp):>22s} {name:>14s} {r['name']:>11s} {'EQUAL' if r['equal'] else 'DIFFER'} "
+                    + (f"{r['differ']} of {r['of']}, max |diff| / max |x| {r['max_rel']:.2e}" if "differ" in r
+                       else ""))
+            results["checks"].append(dict(shape=shp, config=name, rows=rows))
+
+
+def timing(shapes, results, orders):
+    """Medians of 7 x 10 back-to-back calls (`gpu_kernels.bench_jax`)."""
+    bench = functools.partial(bench_jax, n=10)
+    names = ["triton"] + [f"mosaic {o}" for o in orders]
+    for shp in shapes:
+        args = inputs(*shp)[:-1] + (jnp.full((shp[0],), shp[1], jnp.int32),)
+        t_state = bench(jax.jit(functools.partial(prefill, dict(stop_after="state"))), *args)
+        row = dict(shape=shp, state_ms=t_state * 1e3, prefill_ms={})
+        for name in names:
+            try:
+                row["prefill_ms"][name] = bench(jax.jit(functools.partial(prefill, CONFIGS[name])), *args) * 1e3
+            except Exception as e:
+                log(f"{str(shp):>22s} {name}: FAILED: {type(e).__name__}: {str(e)[:300]}")
+        tri = row["prefill_ms"].get("triton", float("nan"))
+        log(f"{str(shp):>22s} up to the recurrence {row['state_ms']:.3f} ms | "
+            + ", ".join(f"{n}: prefill {ms:.3f} ms ({ms / tri:.3f}x), output {ms - row['state_ms']:.3f} ms"
+                        for n, ms in row["prefill_ms"].items()))
+        results["timing"].append(row)
+        del args
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
+    ap.add_argument("--orders", default="add", help="comma list of the orders to time (default: add)")
+    ap.add_argument("--no-timing", action="store_true")
+    args = ap.parse_args()
+    try:
+        shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
+                  else CHECK_SHAPES)
+        if not all(len(shp) == 4 and min(shp) > 0 for shp in shapes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--shapes {args.shapes!r}: expected B,T,HK,HV groups of positive integers separated by ';'")
+    orders = [o for o in args.orders.split(",") if o]
+    if set(orders) - set(ORDERS):
+        raise SystemExit(f"--orders {args.orders!r}: expected a comma list of {ORDERS}")
+    results = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                             jax=jax.__version__, device=jax.devices()[0].device_kind), checks=[], timing=[])
+    log(json.dumps(results["meta"]))
+    t0 = time.time()
+    try:
+        checks(shapes, results)
+        if not args.no_timing:
+            timing(TIMING_SHAPES, results, orders)
+    finally:
+        results["seconds"] = time.time() - t0
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The chunked prefill's output kernel as a Mosaic GPU kernel (`output_mgpu.py`, config `output="mosaic"`) and the
+Triton kernel that hands it the L2 norms of q and k (`key_norms`): lowered for an H200 on CPU, and run in interpret
+mode against the Triton output kernel (interpret mode) on the same recurrence outputs; plus the bitwise properties
+(the same call twice, a row alone against the row in a batch) and the refusals. Whether its bits equal the Triton
+kernel's is a GPU question (`scripts/gpu_mgpu_output.py`: they do with `output_order="h_acc"`, BENCHMARKS.md run
+132); on CPU the Triton kernel's dots are fp32 and this kernel rounds its TF32 operands to nearest first, so they agree
+within the tolerance below, not bit for bit.
+
+Tolerance: relative (max-norm) error <= 2e-3 against the Triton kernel (fp32 outputs; TF32 rounding of qg, Aqk,
+S and v_new, 2^-11 relative each, and q k^T on fp16 operands).
+Shapes: K = V = 64, HV = 2 HK, T = 150 (three chunks, the last partly padding), rows of lengths 150, 97 and 5.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta import output_mgpu, wy
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta.output_mgpu import ORDERS, PADDED, chunk_output_mgpu, key_norms
+from tests.gdn_oracle import random_gdn_inputs
+
+K, V, HK, HV, T, TP = 64, 64, 1, 2, 150, 192
+LENGTHS = [150, 97, 5]
+TOL = 2e-3
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def prefill(d, lengths, checkpoint_stride=None, **config):
+    return chunk_gated_delta_rule_pallas(
+        *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
+        lengths=jnp.asarray(lengths, jnp.int32), checkpoint_stride=checkpoint_stride, interpret=True,
+        config=dict(wk_dtype="float16", **config))
+
+
+@pytest.fixture(scope="module")
+def case():
+    """bf16 q and k (the kernel takes 16-bit q and k), fp32 v (so fp32 outputs: the tolerance is not lost in bf16's
+    rounding), realistic gates, a non-zero initial state; the recurrence's
+    outputs (h, v_new^T) and gc from the Triton kernels, and q, k padded to the chunk grid."""
+    d = random_gdn_inputs(np.random.default_rng(11), 3, T, HK, HV, K, V)
+    for n in ("q", "k"):
+        d[n] = np.asarray(jnp.asarray(d[n], jnp.bfloat16))
+    _, _, _, gc = prefill(d, LENGTHS, stop_after="prep")
+    h, vn, _ = prefill(d, LENGTHS, stop_after="state")
+    pad = ((0, 0), (0, TP - T), (0, 0), (0, 0))
+    q, k = (jnp.pad(jnp.asarray(d[n], jnp.bfloat16), pad) for n in ("q", "k"))
+    return d, q, k, gc, h, vn
+
+
+_run = jax.jit(functools.partial(chunk_output_mgpu, scale=K ** -0.5, out_dtype=jnp.bfloat16, interpret=True))
+_norms = jax.jit(functools.partial(key_norms, warps=4, interpret=True))
+
+
+def mgpu(q, k, gc, h, vn, lengths):
+    r_q, r_k = _norms(q, k, jnp.asarray(lengths, jnp.int32))
+    return np.asarray(_run(q, k, r_q, r_k, gc, h, vn))
+
+
+@pytest.mark.parametrize("order,dim,out", [(o, 128, jnp.bfloat16) for o in ORDERS] + [("h_acc", 64, jnp.float32)])
+def test_lowers_for_an_h200(order, dim, out):
+    """The kernel lowers for CUDA (its wgmma shapes, layouts and shared memory are checked here) at the model's
+    K = V = 128, in each order of adding its two dots, and at K = V = 64 with fp32 outputs (o in a buffer of its
+    own; S_c rounded in one 64-row part)."""
+    sds = jax.ShapeDtypeStruct
+    B, tp, hk, hv = 2, 256, 2, 4
+    args = (sds((B, tp, hk, dim), jnp.bfloat16), sds((B, tp, hk, dim), jnp.bfloat16), sds((B, hk, tp), jnp.float32),
+            sds((B, hk, tp), jnp.float32), sds((B, hv, tp), jnp.float32), sds((B, hv, tp // 64, dim, dim), jnp.float32),
+            sds((B, hv, dim, tp), jnp.float32))
+    fn = jax.jit(functools.partial(chunk_output_mgpu, scale=dim ** -0.5, out_dtype=out, order=order))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_key_norms(case):
+    """r = 1 / sqrt(|x|^2 + eps) for each real row, within 1e-6 of float64 (the row sums' order is the Triton output
+    kernel's on the GPU; interpret mode cannot show it); PADDED past each row's length."""
+    _, q, k, _, _, _ = case
+    r_q, r_k = (np.asarray(x) for x in _norms(q, k, jnp.asarray(LENGTHS, jnp.int32)))
+    for x, r in ((q, r_q), (k, r_k)):
+        x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)[:, :, 0]
+        want = 1.0 / np.sqrt(np.sum(x64 * x64, axis=-1) + wy.EPS)
+        real = np.arange(TP)[None, :] < np.asarray(LENGTHS)[:, None]
+        assert np.max(np.abs(r[:, 0][real] - want[real]) / want[real]) <= 1e-6
+        assert np.all(r[:, 0][~real] == PADDED)
+
+
+def test_matches_the_triton_output_kernel(case):
+    """The whole prefill with output="mosaic" (interpret mode) against the Triton output kernel's: the same final
+    state and checkpoints bit for bit (the recurrence is the same kernel), the outputs within the tolerance and not
+    all equal (the TF32 rounding is there), padded rows exact zeros."""
+    d, *_ = case
+    o_m, final_m, ck_m = (np.asarray(x) for x in prefill(d, LENGTHS, output="mosaic", checkpoint_stride=64))
+    o_t, final_t, ck_t = (np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64))
+    assert np.array_equal(final_m, final_t) and np.array_equal(ck_m, ck_t)
+    assert np.all(np.isfinite(o_m.astype(np.float32)))
+    assert rel(o_m, o_t) <= TOL, rel(o_m, o_t)
+    assert not np.array_equal(o_m, o_t)
+    assert np.all(o_m[1, 97:] == 0) and np.all(o_m[2, 5:] == 0)
+
+
+def test_same_call_twice_and_row_alone_are_bitwise(case):
+    _, q, k, gc, h, vn = case
+    batch = mgpu(q, k, gc, h, vn, LENGTHS)
+    assert np.array_equal(batch, mgpu(q, k, gc, h, vn, LENGTHS))
+    alone = mgpu(q[1:2], k[1:2], gc[1:2], h[1:2], vn[1:2], LENGTHS[1:2])
+    assert np.array_equal(alone, batch[1:2])
+
+
+@pytest.mark.parametrize("kw,match", [(dict(order="sum"), "order"), (dict(qk_dtype=jnp.float32), "qk_dtype"),
+                                      (dict(tp=100), "multiple of 64"), (dict(kdim=32), "64 or 128")])
+def test_bad_inputs_are_refused(kw, match):
+    tp, kdim = kw.pop("tp", 128), kw.pop("kdim", 64)
+    q = jnp.zeros((1, tp, 1, kdim), jnp.bfloat16)
+    r = jnp.zeros((1, 1, tp))
+    with pytest.raises(ValueError, match=match):
+        chunk_output_mgpu(q, q, r, r, jnp.zeros((1, 2, tp)), jnp.zeros((1, 2, max(tp // 64, 1), 64, kdim)),
+                          jnp.zeros((1, 2, 64, tp)), scale=1.0, out_dtype=jnp.bfloat16, **kw)
+
+
+@pytest.mark.parametrize("config,match", [({"output": "cuda"}, "output="), ({"output_order": "sum"}, "output_order="),
+                                          ({"output": "mosaic", "states_t": False}, "states_t=True"),
+                                          ({"output": "mosaic"}, "16-bit")])  # (fp32 q and k here)
+def test_bad_output_configs_are_refused(config, match):
+    d = random_gdn_inputs(np.random.default_rng(0), 1, 64, HK, HV, K, V)
+    with pytest.raises(ValueError, match=match):
+        chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), interpret=True,
+                                      config=config)
+
+
+def test_auto_takes_the_triton_output_kernel_off_a_hopper_gpu(case):
+    d, *_ = case
+    auto = prefill(d, LENGTHS, output="auto")
+    triton = prefill(d, LENGTHS)
+    assert all(np.array_equal(np.asarray(a), np.asarray(t)) for a, t in zip(auto, triton))
+
+
+def test_shared_memory_count_and_refusal():
+    """`shared_memory_bytes` counts as Mosaic GPU does: with o in a buffer of its own at K = V = 128 (bf16 q and
+    outputs) it gives the 232504 bytes the H200 refused (run 132); o through q's buffer fits. With fp32 outputs at that
+    size the kernel would not fit, so output="mosaic" is refused there."""
+    bf16 = jnp.bfloat16
+    assert output_mgpu.shared_memory_bytes(128, 128, bf16, bf16) + 64 * 128 * 2 == 232504
+    assert output_mgpu.shared_memory_bytes(128, 128, bf16, bf16) <= output_mgpu.SMEM_BYTES
+    assert output_mgpu.shared_memory_bytes(128, 128, bf16, jnp.float32) > output_mgpu.SMEM_BYTES
+    d = random_gdn_inputs(np.random.default_rng(0), 1, 64, 1, 2, 128, 128)
+    q, k = (jnp.asarray(d[n], bf16) for n in ("q", "k"))
+    with pytest.raises(ValueError, match="shared"):
+        chunk_gated_delta_rule_pallas(q, k, *(jnp.asarray(d[n]) for n in ("v", "g", "beta")), interpret=True,
+                                      config={"output": "mosaic"})
