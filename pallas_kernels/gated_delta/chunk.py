@@ -800,18 +800,12 @@ def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype
             and all(jnp.dtype(d).itemsize == 2 for d in qk_dtypes)
             and output_mgpu.shared_memory_bytes(K, V, qk_dtypes[0], out_dtype) <= output_mgpu.SMEM_BYTES
             and cfg["bv_out"] >= V and cfg["p_qk"] in ("fp16", "bf16") and cfg["p_qs"] == cfg["p_av"] == "tf32")
-    if cfg["output"] == "mosaic":
-        if not fits:
-            raise ValueError(f"output='mosaic' needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared "
-                             f"memory; at K = V = 128 outputs in q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = "
-                             f"'tf32'; got states_t={cfg['states_t']!r}, use_qk_l2norm={use_l2}, q and k in "
-                             f"{[jnp.dtype(d).name for d in qk_dtypes]}, K={K}, V={V}, bv_out={cfg['bv_out']}, "
-                             f"p_qk={cfg['p_qk']!r}, p_qs={cfg['p_qs']!r}, p_av={cfg['p_av']!r}")
-        return "mosaic"
-    if cfg["output"] == "triton" or interpret or not fits:
-        return "triton"
-    device = jax.devices()[0]
-    return "mosaic" if device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0" else "triton"
+    return _triton_or_mosaic("output", cfg["output"], fits, interpret, lambda: (
+        f"needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared memory; at K = V = 128 outputs in "
+        f"q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = 'tf32'; got "
+        f"states_t={cfg['states_t']!r}, use_qk_l2norm={use_l2}, q and k in {[jnp.dtype(d).name for d in qk_dtypes]}, "
+        f"out_dtype={jnp.dtype(out_dtype).name}, K={K}, V={V}, bv_out={cfg['bv_out']}, p_qk={cfg['p_qk']!r}, "
+        f"p_qs={cfg['p_qs']!r}, p_av={cfg['p_av']!r}"))
 
 
 def _state_split_call(w, u, kd, gc, initial_state, *, nt, interpret, cfg):
@@ -855,13 +849,21 @@ def _recurrence_kernel(cfg: dict, K: int, V: int, wk_dtype, interpret: bool) -> 
     cannot apply is refused."""
     fits = (_transposed(cfg) == (True, True) and V % 64 == 0 and K % 32 == 0 and K <= 128
             and wk_dtype == jnp.float16)
-    if cfg["recurrence"] == "mosaic":
+    return _triton_or_mosaic("recurrence", cfg["recurrence"], fits, interpret, lambda: (
+        f"needs states_t=True, w and kd stored in fp16 (wk_dtype), V a multiple of 64 and K a multiple of 32 up to "
+        f"128; got states_t={cfg['states_t']!r}, w and kd in {jnp.dtype(wk_dtype).name}, K={K}, V={V}"))
+
+
+def _triton_or_mosaic(key: str, choice: str, fits: bool, interpret: bool, why_not) -> str:
+    """The one rule behind the config keys that pick a Triton or a Mosaic GPU kernel (`recurrence`, `output`):
+    "mosaic" where asked and `fits` (else a ValueError whose text `why_not()` gives); "triton" where asked, in
+    interpret mode or where the Mosaic GPU kernel does not fit; "auto": "mosaic" on a Hopper GPU (compute capability
+    9.0), else "triton"."""
+    if choice == "mosaic":
         if not fits:
-            raise ValueError(f"recurrence='mosaic' needs states_t=True, w and kd stored in fp16 (wk_dtype), V a "
-                             f"multiple of 64 and K a multiple of 32 up to 128; got states_t={cfg['states_t']!r}, "
-                             f"w and kd in {jnp.dtype(wk_dtype).name}, K={K}, V={V}")
+            raise ValueError(f"{key}='mosaic' {why_not()}")
         return "mosaic"
-    if cfg["recurrence"] == "triton" or interpret or not fits:
+    if choice == "triton" or interpret or not fits:
         return "triton"
     device = jax.devices()[0]
     return "mosaic" if device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0" else "triton"

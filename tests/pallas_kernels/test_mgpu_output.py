@@ -154,6 +154,7 @@ def test_shared_memory_count_and_refusal():
     assert output_mgpu.shared_memory_bytes(128, 128, bf16, jnp.float32) > output_mgpu.SMEM_BYTES
     d = random_gdn_inputs(np.random.default_rng(0), 1, 64, 1, 2, 128, 128)
     q, k = (jnp.asarray(d[n], bf16) for n in ("q", "k"))
-    with pytest.raises(ValueError, match="shared"):
-        chunk_gated_delta_rule_pallas(q, k, *(jnp.asarray(d[n]) for n in ("v", "g", "beta")), interpret=True,
-                                      config={"output": "mosaic"})
+    v, g, beta = (jnp.asarray(d[n]) for n in ("v", "g", "beta"))  # v in fp32: fp32 outputs
+    with pytest.raises(ValueError, match="out_dtype=float32"):
+        chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=True, config={"output": "mosaic"})
+    chunk_gated_delta_rule_pallas(q, k, v.astype(bf16), g, beta, interpret=True, config={"output": "mosaic"})
