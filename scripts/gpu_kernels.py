@@ -1172,6 +1172,8 @@ def main():
                                                 "instead of the sweep's pick (e.g. when accuracy was not run)")
     ap.add_argument("--decode-configs", default="", help="comma list of decode configs besides the default "
                                                           "(default: all)")
+    ap.add_argument("--chunk-config", default="", help="JSON dict overriding the chunked prefill's DEFAULT_CONFIG "
+                    "(`gated_delta/chunk.py`) for this run: every section's default is then that configuration")
     args = ap.parse_args()
     try:
         replay_dims = tuple(tuple(int(n) for n in kv.split(",")) for kv in args.replay_dims.split(";"))
@@ -1189,6 +1191,9 @@ def main():
         raise SystemExit(f"unknown sections {sorted(named - every)}; known: {sorted(every)}")
     if args.only:
         skip = every - set(args.only.split(","))
+    if args.chunk_config:  # before anything is traced (the kernels read their defaults at trace time)
+        from scripts.gpu_model_bench import apply_default_config
+        RESULTS["chunk_config"] = apply_default_config(chunk_mod.DEFAULT_CONFIG, args.chunk_config, "--chunk-config")
     t_start = time.time()
     RESULTS["meta"] = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            argv=sys.argv, jax=jax.__version__, devices=[str(d) for d in jax.devices()],

@@ -335,17 +335,29 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 210, ba
     return all(checks.values())
 
 
-def apply_matmul_config(text: str) -> dict:
-    """--matmul-config: a JSON dict of `pallas_kernels.matmul.DEFAULT_CONFIG` keys, written into the defaults for
-    this process (before anything is traced: the kernel reads them at trace time). Unknown keys stop the run.
-    Returns the resulting defaults."""
-    from pallas_kernels import matmul as _mm
-    overrides = json.loads(text)
-    unknown = set(overrides) - set(_mm.DEFAULT_CONFIG)
+def apply_default_config(defaults: dict, text: str, flag: str) -> dict:
+    """A JSON dict of `defaults`' keys (a kernel's DEFAULT_CONFIG, e.g. `pallas_kernels.matmul`'s for --matmul-config
+    or the chunked prefill's for --chunk-config), written into the defaults for this process: call it before anything
+    is traced (the kernels read their defaults at trace time). Unknown keys or text that is not a JSON dict stop the
+    run. Returns the resulting defaults."""
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: not JSON ({e}): {text!r}")
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"{flag}: expected a JSON dict, got {text!r}")
+    unknown = set(overrides) - set(defaults)
     if unknown:
-        raise SystemExit(f"--matmul-config: unknown keys {sorted(unknown)}; known: {sorted(_mm.DEFAULT_CONFIG)}")
-    _mm.DEFAULT_CONFIG.update(overrides)
-    return dict(_mm.DEFAULT_CONFIG)
+        raise SystemExit(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(defaults)}")
+    defaults.update(overrides)
+    return dict(defaults)
+
+
+def apply_matmul_config(text: str) -> dict:
+    """--matmul-config (this script's and `gpu_sharding_bench.py`'s): `apply_default_config` on
+    `pallas_kernels.matmul.DEFAULT_CONFIG`."""
+    from pallas_kernels import matmul as _mm
+    return apply_default_config(_mm.DEFAULT_CONFIG, text, "--matmul-config")
 
 
 def main():
@@ -366,6 +378,9 @@ def main():
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
     ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
                     "(the deterministic mode's matmul tiling policy) for this run")
+    ap.add_argument("--chunk-config", default="", help="JSON dict overriding pallas_kernels.gated_delta.chunk."
+                    "DEFAULT_CONFIG (the chunked prefill's and replay step's kernels, e.g. '{\"output\": \"mosaic\"}') "
+                    "for this run")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     model = bw = rate = None  # set below, after the stage names are checked; the stages read them when they run
@@ -406,6 +421,9 @@ def main():
     small = args.preset.startswith("tiny")
     if args.matmul_config:  # before anything is traced (the kernel reads its defaults at trace time)
         RESULTS["matmul_config"] = apply_matmul_config(args.matmul_config)
+    if args.chunk_config:
+        from pallas_kernels.gated_delta import chunk as _chunk
+        RESULTS["chunk_config"] = apply_default_config(_chunk.DEFAULT_CONFIG, args.chunk_config, "--chunk-config")
     RESULTS.update(device=str(jax.devices()[0]), jax=jax.__version__, date=datetime.date.today().isoformat(),
                    host=platform.node(), preset=args.preset, layers=args.layers, out=args.out)
     log(f"device {jax.devices()[0]}, jax {jax.__version__}, preset {args.preset}, layers {args.layers or 'all'}")
