@@ -3,7 +3,8 @@
 the same inputs, then timed.
 
 Run on the GPU machine from the repo root (nothing to install):
-  PYTHONPATH=. python3 scripts/gpu_mgpu_output.py [--shapes B,T,HK,HV;...] [--no-timing] [--out DIR]
+  PYTHONPATH=. python3 scripts/gpu_mgpu_output.py [--shapes B,T,HK,HV;...] [--orders add,h_acc,...] [--no-timing]
+      [--out DIR]
 For each check shape (fresh random bf16 q, k, v, realistic gates, a random initial state, rows of different
 lengths) it runs the whole prefill with the Triton output kernel and with the Mosaic GPU one in each of its orders
 of adding its two dots (`output_mgpu.ORDERS`), with in-call checkpoints every 128 tokens, and prints how many
@@ -16,12 +17,8 @@ Exit status 0 whatever it finds (a measurement); results.json into --out.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
 import os
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -33,10 +30,8 @@ import jax.numpy as jnp
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.output_mgpu import ORDERS
 from scripts.gpu_kernels import bench_jax
-from scripts.gpu_mgpu_recurrence import compare, inputs
-
-CHECK_SHAPES = [(2, 300, 2, 4), (3, 1000, 16, 32), (1, 8192, 16, 32)]
-TIMING_SHAPES = [(1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32), (2, 8192, 16, 32)]
+from scripts.gpu_mgpu_recurrence import (  # the recurrence script's shapes, inputs, comparison and command line
+    TIMING_SHAPES, compare, inputs, run_and_save, script_args)
 
 
 def log(*a):
@@ -102,35 +97,18 @@ def timing(shapes, results, orders):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
-    ap.add_argument("--orders", default="add", help="comma list of the orders to time (default: add)")
-    ap.add_argument("--no-timing", action="store_true")
-    args = ap.parse_args()
-    try:
-        shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
-                  else CHECK_SHAPES)
-        if not all(len(shp) == 4 and min(shp) > 0 for shp in shapes):
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--shapes {args.shapes!r}: expected B,T,HK,HV groups of positive integers separated by ';'")
+    args, shapes = script_args(lambda ap: ap.add_argument(
+        "--orders", default="add", help="comma list of the orders to time (default: add)"))
     orders = [o for o in args.orders.split(",") if o]
     if set(orders) - set(ORDERS):
         raise SystemExit(f"--orders {args.orders!r}: expected a comma list of {ORDERS}")
-    results = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                             jax=jax.__version__, device=jax.devices()[0].device_kind), checks=[], timing=[])
-    log(json.dumps(results["meta"]))
-    t0 = time.time()
-    try:
+
+    def body(results):
         checks(shapes, results)
         if not args.no_timing:
             timing(TIMING_SHAPES, results, orders)
-    finally:
-        results["seconds"] = time.time() - t0
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+
+    run_and_save(args.out, body)
 
 
 if __name__ == "__main__":

@@ -131,12 +131,17 @@ def timing(shapes, results):
         del q, k, v, g, beta, s0, w, u, kd, gc
 
 
-def main():
+def script_args(extra=None, argv=None):
+    """The Mosaic GPU scripts' command line (this one and `gpu_mgpu_output.py`): --out, --shapes (B,T,HK,HV groups
+    separated by ';', default CHECK_SHAPES) and --no-timing, plus what `extra(parser)` adds. Returns (args, shapes);
+    a malformed --shapes stops the run before any device work."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
     ap.add_argument("--no-timing", action="store_true")
-    args = ap.parse_args()
+    if extra:
+        extra(ap)
+    args = ap.parse_args(argv)
     try:
         shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
                   else CHECK_SHAPES)
@@ -144,19 +149,34 @@ def main():
             raise ValueError
     except ValueError:
         raise SystemExit(f"--shapes {args.shapes!r}: expected B,T,HK,HV groups of positive integers separated by ';'")
+    return args, shapes
+
+
+def run_and_save(out: str, body) -> None:
+    """`body(results)` with results = {meta, checks: [], timing: []}, then results.json in `out` (also when body
+    raises: what ran is kept)."""
     results = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                              jax=jax.__version__, device=jax.devices()[0].device_kind), checks=[], timing=[])
     log(json.dumps(results["meta"]))
     t0 = time.time()
     try:
+        body(results)
+    finally:
+        results["seconds"] = time.time() - t0
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+
+def main():
+    args, shapes = script_args()
+
+    def body(results):
         checks(shapes, results)
         if not args.no_timing:
             timing(TIMING_SHAPES, results)
-    finally:
-        results["seconds"] = time.time() - t0
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+
+    run_and_save(args.out, body)
 
 
 if __name__ == "__main__":
