@@ -1299,10 +1299,11 @@ def main():
         # "_u": and transposes u)
         "mgpu_ws": dict(recurrence_ws=True),
         "mgpu_ws_u": dict(recurrence_ws="u"),
-        # 2026-12-03 (run 132 on): the output kernel on Mosaic GPU (`output_mgpu.py`; "_h" / "_vn": its two dots
-        # added through the accumulator, one order or the other)
+        # 2026-12-03 (run 132 on): the output kernel on Mosaic GPU (`output_mgpu.py`) in its default order (qg S_c
+        # the accumulator of Aqk v_new), and in the two others ("_add": the dots' results added; "_vn": v_new's
+        # term the accumulator)
         "mgpu_out": dict(output="mosaic"),
-        "mgpu_out_h": dict(output="mosaic", output_order="h_acc"),
+        "mgpu_out_add": dict(output="mosaic", output_order="add"),
         "mgpu_out_vn": dict(output="mosaic", output_order="vn_acc"),
     }
     if args.quick:

@@ -31,11 +31,7 @@ from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.output_mgpu import ORDERS
 from scripts.gpu_kernels import bench_jax
 from scripts.gpu_mgpu_recurrence import (  # the recurrence script's shapes, inputs, comparison and command line
-    TIMING_SHAPES, compare, inputs, run_and_save, script_args)
-
-
-def log(*a):
-    print(*a, flush=True)
+    TIMING_SHAPES, attempt, compare, inputs, log, run_and_save, script_args)
 
 
 def prefill(config, q, k, v, g, beta, s0, lengths, checkpoint_stride=None):
@@ -54,12 +50,10 @@ def checks(shapes, results):
         for name, fn in fns.items():
             if name == "triton":
                 continue
-            try:
-                o_m, final_m, ck_m = fn(*args)
-            except Exception as e:  # (an order that does not compile is reported, the others still run)
-                log(f"{str(shp):>22s} {name:>14s} FAILED: {type(e).__name__}: {str(e)[:600]}")
-                results["checks"].append(dict(shape=shp, config=name, error=f"{type(e).__name__}: {e}"))
+            out = attempt(results, shp, ("config", name), fn, *args)
+            if out is None:
                 continue
+            o_m, final_m, ck_m = out
             rows = [compare(n, a, b) for n, a, b in (("o", o_m, o_t), ("final", final_m, final_t),
                                                     ("checkpoints", ck_m, ck_t))]
             again = fn(*args)[0]
@@ -98,7 +92,7 @@ def timing(shapes, results, orders):
 
 def main():
     args, shapes = script_args(lambda ap: ap.add_argument(
-        "--orders", default="add", help="comma list of the orders to time (default: add)"))
+        "--orders", default="h_acc", help="comma list of the orders to time (default: h_acc, the kernel's default)"))
     orders = [o for o in args.orders.split(",") if o]
     if set(orders) - set(ORDERS):
         raise SystemExit(f"--orders {args.orders!r}: expected a comma list of {ORDERS}")

@@ -88,12 +88,10 @@ def checks(shapes, results):
         w, u, kd, gc = prep(q, k, v, g, beta, s0, lengths)
         h_t, vn_t, final_t = state(q, k, v, g, beta, s0, lengths)
         for form, mgpu in forms.items():
-            try:
-                h_m, vn_m, final_m = mgpu(w, u, kd, gc, s0)
-            except Exception as e:  # (a form that does not compile is reported, the others still run)
-                log(f"{str(shp):>22s} {form:>16s} FAILED: {type(e).__name__}: {str(e)[:400]}")
-                results["checks"].append(dict(shape=shp, form=form, error=f"{type(e).__name__}: {e}"))
+            out = attempt(results, shp, ("form", form), mgpu, w, u, kd, gc, s0)
+            if out is None:
                 continue
+            h_m, vn_m, final_m = out
             rows = [compare(n, a, b) for n, a, b in (("h", h_m, h_t), ("v_new", vn_m, vn_t),
                                                     ("final", final_m, final_t))]
             again = mgpu(w, u, kd, gc, s0)
@@ -131,7 +129,18 @@ def timing(shapes, results):
         del q, k, v, g, beta, s0, w, u, kd, gc
 
 
-def script_args(extra=None, argv=None):
+def attempt(results, shp, label, fn, *args):
+    """fn(*args), or None when it fails: a kernel form that does not compile is logged and recorded in
+    results["checks"] under `label` (key, name), and the caller goes on with the others."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        log(f"{str(shp):>22s} {label[1]:>16s} FAILED: {type(e).__name__}: {str(e)[:600]}")
+        results["checks"].append({"shape": shp, label[0]: label[1], "error": f"{type(e).__name__}: {e}"})
+        return None
+
+
+def script_args(extra=None):
     """The Mosaic GPU scripts' command line (this one and `gpu_mgpu_output.py`): --out, --shapes (B,T,HK,HV groups
     separated by ';', default CHECK_SHAPES) and --no-timing, plus what `extra(parser)` adds. Returns (args, shapes);
     a malformed --shapes stops the run before any device work."""
@@ -141,7 +150,7 @@ def script_args(extra=None, argv=None):
     ap.add_argument("--no-timing", action="store_true")
     if extra:
         extra(ap)
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     try:
         shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")] if args.shapes
                   else CHECK_SHAPES)
