@@ -833,17 +833,23 @@ def replay_decode_run(x, prompt, steps, rows=None, config=None, packed=None):
 
 
 @section
-def replay_step_checks(dims=((128, 128),)):
+def replay_step_checks(dims=((128, 128),), names=None):
     """The replay step (`gated_delta/replay.py`) against the chunked prefill, bitwise, at HK=16 HV=32 and each (K, V)
     of `dims` (--replay-dims): rows prefilled to 70 / 37 / 128 / 5 tokens then 140 steps each (every row crosses two
     boundaries); each step's output row == the same row of one prefill of prompt + 140 tokens; the state at every
     boundary crossed == that prefill's in-call checkpoint there; and row 0 decoded alone (a small grid) == row 0 in
     the batch. The packed-buffer forms are checked at the first (K, V)."""
     for i, (K, V) in enumerate(dims):
-        _replay_step_checks(K, V, packed=i == 0)
+        _replay_step_checks(K, V, packed=i == 0, names=names)
 
 
-def _replay_step_checks(K, V, packed):
+def replay_configs(names, table):
+    """The entries of `table` (REPLAY_STEP_CONFIGS and REPLAY_STEP_TIMING_ONLY) that --replay-configs names (None:
+    all)."""
+    return dict(table) if names is None else {n: c for n, c in table.items() if n in names}
+
+
+def _replay_step_checks(K, V, packed, names=None):
     prompt, steps = np.array([70, 37, 128, 5]), 140
     B, T = len(prompt), int(prompt.max()) + steps
     x = dev_inputs(random_gdn_inputs(np.random.default_rng(11), B=B, T=T, HK=16, HV=32, K=K, V=V,
@@ -851,7 +857,8 @@ def _replay_step_checks(K, V, packed):
     kv = "" if (K, V) == (128, 128) else f" at K, V = {K}, {V}"
     o_full, _, cks = call_chunk(x, s0=None, lengths=prompt + steps, stride=64)
     want = np.stack([o_full[b, prompt[b]:prompt[b] + steps] for b in range(B)])
-    for name, cfg in REPLAY_STEP_CONFIGS.items():  # the prefill's default configuration, the step's launch varied
+    for name, cfg in replay_configs(names, REPLAY_STEP_CONFIGS).items():  # the prefill's default configuration,
+        # the step's launch varied
         outs, crossed = replay_decode_run(x, prompt, steps, config=cfg)
         bad = [(b, i) for b in range(B) for i in range(steps) if not np.array_equal(outs[b, i], want[b, i])]
         diff = np.abs(outs.astype(np.float32) - want.astype(np.float32)).max()
@@ -890,7 +897,7 @@ def _bar(ratio: float) -> str:
 
 
 @section
-def replay_step_timing(batches=(64, 256)):
+def replay_step_timing(batches=(64, 256), names=None):
     """The replay step against the recurrent decode kernel at HK=16 HV=32 K=V=128, B=64 and 256, rows at mixed
     phases of the open chunk (lengths 1..64, fixed over the loop: a row at 64 writes its boundary state every step),
     20 steps in one compiled loop with the state and caches donated, timed with one loop per call and with five back
@@ -907,7 +914,7 @@ def replay_step_timing(batches=(64, 256)):
         # the same loops called 5 times back to back per repetition: the host's dispatch and sync (once per call,
         # inside the figures above: up to 2026-12-01's run 75 the only ones) overlap the device's work
         t_rec5 = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=5)[0]
-        for name, cfg in {**REPLAY_STEP_CONFIGS, **REPLAY_STEP_TIMING_ONLY}.items():
+        for name, cfg in replay_configs(names, {**REPLAY_STEP_CONFIGS, **REPLAY_STEP_TIMING_ONLY}).items():
             xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1, config=cfg)
 
             @functools.partial(jax.jit, donate_argnums=5)
@@ -991,7 +998,11 @@ def replay_step_timing(batches=(64, 256)):
 # before): state 11.8 / 21.2 against 13.9 / 24.4 us per step at B=64 / 256, the step 166.3 / 554.9 against 167.4 /
 # 557.1; bits PASS at K = V = 16 (where "fold" fails), 64 and 128.
 # Add candidates here.
-REPLAY_STEP_CONFIGS = {"default": None}
+# 2026-12-04: kernels 1 and 3 launched per group of batch rows (`replay_batch_groups`), for XLA's concurrent
+# command buffers (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT) to run kernel 3 of one group beside kernel 1
+# of the next.
+REPLAY_STEP_CONFIGS = {"default": None, "groups2": {"replay_batch_groups": 2}, "groups4": {"replay_batch_groups": 4},
+                       "groups8": {"replay_batch_groups": 8}}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
 # one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against
 # three bf16 dots' 75.8 us at B = 64, the default then; run 118: 62.9 against the fp16 dot's 62.8, the default since
@@ -1164,6 +1175,8 @@ def main():
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--replay-dims", default="128,128", help="replay_step's checks at these K,V (';'-separated)")
     ap.add_argument("--replay-batches", default="64,256", help="replay_step_timing's batch sizes (comma list)")
+    ap.add_argument("--replay-configs", default="", help="comma list of the replay step's configs to check and time "
+                    "(REPLAY_STEP_CONFIGS, REPLAY_STEP_TIMING_ONLY; default: all)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
     ap.add_argument("--no-default-bitwise", action="store_true",
                     help="run the bitwise checks only for the sweep's winner and --pick (the default's were run "
@@ -1182,6 +1195,10 @@ def main():
     except ValueError:
         raise SystemExit(f"--replay-dims {args.replay_dims!r}: expected K,V pairs separated by ';', powers of two "
                          ">= 16 (e.g. 16,16;128,128)")
+    replay_names = set(filter(None, args.replay_configs.split(","))) or None
+    known = {*REPLAY_STEP_CONFIGS, *REPLAY_STEP_TIMING_ONLY}
+    if replay_names and replay_names - known:  # (a typo must not silently time nothing)
+        raise SystemExit(f"--replay-configs: unknown {sorted(replay_names - known)}; known: {sorted(known)}")
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
              "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_checks",
@@ -1360,9 +1377,9 @@ def main():
         invariant_kernels()
     if "replay_step" not in skip or "replay_step_checks" not in skip:  # its checks and timing
         # ("replay_step_checks": the checks alone, "replay_step_timing": the timing alone)
-        replay_step_checks(replay_dims)
+        replay_step_checks(replay_dims, replay_names)
     if "replay_step" not in skip or "replay_step_timing" not in skip:
-        replay_step_timing(tuple(int(b) for b in args.replay_batches.split(",")))
+        replay_step_timing(tuple(int(b) for b in args.replay_batches.split(",")), replay_names)
     if "replay" not in skip:
         replay_timing()
     if "scan" not in skip:

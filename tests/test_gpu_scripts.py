@@ -29,6 +29,7 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_mgpu_output.py", "--shapes", "2,300,2", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--orders", "h_acc,sum", "expected a comma list of"),
     ("gpu_kernels.py", "--chunk-config", '{"outptu": "mosaic"}', "unknown keys ['outptu']"),
+    ("gpu_kernels.py", "--replay-configs", "default,group4", "--replay-configs: unknown ['group4']"),
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
 ])
