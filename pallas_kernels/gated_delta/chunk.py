@@ -123,12 +123,6 @@ from .wy import CHUNK
 # that folds a row takes (in a loop over its rows: longer). "auto" (default): 1 while the grid has at most 4096
 # programs with it (B * HV * V / bv_replay), else 16. Run 69 (H200, one row in 64 completing per step, kernel 4 us
 # per step): B=64 13.9 with 1, 22.0 with 4, 16.9 with 16; B=256 42.0, 27.6 and 24.1.
-# replay_batch_groups: the replay step's kernels 1 and 3 run once per group of consecutive batch rows (gcd(B, it)
-# groups), kernel 1 of every group first, so that kernel 3 of one group (bound by its reads of S0) depends on no
-# kernel 1 after its own (a latency chain): a schedule that runs independent kernels side by side (XLA's command
-# buffers under --xla_gpu_command_buffer_scheduling_mode=CONCURRENT) can overlap them. Each row's programs compute
-# what they compute with one group (only the offsets of their blocks change), so the bits do not depend on it.
-# Default 1 (one launch each, as before 2026-12-04).
 # replay_qk_cols: the replay step's kernel 2 takes row t of q k^T as column 0 of k q16^T ([C, K] x [K, 16], q16 holding
 # q's row t and zeros; the same 64-row wgmma, the operands' roles swapped) instead of row t of the 64-row q k^T: a
 # [16, K] operand in shared memory instead of [64, K]. The same bits on the H200 (run 74: the 560 rows and 8
@@ -203,8 +197,7 @@ DEFAULT_CONFIG = dict(
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
-    replay_s0_dots=1, replay_state_rows="auto", replay_batch_groups=1, replay_qk_cols="auto", replay_kd="prep",
-    state_update="mul_add",
+    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
     recurrence="auto", recurrence_ws="u", output="triton", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )

@@ -74,7 +74,6 @@ the last token.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -212,13 +211,11 @@ def _rows_between(shape, first, last):
     return (rows >= first) & (rows <= last)
 
 
-def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, *refs, kd_in=False, **kw):
+def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, *kd_out, **kw):
     """Kernel 1, grid (HV, B): the new token's row of the prefill's prep (V-independent but for u; every row of its
     block row up to it when priming), in the branch of its block row (static: each block row has its own tiles).
-    kd_in: a kd buffer comes in after x_ref, never read (aliased to kd_out: the batch groups after the first write
-    their rows into the first one's). (Kernel 2's work inside this kernel took 131 us per step at B=64 against 65 +
-    45 for the two: the H200, 2026-11-30.)"""
-    w_out, u_out, x_out, *kd_out = refs[1:] if kd_in else refs
+    (Kernel 2's work inside this kernel took 131 us per step at B=64 against 65 + 45 for the two: the H200,
+    2026-11-30.)"""
     n = len_ref[0]  # tokens in the open chunk, the new one included (0: a row with nothing to do, nothing written)
     for i in range(NB):
         pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
@@ -466,7 +463,6 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
                          f"program)")
     if not (cfg["replay_qk_cols"] == "auto" or isinstance(cfg["replay_qk_cols"], bool)):
         raise ValueError(f"replay_qk_cols={cfg['replay_qk_cols']!r}: 'auto', True or False")
-    batch_groups(cfg)  # checked
     kd_mode = cfg["replay_kd"]
     if kd_mode not in ("fold", "prep"):
         raise ValueError(f"replay_kd={kd_mode!r}: 'prep' or 'fold' (where kernel 4 takes a completing chunk's kd "
@@ -479,48 +475,33 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     wk_dtype = ck._wk_dtype(cfg, use_qk_l2norm, interpret)
     bv = min(cfg["bv_replay"], V)  # kernels 3 and 4's V block (on the GPU their dots' bits do not depend on it: N)
 
-    # the batch in `replay_batch_groups` groups of consecutive rows: kernels 1 and 3 run once per group, so that
-    # kernel 3 of one group depends on nothing kernel 1 of the next computes (see the module docstring)
-    n_groups = 1 if prime else math.gcd(B, batch_groups(cfg))
-    nb = B // n_groups  # rows per group
+    def head(*tail):  # a per-(row, value head) array [B, HV, *tail], whole (grid (HV, B))
+        return pl.BlockSpec((None, None) + tail, lambda h, b: (b, h) + (0,) * len(tail))
 
-    def head(*tail, b0=0):  # a per-(row, value head) array [., HV, *tail], whole (grid (HV, nb)), rows from b0
-        return pl.BlockSpec((None, None) + tail, lambda h, b: (b + b0, h) + (0,) * len(tail))
+    def cols(*tail):  # the same, its last axis in this program's V block (grid (V // bv, HV, B))
+        return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * (len(tail) - 1) + (j,))
 
-    def cols(*tail, b0=0):  # the same, its last axis in this program's V block (grid (V // bv, HV, nb))
-        return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b + b0, h) + (0,) * (len(tail) - 1) + (j,))
+    key_of_head = lambda h, b: (b, h // G)  # noqa: E731 (grid (HV, B): the row and the value head's key head)
+    value_head = lambda h, b: (b, h)  # noqa: E731
+    length = pl.BlockSpec((1,), lambda h, b: (b,))
 
-    def prep(b0, x_cache, kd_all):
-        """Kernel 1, grid (HV, nb), rows b0 .. b0 + nb - 1: the new row of the prep (and a completing chunk's kd
-        with replay_kd "prep", into kd_all [B, ...]: new when None, else written in place)."""
-        key_of_head = lambda h, b: (b + b0, h // G)  # noqa: E731 (the row and the value head's key head)
-        value_head = lambda h, b: (b + b0, h)  # noqa: E731
-        kd_in = [] if kd_all is None else [kd_all]
-        kd_out = [(head(CHUNK, K, b0=b0), jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype))] if kd_from_prep else []
-        return pl.pallas_call(
-            functools.partial(_prep_step_kernel, kd_in=bool(kd_in), prime=prime, use_l2=use_qk_l2norm,
-                              wk_dtype=wk_dtype, cfg=cfg, interpret=interpret),
-            grid=(HV, nb),
-            in_specs=[pl.BlockSpec((1,), lambda h, b: (b + b0,)), src.spec("k", key_of_head),
-                      src.spec("v", value_head), src.spec("g", value_head), src.spec("beta", value_head),
-                      head(CHUNK, CHUNK, b0=b0)] + [head(CHUNK, K, b0=b0)] * len(kd_in),
-            out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK, b0=b0)] + [spec for spec, _ in kd_out],
-            out_shape=[jax.ShapeDtypeStruct((nb, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
-                       jax.ShapeDtypeStruct((nb, HV, SUB, V), jnp.float32),
-                       jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + [shape for _, shape in kd_out],
-            input_output_aliases={5: 2, **({6: 3} if kd_in else {})},
-            compiler_params=ck._triton_params(warps_prep, 1),
-            interpret=interpret,
-            name="gdn_replay_prep",
-        )(lengths, src.k, src.v, src.g, src.beta, x_cache, *kd_in)
-
-    # kernel 1 of every group, then kernel 3 of every group: in the data, kernel 3 of group n waits for kernel 1 of
-    # group n only, so a concurrent schedule can run it beside kernel 1 of group n + 1
-    kd_all, rows_out = None, []
-    for n in range(n_groups):
-        w16, u16, x_cache, *kd = prep(n * nb, x_cache, kd_all)
-        kd_all = kd[0] if kd else None
-        rows_out.append((w16, u16))
+    # kernel 1, grid (HV, B): the new row of the prep (and a completing chunk's kd with replay_kd "prep")
+    kd_out = [(head(CHUNK, K), jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype))] if kd_from_prep else []
+    w16, u16, x_cache, *kd_chunk = pl.pallas_call(
+        functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
+                          interpret=interpret),
+        grid=(HV, B),
+        in_specs=[length, src.spec("k", key_of_head), src.spec("v", value_head), src.spec("g", value_head),
+                  src.spec("beta", value_head), head(CHUNK, CHUNK)],
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)] + [spec for spec, _ in kd_out],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
+                   jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + [shape for _, shape in kd_out],
+        input_output_aliases={5: 2},
+        compiler_params=ck._triton_params(warps_prep, 1),
+        interpret=interpret,
+        name="gdn_replay_prep",
+    )(lengths, src.k, src.v, src.g, src.beta, x_cache)
 
     row_ops = []
     if not prime:  # kernel 2, grid (HV // P, B): the new token's row of Aqk and qg (the output's; priming skips it),
@@ -543,40 +524,32 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
             name="gdn_replay_intra",
         )(lengths, src.q, src.k, *([src.g] * P))
 
-    def out(b0, w16, u16, vn_cache):
-        """Kernel 3, grid (V // bv, HV, nb), rows b0 .. b0 + nb - 1: v_new and the output row (o [nb, HV, V]),
-        v_new's row written into vn_cache [B, ...] in place."""
-        def whole(*tail, b0=b0):  # [., HV, *tail] whole, in a program of grid (V // bv, HV, nb)
-            return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b + b0, h) + (0,) * len(tail))
+    # kernel 3's operands, grid (V // bv, HV, B)
+    def whole(*tail):  # [B, HV, *tail] whole, in a program of grid (V // bv, HV, B)
+        return pl.BlockSpec((None, None) + tail, lambda j, h, b: (b, h) + (0,) * len(tail))
 
-        state_specs = [cols(K, bv, b0=b0), cols(CHUNK, bv, b0=b0)]
-        out_specs = [cols(CHUNK, bv, b0=b0)]
-        out_shape = [jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)]
-        if not prime:
-            out_specs = [cols(bv)] + out_specs
-            out_shape = [jax.ShapeDtypeStruct((nb, HV, V), v.dtype)] + out_shape
-        return pl.pallas_call(
-            functools.partial(_out_step_kernel, prime=prime, cfg=cfg, interpret=interpret),
-            grid=(V // bv, HV, nb),
-            in_specs=[pl.BlockSpec((1,), lambda j, h, b: (b + b0,)), whole(SUB, K, b0=0), cols(SUB, bv)]
-            + [whole(CHUNK), whole(K)][:len(row_ops)] + state_specs,
-            out_specs=out_specs,
-            out_shape=out_shape,
-            input_output_aliases={4 + len(row_ops): len(out_shape) - 1},
-            compiler_params=ck._triton_params(warps_out, 1),
-            interpret=interpret,
-            name="gdn_replay_out",
-        )(lengths, w16, u16, *row_ops, state, vn_cache)
+    row_length = pl.BlockSpec((1,), lambda j, h, b: (b,))
+    state_specs = [cols(K, bv), cols(CHUNK, bv)]
+    out_specs, out_shape = [cols(CHUNK, bv)], [jax.ShapeDtypeStruct(vn_cache.shape, jnp.float32)]
+    if not prime:
+        out_specs = [cols(bv)] + out_specs
+        out_shape = [jax.ShapeDtypeStruct((B, HV, V), v.dtype)] + out_shape
 
-    outs = []
-    for n, (w16, u16) in enumerate(rows_out):
-        res = out(n * nb, w16, u16, vn_cache)
-        vn_cache = res[-1]
-        outs.append(res[0])
-    kd_chunk = [] if kd_all is None else [kd_all]
+    # kernel 3, grid (V // bv, HV, B): v_new and the output row
+    res = pl.pallas_call(
+        functools.partial(_out_step_kernel, prime=prime, cfg=cfg, interpret=interpret),
+        grid=(V // bv, HV, B),
+        in_specs=[row_length, whole(SUB, K), cols(SUB, bv)] + [whole(CHUNK), whole(K)][:len(row_ops)] + state_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={4 + len(row_ops): len(out_shape) - 1},
+        compiler_params=ck._triton_params(warps_out, 1),
+        interpret=interpret,
+        name="gdn_replay_out",
+    )(lengths, w16, u16, *row_ops, state, vn_cache)
     if prime:  # an open chunk (< 64 tokens): never complete; no output
-        return None, state, x_cache, vn_cache
-    o = outs[0] if n_groups == 1 else jnp.concatenate(outs)
+        return None, state, x_cache, res[0]
+    o, vn_cache = res
     if cfg.get("stop_after") == "out":  # benchmark hook: kernel 4 not run (a completing row's v_new stays readable)
         return o, state, x_cache, vn_cache
 
@@ -602,15 +575,6 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         name="gdn_replay_state",
     )(lengths, src.k, src.g, state, vn_cache, *kd_chunk)
     return o, state, x_cache, vn_cache
-
-
-def batch_groups(cfg: dict) -> int:
-    """`replay_batch_groups` (`chunk.DEFAULT_CONFIG`'s notes), checked: a positive integer."""
-    n = cfg["replay_batch_groups"]
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"replay_batch_groups={n!r}: a positive integer (the step's kernels 1 and 3 run once per "
-                         f"group of batch rows)")
-    return n
 
 
 def _launch_warps(cfg: dict) -> tuple[int, int, int]:

@@ -285,23 +285,6 @@ def test_replay_step_lowers_for_h200_in_place(B, HK, HV, K, V):
     assert lowered.as_text().count("output_operand_aliases") == 2  # the x cache, the v_new cache
 
 
-def test_replay_step_in_batch_groups_lowers_for_h200_in_place():
-    """`replay_batch_groups` = 4 at B = 64: kernel 1 for each group of 16 rows, kernel 2, kernel 3 for each group,
-    kernel 4, in that order; every group's kernel 1 writes the x cache in place and the later groups' also the
-    first one's kd buffer, every kernel 3 the v_new cache, so no group's call copies a whole-batch buffer."""
-    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
-
-    B = 64
-    chunk, xc, vc = replay_step_args(B, 16, 32, 128, 128)
-    lowered, modules = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"replay_batch_groups": 4}),
-                                      *chunk, xc, vc, SDS((B,), jnp.int32))
-    text = lowered.as_text()
-    assert re.findall(r'name = "gdn_replay_(\w+)"', text) == ["prep"] * 4 + ["intra"] + ["out"] * 4 + ["state"]
-    n, bad = dot_problems(modules)
-    assert len(modules) == 10 and not bad, bad
-    assert re.findall(r"output_tuple_indices = \[(\d)\]", text) == ["2"] + ["2", "3"] * 3 + ["1"] * 4 + ["0", "1"]
-
-
 @pytest.mark.parametrize("update,mul,fma", [("mul_add", 1, 0), ("fma", 0, 1), ("auto", 0, 0)])
 @pytest.mark.parametrize("K", [16, 128])
 def test_state_update_rounding_is_written_out_in_every_kernel(update, mul, fma, K):

@@ -82,8 +82,6 @@ def _decode(x, s0, prompt, steps, config=None):
     # the gram tiles as one bf16 dot (the default before run 114; now one fp16 dot: `chunk._gram_precision`), in the
     # prefill, prime and step alike
     (1, 2, jnp.bfloat16, "near_zero", "one", (45, 20), 60, V, {"p_kk": "bf16"}),
-    # kernels 1 and 3 launched once per pair of rows (`replay_batch_groups`), rows in every phase of the chunk
-    (1, 2, jnp.bfloat16, "realistic", "mixed", (70, 37, 5, 64), 70, V, {"replay_batch_groups": 2}),
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
     rng = np.random.default_rng(HV + steps)
@@ -210,9 +208,8 @@ def test_one_substitution_step_per_row_equals_the_loop():
 def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_program():
     """Kernel 4 looks after `replay_state_rows` batch rows per program (the largest power of two <= it dividing B):
     three of four rows completing their chunk in the same step — one per program by default ("auto" on a small
-    grid), all in one program with 4, two per program with 2, with kd from kernel 1 or computed in kernel 4
-    (`replay_kd`), and with kernels 1 and 3 launched per group of rows (`replay_batch_groups` 2, 4, and 3: one
-    group, gcd(4, 3)) — give the same bits, each row's new boundary state
+    grid), all in one program with 4, two per program with 2, and with kd from kernel 1 or computed in kernel 4
+    (`replay_kd`) — give the same bits, each row's new boundary state
     equals the prefill's, the row that does not complete keeps its state and caches, and bad values are refused."""
     rng = np.random.default_rng(9)
     x, s0 = _inputs(rng, 4, C, 1, 2)
@@ -221,8 +218,7 @@ def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_progr
     xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray(lengths - 1), interpret=True)
     outs = [chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True, config=cfg)
             for cfg in (None, {"replay_state_rows": 4}, {"replay_state_rows": 2}, {"replay_kd": "fold"},
-                        {"replay_kd": "prep", "replay_state_rows": 4}, {"replay_batch_groups": 2},
-                        {"replay_batch_groups": 4}, {"replay_batch_groups": 3})]
+                        {"replay_kd": "prep", "replay_state_rows": 4})]
     for got in outs[1:]:
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, outs[0]))
     _, s_ref = _chunk(x, s0, lengths)
@@ -235,10 +231,6 @@ def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_progr
         with pytest.raises(ValueError, match="replay_state_rows"):
             chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True,
                                      config={"replay_state_rows": bad})
-    for bad in (0, -2, 2.0, True, "auto"):
-        with pytest.raises(ValueError, match="replay_batch_groups"):
-            chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True,
-                                     config={"replay_batch_groups": bad})
     for bad in ("kernel1", None, 1, "auto"):
         with pytest.raises(ValueError, match="replay_kd"):
             chunk_replay_step_pallas(*args, xc, vc, jnp.asarray(lengths), interpret=True, config={"replay_kd": bad})
@@ -284,14 +276,6 @@ def test_packed_step_equals_the_step_on_separate_arrays(HK, HV, groups, backend)
     assert not np.asarray(got[4])[done].any() and not np.asarray(got[5])[done].any()
     assert np.array_equal(np.asarray(got[4])[~done], np.asarray(qkv)[~done])
     assert np.array_equal(np.asarray(got[5])[~done], np.asarray(gates)[~done])
-    if backend == "interpret" and groups == 2:  # kernels 1 and 3 once per pair of batch rows: the same bits
-        from pallas_kernels.gated_delta.replay import chunk_replay_step_packed_pallas
-
-        split = chunk_replay_step_packed_pallas(qkv, gates, jnp.asarray(s0), xc, vc, jnp.asarray(lengths),
-                                                heads=(HK, K, HV, V), groups=groups, interpret=True,
-                                                config={"replay_batch_groups": 2})
-        for a, b in zip(split, got):
-            assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_packed_step_refuses_bad_buffers():
