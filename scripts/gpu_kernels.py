@@ -998,13 +998,13 @@ def replay_step_timing(batches=(64, 256), names=None):
 # before): state 11.8 / 21.2 against 13.9 / 24.4 us per step at B=64 / 256, the step 166.3 / 554.9 against 167.4 /
 # 557.1; bits PASS at K = V = 16 (where "fold" fails), 64 and 128.
 # Add candidates here.
-# Run 136 (2026-12-04 UTC 03:29, under XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT): kernels 1
-# and 3 launched once per group of batch rows, in 2 / 4 / 8 groups (an option then, `replay_batch_groups`, removed; commit
-# 2f10ef8), every kernel 1 first, so that the concurrent schedule could run one group's kernel 3 (S0 reads) beside
-# the next group's kernel 1 (the latency chain): 171.2 / 176.8 / 224.8 against 154.9 us per step at B=64, 544.2 /
-# 554.9 / 544.1 against 539.3 at B=256 (five loops per call). A group's kernel 1 takes more than its share (45.7 and
-# 42.1 us for two halves against 71.3 for the batch at B=64): its time is waves of one program's latency, and the
-# next group's programs fill the SMs before the previous group's kernel 3 gets them. Bits PASS for 2 and 4.
+# Run 136 (2026-12-04 UTC 03:29, under XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT): kernels 1 and 3
+# launched once per group of batch rows, in 2 / 4 / 8 groups (an option then, `replay_batch_groups`, removed; commit
+# 2f10ef8), every kernel 1 first, so that the concurrent schedule could run one group's kernel 3 (S0 reads) beside the
+# next group's kernel 1 (the latency chain): 171.2 / 176.8 / 224.8 against 154.9 us per step at B=64, 544.2 / 554.9 /
+# 544.1 against 539.3 at B=256 (five loops per call). A group's kernel 1 takes more than its share (45.7 and 42.1 us for
+# two halves against 71.3 for the batch at B=64): its time is waves of one program's latency, and the next group's
+# programs fill the SMs before the previous group's kernel 3 gets them. Bits PASS for 2 and 4.
 REPLAY_STEP_CONFIGS = {"default": None}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
 # one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against
