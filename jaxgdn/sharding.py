@@ -58,7 +58,8 @@ methods, `generate`, `score`, the engine) compile them. Compiled with plain `jax
 precision lets a fusion keep bf16 intermediates in fp32 and the partitioned program fuses differently per batch
 size: the same checks fail there (runs S3-S5, and S6 with `--plain-jit`). So jit the pure functions yourself as
 `jaxgdn.model.jit(fn)` or with `compiler_options=jaxgdn.model.COMPILER_OPTIONS`.
-Meshes of more than 2 GPUs have not been run (none lent so far).
+Meshes of more than 2 GPUs have not been run (none lent so far). Run S6 predates the concurrent command-buffer
+schedule in COMPILER_OPTIONS (2026-12-04; checked on one H200 only): the mesh's checks have not been run under it.
 Caveat, CPU only: with backend="interpret" on a mesh, a row alone and the same row in a batch can differ in the
 last bits (seen: 1.9e-9 in a GDN state, tiny model, 2 devices) although the kernel's inputs are bitwise equal —
 XLA compiles the interpreted kernel body inside the partitioned program differently per batch size. The compiled
