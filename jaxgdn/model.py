@@ -376,8 +376,8 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
 # no data between them run side by side (XLA's default runs them one after another). Only the order of launches
 # changes, not any kernel's arithmetic: on one H200 the model's replay and batch-invariance checks PASS under it, and
 # a 4-layer 9B slice's decode step at B=64 takes 1.72 against 1.94 ms (deterministic recurrent) and 1.85 against
-# 2.09 (replay), the prefill unchanged (BENCHMARKS.md, runs 136-139; not yet run on a multi-GPU mesh). Since
-# 2026-12-04. XLA:CPU ignores the option.
+# 2.09 (replay), the prefill and the default mode's decode unchanged within the runs' spread (BENCHMARKS.md,
+# runs 136-140; not yet run on a multi-GPU mesh). Since 2026-12-04. XLA:CPU ignores the option.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
