@@ -174,45 +174,59 @@ def stage_prefill_profile(model, T: int, tag: str, top: int = 25):
         log(f"  {t:9.1f} us  x{c:<4d} {n[:110]}")
 
 
-def decode_setup(model, B: int, context: int, steps: int):
-    """(compiled loop of `steps` greedy decode steps, state after a `context`-token prefill, first tokens)."""
+def prompt_lengths(B: int, context: int, phases: str) -> np.ndarray:
+    """Each row's prompt length before the decode loop: `context` for every row ("aligned", as every run before
+    2026-12-04's run 144), or `context - (23 b mod 64)` for row b ("mixed": the rows at mixed positions of the
+    64-token grid, as in a real batch, so that replay decode's steps fall in every block row of the open chunk and
+    some rows complete a chunk inside the loop; "aligned" puts every row of a context on the grid at row 0 of a new
+    chunk, the replay step's cheapest case)."""
+    if phases == "aligned":
+        return np.full((B,), context, np.int32)
+    return (context - (23 * np.arange(B)) % 64).astype(np.int32)
+
+
+def decode_setup(model, B: int, context: int, steps: int, phases: str = "mixed"):
+    """(compiled loop of `steps` greedy decode steps, state after a prefill of `prompt_lengths` tokens per row, first
+    tokens)."""
     cfg = model.config
     state = model.init_state(B, context + steps + 64)
     toks = jax.random.randint(jax.random.key(2), (B, context), 0, cfg.vocab_size, jnp.int32)
     state, _ = jaxgdn.model.jit(jaxgdn.prefill_chunk, static_argnames="last_only")(
-        model, state, toks, jnp.full((B,), context, jnp.int32), last_only=True)
+        model, state, toks, jnp.asarray(prompt_lengths(B, context, phases)), last_only=True)
 
     loop = jaxgdn.model.jit(functools.partial(greedy_decode, steps=steps))
     return loop, state, jnp.zeros((B,), jnp.int32)
 
 
-def stage_profile(model, B: int, context: int, tag: str, steps: int = 16):
+def stage_profile(model, B: int, context: int, tag: str, steps: int = 16, phases: str = "mixed"):
     """Where a decode step's device time goes: one compiled loop of `steps` decode steps under the profiler."""
-    f, state, tok0 = decode_setup(model, B, context, steps)
+    f, state, tok0 = decode_setup(model, B, context, steps, phases)
     rows = profiled_kernels(lambda: f(model, state, tok0), top=15)
     RESULTS[f"profile_{tag}"] = [dict(name=n[:200], us_per_step=t / steps, count=c // steps) for n, t, c in rows]
-    log(f"profile[{tag}] B={B}: device time per decode step by kernel (top {len(rows)})")
+    log(f"profile[{tag}] B={B} ({phases} phases): device time per decode step by kernel (top {len(rows)})")
     for n, t, c in rows:
         log(f"  {t / steps:9.1f} us  x{c // steps:<4d} {n[:110]}")
 
 
-def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 16):
+def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 16, phases: str = "mixed"):
     cfg = model.config
     cap = context + steps + 64
-    f, state, tok0 = decode_setup(model, B, context, steps)
+    f, state, tok0 = decode_setup(model, B, context, steps, phases)
+    mean_len = float(prompt_lengths(B, context, phases).mean())
     t = timed(f, model, state, tok0, reps=3) / steps
     step1 = jaxgdn.model.jit(jaxgdn.decode_step)
     t_call = timed(step1, model, state, tok0, reps=5)
     weights = param_bytes(model.params) - model.params.embed.nbytes + B * cfg.hidden_size * 2
     gdn = sum(x.nbytes for x in jax.tree.leaves(jaxgdn.model.gdn_states(state)))
     kv_bytes = sum(s.keys.nbytes + s.values.nbytes for s in state.layers
-                   if isinstance(s, jaxgdn.AttentionLayerState)) * (context + steps / 2) / cap
+                   if isinstance(s, jaxgdn.AttentionLayerState)) * (mean_len + steps / 2) / cap
     traffic = weights + 2 * gdn + kv_bytes
-    out = {"B": B, "context": context, "step_s_in_loop": t, "step_s_per_call": t_call, "bytes": traffic,
-           "memory_roofline_s": traffic / bw, "tokens_per_s": B / t}
+    out = {"B": B, "context": context, "phases": phases, "mean_prompt": mean_len, "step_s_in_loop": t,
+           "step_s_per_call": t_call, "bytes": traffic, "memory_roofline_s": traffic / bw, "tokens_per_s": B / t}
     RESULTS[f"decode_{tag}"] = out
-    log(f"decode[{tag}] B={B} ctx={context}: {t * 1e3:.2f} ms/step in a compiled loop ({t_call * 1e3:.2f} ms per "
-        f"call), {B / t:,.0f} tok/s; memory roofline {traffic / bw * 1e3:.2f} ms ({t / (traffic / bw):.2f}x)")
+    log(f"decode[{tag}] B={B} ctx={context} ({phases} phases, mean {mean_len:.0f}): {t * 1e3:.2f} ms/step in a "
+        f"compiled loop ({t_call * 1e3:.2f} ms per call), {B / t:,.0f} tok/s; memory roofline "
+        f"{traffic / bw * 1e3:.2f} ms ({t / (traffic / bw):.2f}x)")
     return t
 
 
@@ -367,6 +381,10 @@ def main():
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--phases", choices=("mixed", "aligned"), default="mixed",
+                    help="decode stages: rows' prompts of context - (23 b mod 64) tokens (mixed positions on the "
+                         "64-token grid, the default since 2026-12-04) or all of `context` (aligned: every row at "
+                         "a chunk's first row, as before)")
     ap.add_argument("--bitwise-lengths", default="512,4096")
     ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
@@ -383,19 +401,25 @@ def main():
                     "for this run")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.phases == "mixed" and args.context < 64:
+        ap.error(f"--phases mixed needs --context >= 64 (row b's prompt is context - (23 b mod 64)); got "
+                 f"{args.context}")
     model = bw = rate = None  # set below, after the stage names are checked; the stages read them when they run
+    # the decode stages' rows at the phases --phases names
+    decode = functools.partial(stage_decode, phases=args.phases)
+    profile = functools.partial(stage_profile, phases=args.phases)
     named = dict([
         ("prefill", lambda: stage_prefill(model, args.prefill_tokens, rate, "normal")),
-        ("decode", lambda: stage_decode(model, args.decode_batch, args.context, bw, "normal")),
+        ("decode", lambda: decode(model, args.decode_batch, args.context, bw, "normal")),
         ("det", lambda: (stage_prefill(model.with_deterministic(), args.prefill_tokens, rate, "deterministic"),
-                         stage_decode(model.with_deterministic(), args.decode_batch, args.context, bw,
-                                      "deterministic"))),
-        ("replay", lambda: stage_decode(model.with_deterministic().with_decode_mode("replay"), args.decode_batch,
-                                        args.context, bw, "replay")),
+                         decode(model.with_deterministic(), args.decode_batch, args.context, bw,
+                                "deterministic"))),
+        ("replay", lambda: decode(model.with_deterministic().with_decode_mode("replay"), args.decode_batch,
+                                  args.context, bw, "replay")),
         # gdn_prefill="recurrent": the GDN prefill token by token with the decode arithmetic; replay decode is then
         # one recurrent step (and any prefill split is exact)
         ("scan", lambda: (stage_prefill(scan_model(model), args.prefill_tokens, rate, "deterministic_scan"),
-                          stage_decode(scan_model(model), args.decode_batch, args.context, bw, "replay_scan"))),
+                          decode(scan_model(model), args.decode_batch, args.context, bw, "replay_scan"))),
         ("scan_bitwise", lambda: stage_replay_bitwise(scan_model(model), new_tokens=args.replay_tokens,
                                                       tag="replay_scan_bitwise")),
         ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
@@ -405,15 +429,15 @@ def main():
         ("prefill_profile", lambda: (stage_prefill_profile(model, args.prefill_tokens, "normal"),
                                      stage_prefill_profile(model.with_deterministic(), args.prefill_tokens,
                                                            "deterministic"))),
-        ("profile", lambda: (stage_profile(model, args.decode_batch, args.context, "normal"),
-                             stage_profile(model.with_deterministic(), args.decode_batch, args.context,
-                                           "deterministic"))),
+        ("profile", lambda: (profile(model, args.decode_batch, args.context, "normal"),
+                             profile(model.with_deterministic(), args.decode_batch, args.context,
+                                     "deterministic"))),
         # replay decode's step by kernel beside deterministic recurrent decode's: the replay kernels against the
         # XLA glue around them (the open chunk's row scatters and the q / k / v slices handed to the step)
-        ("replay_profile", lambda: (stage_profile(model.with_deterministic().with_decode_mode("replay"),
-                                                  args.decode_batch, args.context, "replay"),
-                                    stage_profile(model.with_deterministic(), args.decode_batch, args.context,
-                                                  "deterministic"))),
+        ("replay_profile", lambda: (profile(model.with_deterministic().with_decode_mode("replay"),
+                                            args.decode_batch, args.context, "replay"),
+                                    profile(model.with_deterministic(), args.decode_batch, args.context,
+                                            "deterministic"))),
     ])
     unknown = set(args.stages.split(",")) - set(named) - {"ceilings"}  # ceilings: always measured
     if unknown:  # before any device work: a typo must not cost a model build

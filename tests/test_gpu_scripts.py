@@ -32,6 +32,7 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_kernels.py", "--replay-configs", "default,group4", "--replay-configs: unknown ['group4']"),
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
+    ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
     r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)
@@ -57,6 +58,18 @@ def test_model_bench_replay_profile_stage(tmp_path):
     for tag in ("replay", "deterministic"):
         rows = res[f"profile_{tag}"]
         assert rows and all(row["us_per_step"] >= 0 and row["count"] >= 0 for row in rows)
+
+
+def test_model_bench_mixed_phases_cover_every_block_row():
+    """The decode stages' default prompts put the rows at every position class of the open chunk (replay decode's
+    cost depends on the block row a step falls in); "aligned" keeps every row at `context`."""
+    from scripts.gpu_model_bench import prompt_lengths
+
+    mixed = prompt_lengths(64, 1024, "mixed")
+    assert sorted(mixed % 64) == list(range(64))  # 64 rows, every phase once (23 is odd, so b -> 23 b mod 64 is 1:1)
+    assert mixed.min() > 1024 - 64 and mixed.max() == 1024
+    assert set(((mixed % 64) // 16).tolist()) == {0, 1, 2, 3}
+    assert (prompt_lengths(8, 1024, "aligned") == 1024).all()
 
 
 def test_sharding_bench_profile_stage(tmp_path):
