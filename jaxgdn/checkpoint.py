@@ -44,6 +44,26 @@ class _SafetensorsFile:
         header.pop("__metadata__", None)
         self.header, self.offset = header, 8 + n
         self._mm = None
+        self._check_extents(path.stat().st_size)
+
+    def _check_extents(self, size: int) -> None:
+        """Every tensor's bytes inside the file and of its shape's size: a truncated file (an interrupted download)
+        or a corrupt header is named here, before any tensor is read."""
+        for name, info in self.header.items():
+            try:
+                start, end = (int(x) for x in info["data_offsets"])
+                shape = [int(d) for d in info["shape"]]
+                dtype = info["dtype"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: malformed header entry for tensor {name}: {info!r}") from None
+            if self.offset + end > size or not 0 <= start <= end:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} needs bytes {self.offset + start}..{self.offset + end}, but the file "
+                    f"has {size} bytes (truncated: an interrupted download or copy?)")
+            need = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else None
+            if need is not None and end - start != need:
+                raise CheckpointError(f"{self.path}: tensor {name} has {end - start} bytes, but its shape {shape} and "
+                                      f"dtype {dtype} need {need}")
 
     def keys(self):
         return self.header.keys()

@@ -126,6 +126,9 @@ class ModelConfig:
             partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
             if rope.get("rope_type", "default") not in ("default", None):
                 raise UnsupportedModelError(f"rope_type {rope.get('rope_type')!r} is not supported")
+            act = cfg.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):  # the MLPs and experts are SwiGLU
+                raise UnsupportedModelError(f"hidden_act {act!r} is not supported (jaxgdn's MLPs use silu)")
             moe = model_type == "qwen3_next" and cfg.get("num_experts", 0) > 0
             return cls(
                 model_type=model_type,
@@ -155,6 +158,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks the field {e.args[0]!r}") from None
+        except (ValueError, TypeError) as e:  # a field of the wrong type, or sizes that do not fit together
+            raise CheckpointError(f"config.json: {e}") from None
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":

@@ -291,6 +291,48 @@ def test_corrupt_safetensors_file(tmp_path, hf_config):
         jaxgdn.load_pretrained(path)
 
 
+def test_truncated_safetensors_file_names_the_file_and_a_tensor(tmp_path, tensors, hf_config):
+    """An interrupted download: the file ends inside its tensors' bytes. Refused when the file is opened, naming it
+    and the first tensor it cannot hold (not a NumPy reshape error from deep inside the load)."""
+    path = write_checkpoint(tmp_path / "trunc", tensors, hf_config)
+    whole = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(jaxgdn.CheckpointError, match=r"model\.safetensors: tensor \S+ needs bytes .*truncated"):
+        jaxgdn.load_pretrained(path)
+
+
+def test_tensor_bytes_that_do_not_fit_its_shape_are_refused(tmp_path, tensors, hf_config):
+    """A header whose byte range for a tensor disagrees with its shape and dtype (a corrupt header)."""
+    path = write_checkpoint(tmp_path / "hdr", tensors, hf_config)
+    raw = (path / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [header[name]["shape"][0] + 1] + header[name]["shape"][1:]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text)) if len(text) <= n else b""
+    assert len(text) == n  # the same header length, so every offset still points where it did
+    (path / "model.safetensors").write_bytes(raw[:8] + text + raw[8 + n:])
+    with pytest.raises(jaxgdn.CheckpointError, match=name.replace(".", r"\.") + r" has \d+ bytes, but its shape"):
+        jaxgdn.load_pretrained(path)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("layer_types", ["sliding_attention", "linear_attention", "linear_attention", "full_attention"], "layer_types"),
+    ("linear_num_value_heads", 3, "linear_num_value_heads"),
+    ("num_attention_heads", "four", "config.json"),
+])
+def test_bad_config_values_are_checkpoint_errors(tmp_path, tensors, hf_config, field, value, match):
+    cfg = dict(hf_config, **{field: value})
+    with pytest.raises(jaxgdn.CheckpointError, match=match):
+        jaxgdn.load_pretrained(write_checkpoint(tmp_path / "badval", tensors, cfg))
+
+
+def test_unsupported_activation_is_refused(tmp_path, tensors, hf_config):
+    with pytest.raises(jaxgdn.UnsupportedModelError, match="hidden_act 'gelu'"):
+        jaxgdn.load_pretrained(write_checkpoint(tmp_path / "gelu", tensors, dict(hf_config, hidden_act="gelu")))
+
+
 def test_errors_are_jaxgdn_errors():
     assert issubclass(jaxgdn.UnsupportedModelError, jaxgdn.CheckpointError)
     assert issubclass(jaxgdn.CheckpointError, jaxgdn.JaxGDNError)
