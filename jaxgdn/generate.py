@@ -175,9 +175,9 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
             raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0; 0 is greedy)")
         if not 0 < p <= 1:
             raise InputError(f"invalid sampling parameters: top_p={p} (must lie in (0, 1])")
-    if top_k is not None and not 1 <= top_k <= V:
-        raise InputError(f"invalid sampling parameters: top_k={top_k} (must lie in [1, {V}])")
-    if not 0 <= return_top_logprobs <= V:
+    if top_k is not None and not (_is_int(top_k) and 1 <= top_k <= V):
+        raise InputError(f"invalid sampling parameters: top_k={top_k!r} (an integer in [1, {V}], or None)")
+    if not (_is_int(return_top_logprobs) and 0 <= return_top_logprobs <= V):
         raise InputError(f"return_top_logprobs must lie in [0, {V}]; got {return_top_logprobs}")
     for s in _per_request(seed, n, "seeds"):
         if not _is_int(s) or not 0 <= s < 2**32:

@@ -13,7 +13,9 @@ from .model import Model, check_model_options
 
 def tiny_model(name: str = "tiny", seed: int = 0, dtype=jnp.float32, backend: str | None = None,
                deterministic: bool = False) -> Model:
-    """A random model of a preset config ("tiny", "tiny-next", "qwen3.5-9b" — the last only under eval_shape)."""
+    """A random model of a preset config: "tiny", "tiny-next" (small, for tests and demos) or "qwen3.5-9b" (the full
+    9B shape: ~18 GB of random weights in bf16, ~36 GB in fp32 — on a small machine build it under `jax.eval_shape`
+    for its shapes only)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     check_model_options(dtype, backend)

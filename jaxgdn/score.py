@@ -56,8 +56,13 @@ def _score_window(model: Model, state, tokens, lengths, targets):
 def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], list[int]]:
     """Validate and normalise (sequences, start) for `score`; raises `InputError` naming the sequence."""
     V = model.config.vocab_size
-    if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
-        raise InputError("sequences must be a list of token-id sequences (got one flat array: wrap it in a list)")
+    if isinstance(sequences, (str, bytes)):
+        raise InputError("sequences must be a list of token-id sequences (got a string: encode it with a tokenizer)")
+    if (isinstance(sequences, np.ndarray) and sequences.ndim == 1) or (
+            isinstance(sequences, (list, tuple)) and sequences and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in sequences)):
+        raise InputError("sequences must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
+                         "list)")
     try:
         seqs = [np.asarray(s) for s in sequences]
     except TypeError:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import enum
+import operator
 from typing import NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import CHUNK, replay_caches
 from pallas_kernels.attention import DEFAULT_CONFIG as _ATTENTION_CONFIG
@@ -95,6 +97,12 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
     attention kernel's key block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a
     padded one at every call (measured on the H200: ~0.18 ms per attention layer and decode step at B=64 with 1104
     slots)."""
+    try:  # integers (anything with __index__: Python, NumPy and concrete JAX integer scalars), not bools
+        if isinstance(batch_size, (bool, np.bool_)) or isinstance(capacity, (bool, np.bool_)):
+            raise TypeError
+        batch_size, capacity = operator.index(batch_size), operator.index(capacity)
+    except TypeError:
+        raise InputError(f"batch_size and capacity must be integers; got {batch_size!r}, {capacity!r}") from None
     if batch_size < 1 or capacity < 1:
         raise InputError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
     capacity = -(-capacity // ATTENTION_KEY_BLOCK) * ATTENTION_KEY_BLOCK

@@ -139,6 +139,9 @@ def test_admission_rule_and_predicate(tiny):
         jaxgdn.PrefixCache(interval=INTERVAL, max_bytes=-1)
     with pytest.raises(jaxgdn.InputError, match="batch_size and capacity must be >= 1"):
         tiny.init_state(2, 0)
+    for bad in [(2.5, 64), (True, 64), (2, "64")]:
+        with pytest.raises(jaxgdn.InputError, match="batch_size and capacity must be integers"):
+            tiny.init_state(*bad)
 
 
 def test_insert_is_functional_and_lookup_longest_prefix(tiny):

@@ -314,6 +314,24 @@ def test_check_determinism_catches_an_unsafe_cache(capsys):
     assert warm_failed
 
 
+def test_check_determinism_score_alone_in_recurrent_mode_reports_why_not(capsys, tmp_path):
+    """`--checks score` in the default (recurrent) decode mode, which does not promise generation == score: an info
+    row saying so, and the report written (it used to end in a ValueError with no rows to print)."""
+    rc, out, _ = run(capsys, "check-determinism", "--checks", "score", "--prompt-len", 65, "--new-tokens", 2,
+                     "--output", tmp_path / "d.json")
+    assert rc == 0, out
+    row = [line for line in out.splitlines() if line.startswith("generation == teacher-forced score")]
+    assert row and "info" in row[0] and "--decode-mode replay" in row[0] and "0 failed" in out
+    assert (tmp_path / "d.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "compare-states", "check-determinism"])
+def test_negative_seed_is_an_argument_error(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--seed", "-1"])
+    assert e.value.code == 2 and "--seed: expected a non-negative integer; got -1" in capsys.readouterr().err
+
+
 def test_check_determinism_bad_checks(capsys):
     rc, _, err = run(capsys, "check-determinism", "--checks", "warm-cold,nope")
     assert_clean_error(rc, err, "--checks must name some of")

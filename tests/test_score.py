@@ -88,6 +88,8 @@ def test_no_recompilation_within_a_bucket(det, seqs):
     ([[1, 2, 3], [4, 5]], [1], "1 start values for 2 sequences"),
     ([[[1, 2], [3, 4]]], 1, "sequence 0 must be a flat sequence of integer token ids"),
     (np.array([1, 2, 3]), 1, "wrap it in a list"),
+    ([1, 2, 3], 1, "one flat sequence of ids: wrap it in a list"),
+    ("hello", 1, "got a string"),
 ])
 def test_bad_input(det, sequences, start, match):
     with pytest.raises(jaxgdn.InputError, match=match):
