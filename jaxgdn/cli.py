@@ -807,7 +807,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="sample among the K most likely tokens (default: all)")
     gen.add_argument("--top-p", type=float, metavar="P", default=1.0,
                      help="nucleus sampling: the smallest set of tokens with probability >= P (default 1.0: all)")
-    gen.add_argument("--seed", type=_seed, metavar="N", default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=int, metavar="N", default=0, help="sampling seed (default 0)")
     gen.add_argument("--stop-token-ids", metavar="IDS", help="stop tokens, e.g. '1,2' (default: the tokenizer's eos)")
     gen.add_argument("--no-stop", action="store_true", help="no stop tokens")
     gen.add_argument("--max-length", type=int, metavar="N", help="capacity: prompt + new tokens (default: the model's "
