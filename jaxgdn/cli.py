@@ -72,7 +72,6 @@ class _Outputs:
 
 # ---- models, tokenizers, prompts --------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=4)
 def _seed(text: str) -> int:
     """argparse type of the --seed options: a non-negative integer (NumPy's generators take no negative seed)."""
     try:
@@ -84,6 +83,7 @@ def _seed(text: str) -> int:
     return value
 
 
+@functools.lru_cache(maxsize=4)
 def _preset(name: str, seed: int, dtype_name: str):
     import jax.numpy as jnp
 

@@ -23,6 +23,11 @@ class CapacityError(InputError):
     """The KV cache of a state has no room for the tokens asked for."""
 
 
+def is_int(x) -> bool:
+    """A Python or NumPy integer (not a bool)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_token_ids(ids: np.ndarray, what: str, vocab_size: int) -> None:
     """`ids` (what the caller calls `what`: "prompt 3", "sequence 0") must be a flat, non-empty array of integer token
     ids in [0, vocab_size); raises InputError naming the problem otherwise (shared by `generate` and `score`)."""

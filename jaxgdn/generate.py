@@ -26,7 +26,7 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
-from .errors import InputError, check_token_ids
+from .errors import InputError, check_token_ids, is_int
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState, at_boundary
 
@@ -160,11 +160,11 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
         raise InputError("prompts must be a list of token-id sequences (got a string: encode it with a tokenizer)")
     if prompts is None or len(prompts) == 0:
         raise InputError("no prompts given")
-    if all(_is_int(t) for t in prompts):
+    if all(is_int(t) for t in prompts):
         raise InputError("prompts must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
                          "list)")
     n = len(prompts)
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, an integer; got {max_new_tokens!r}")
     for t, p in zip(_per_request(temperature, n, "temperature"), _per_request(top_p, n, "top_p")):
         try:
@@ -175,22 +175,17 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
             raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0; 0 is greedy)")
         if not 0 < p <= 1:
             raise InputError(f"invalid sampling parameters: top_p={p} (must lie in (0, 1])")
-    if top_k is not None and not (_is_int(top_k) and 1 <= top_k <= V):
+    if top_k is not None and not (is_int(top_k) and 1 <= top_k <= V):
         raise InputError(f"invalid sampling parameters: top_k={top_k!r} (an integer in [1, {V}], or None)")
-    if not (_is_int(return_top_logprobs) and 0 <= return_top_logprobs <= V):
+    if not (is_int(return_top_logprobs) and 0 <= return_top_logprobs <= V):
         raise InputError(f"return_top_logprobs must lie in [0, {V}]; got {return_top_logprobs}")
     for s in _per_request(seed, n, "seeds"):
-        if not _is_int(s) or not 0 <= s < 2**32:
+        if not is_int(s) or not 0 <= s < 2**32:
             raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")
     for i, p in enumerate(prompts):
         _check_prompt(p, i, V)
     if any(not 0 <= s < V for row in _stop_lists(stop_token_ids, n) for s in row):
         raise InputError(f"stop_token_ids must lie in [0, {V})")
-
-
-def _is_int(x) -> bool:
-    """A Python or NumPy integer (not a bool)."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_prompt(p, i: int, V: int) -> None:

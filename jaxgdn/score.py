@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
-from .errors import InputError, check_token_ids
+from .errors import InputError, check_token_ids, is_int
 from .model import Model, jit, prefill_chunk
 
 DEFAULT_WINDOW = 512
@@ -59,8 +59,7 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
     if isinstance(sequences, (str, bytes)):
         raise InputError("sequences must be a list of token-id sequences (got a string: encode it with a tokenizer)")
     if (isinstance(sequences, np.ndarray) and sequences.ndim == 1) or (
-            isinstance(sequences, (list, tuple)) and sequences and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in sequences)):
+            isinstance(sequences, (list, tuple)) and sequences and all(is_int(t) for t in sequences)):
         raise InputError("sequences must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
                          "list)")
     try:
