@@ -1005,7 +1005,7 @@ def replay_step_timing(batches=(64, 256), names=None):
 # 544.1 against 539.3 at B=256 (five loops per call). A group's kernel 1 takes more than its share (45.7 and 42.1 us for
 # two halves against 71.3 for the batch at B=64): its time is waves of one program's latency, and the next group's
 # programs fill the SMs before the previous group's kernel 3 gets them. Bits PASS for 2 and 4.
-REPLAY_STEP_CONFIGS = {"default": None}
+REPLAY_STEP_CONFIGS = {"default": None, "prep4": {"replay_prep_launches": 4}}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
 # one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against
 # three bf16 dots' 75.8 us at B = 64, the default then; run 118: 62.9 against the fp16 dot's 62.8, the default since
