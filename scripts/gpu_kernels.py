@@ -1005,7 +1005,13 @@ def replay_step_timing(batches=(64, 256), names=None):
 # 544.1 against 539.3 at B=256 (five loops per call). A group's kernel 1 takes more than its share (45.7 and 42.1 us for
 # two halves against 71.3 for the batch at B=64): its time is waves of one program's latency, and the next group's
 # programs fill the SMs before the previous group's kernel 3 gets them. Bits PASS for 2 and 4.
-REPLAY_STEP_CONFIGS = {"default": None, "prep4": {"replay_prep_launches": 4}}
+# Run 145 (2026-12-04 UTC 14:39, under the same flag): kernel 1 as four launches, one per block row, independent of
+# each other (each read the x cache and wrote its own w, u and new tiles; a small kernel then merged the tiles into
+# the cache), so that the schedule could run them side by side, each with its branch's registers (an option then,
+# `replay_prep_launches`, removed; commit e0d245b): 162.2 against 153.2 us per step at B=64, 542.8 against 528.6 at
+# B=256 (five loops per call). Side by side each launch slowed the others: 9.6 + 17.9 + 27.7 + 47.8 us of device time
+# for block rows 0-3 at B=64 (one launch: 69.6), plus 5.6 for the merge. Bits PASS.
+REPLAY_STEP_CONFIGS = {"default": None}
 # timed only (their prefill arithmetic is not the default's, so the checks above do not apply): the gram tiles as
 # one bf16 dot (`chunk_configs`' gram_bf16, the default before run 114; run 115: the step's kernel 1 63.0 against
 # three bf16 dots' 75.8 us at B = 64, the default then; run 118: 62.9 against the fp16 dot's 62.8, the default since

@@ -141,12 +141,6 @@ from .wy import CHUNK
 # against 63.1 / 212.1: its completing rows write kd; offline ptxas: kernel 1 209 -> 222 registers per thread).
 # "prep" costs a transient kd buffer per call, [B, HV, 64, K] in `_wk_dtype` (half the v_new cache's bytes at K = V),
 # written only for the completing rows.
-# replay_prep_launches: the replay step's kernel 1 as 1 launch (default; each program branches on its row's block row
-# of the open chunk, so the largest branch sets every program's registers) or 4, one per block row, each compiled
-# for its branch alone, independent of each other (they read the x cache; a small kernel copies their new tiles into
-# it afterwards), so that XLA's concurrent schedule (`jaxgdn.model.COMPILER_OPTIONS`) can run them side by side.
-# Run 64 timed four launches one after another (before the concurrent schedule): 72.6 against 64.6 us per step at
-# B=64, 203.0 against 219.8 at B=256. The same code per branch: the same bits.
 # warps_replay_intra: the warps of the replay step's kernel 2 (q k^T of the new row, the output kernel's 64-row dot;
 # the prefill runs it with warps_out): 4 with replay_qk_cols (run 74); before it, 8 (37.6 against 45.0 us per
 # step at B=64 with 4), the same bits (the H200,
@@ -203,8 +197,7 @@ DEFAULT_CONFIG = dict(
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
-    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", replay_prep_launches=1,
-    state_update="mul_add",
+    replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
     recurrence="auto", recurrence_ws="u", output="triton", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )

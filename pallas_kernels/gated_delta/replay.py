@@ -139,14 +139,12 @@ class _LoadedSlices:
 
 
 def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out, kd_out, *, prime, use_l2,
-                    wk_dtype, cfg, interpret, slab=False):
+                    wk_dtype, cfg, interpret):
     """Kernel 1 for a token at row t = n - 1, row r = t - 16 i of block row i (static): row r of w and u (all rows
     of block row i up to r when priming), as the prefill's prep computes them. Rows of the 16-row tiles other than r
     hold values no later step reads (an MMA's row depends only on that row of its first operand). kd_out (None
     unless `replay_kd` is "prep"): where the token completes the chunk, the chunk's kd as the prefill's prep stores
-    it, for kernel 4. x_out: the x cache [C, C], updated in place; or with `slab` (one launch per block row,
-    `replay_prep_launches` = 4) block row i's new tiles [S, C], written where the in-place form writes them and
-    copied into the cache by `_x_merge_kernel` (which also empties a completed chunk's)."""
+    it, for kernel 4."""
     t = n - 1
     r = t - i * SUB
     tiles = [(j, m) for j in range(i) for m in range(j + 1)] + [(i, i)]  # the cached tiles this branch reads
@@ -181,16 +179,7 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
     plt.store(w_out.at[...], w.astype(wk_dtype).astype(jnp.float32), mask=_rows_between(w.shape, 0 if prime else r, r))
     plt.store(u_out.at[...], u, mask=_rows_between(u.shape, 0 if prime else r, r))
 
-    if slab:  # block row i's tiles as the in-place form below writes them (the merge kernel copies what applies)
-        x_out[:, pl.ds(i * SUB, SUB)] = jnp.where(r16 <= r, t_ii, 0.0)
-        for m in range(i):
-            x_out[:, pl.ds(m * SUB, SUB)] = x[i, m]  # read by the merge only where block row i completes
-        if kd_out is not None and i == NB - 1:
-            @pl.when(t == CHUNK - 1)
-            def _():
-                for b, kd in enumerate(_kd_slices(ks, gcs, kd_out.dtype)):
-                    kd_out[pl.ds(b * SUB, SUB), :] = kd
-    elif i < NB - 1:
+    if i < NB - 1:
         x_out[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(r16 <= r, t_ii, 0.0)  # T_ii's rows so far
         if i:
             @pl.when(r == SUB - 1)  # block row i is complete: its merged tiles too
@@ -232,44 +221,6 @@ def _prep_step_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_ou
         pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
             _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_out,
             kd_out[0] if kd_out else None, **kw))
-
-
-def _prep_one_block_row_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, slab_out, *kd_out, i,
-                               **kw):
-    """Kernel 1 as one launch per block row (`replay_prep_launches` = 4), grid (HV, B): the rows whose new token lies
-    in block row i (static) run `_prep_block_row`'s branch i, the others return at once. Each launch is compiled for
-    its branch alone (its registers are that branch's, not the largest branch's), and the four are independent:
-    they read the x cache and write their own w, u and slab outputs, so XLA's concurrent schedule can run them
-    side by side."""
-    n = len_ref[0]
-    pl.when((n > i * SUB) & (n <= (i + 1) * SUB))(functools.partial(
-        _prep_block_row, i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, slab_out,
-        kd_out[0] if kd_out else None, prime=False, slab=True, **kw))
-
-
-def _x_merge_kernel(len_ref, x_ref, *refs):
-    """After the per-block-row launches, grid (HV, B): the x cache updated in place (`input_output_aliases`) as the
-    one-launch kernel 1 updates it — block row i's diagonal tile rows so far, its merged tiles where it completes
-    (from launch i's slab), and the whole cache emptied where the chunk completes. refs: the four slabs [S, C], then
-    the cache (aliased to x_ref)."""
-    *slabs, x_out = refs
-    n = len_ref[0]
-    t = n - 1
-
-    @pl.when(n == CHUNK)
-    def _():
-        x_out[...] = jnp.zeros(x_out.shape, jnp.float32)
-
-    for i, slab in enumerate(slabs):
-        @pl.when((n > i * SUB) & (n <= (i + 1) * SUB) & (n < CHUNK))
-        def _(i=i, slab=slab):
-            rows = pl.ds(i * SUB, SUB)
-            x_out[rows, pl.ds(i * SUB, SUB)] = slab[:, pl.ds(i * SUB, SUB)]
-            if 0 < i < NB - 1:
-                @pl.when(t - i * SUB == SUB - 1)
-                def _():
-                    for m in range(i):
-                        x_out[rows, pl.ds(m * SUB, SUB)] = slab[:, pl.ds(m * SUB, SUB)]
 
 
 def _block_row(x, i):
@@ -341,16 +292,14 @@ def _row(x, t):
     return jnp.sum(jnp.where(rows == t, x, -0.0), axis=0)
 
 
-def _out_step_kernel(len_ref, *refs, prime, launches, cfg, interpret):
+def _out_step_kernel(len_ref, w_ref, u_ref, *refs, prime, cfg, interpret):
     """Kernel 3, grid (V // bv, HV, B): v_new of the new row (of block row i's rows up to it when priming) and the
     new token's output (not when priming: `prime` keeps only the caches), for one V block. The dots are the
     prefill's on the 16 rows of block row i, with only the rows this call computes loaded (kernels 1 and 2 write
     nothing else) and zeros elsewhere: a row of an MMA's result depends only on that row of its first operand, not
     on the instruction's M (the H200, 2026-11-30) or N, nor on the row's place in the tile (`replay_s0_dots` = 1:
-    qg's row beside w's in one dot with S0). refs: kernel 1's w [16, K] and u [16, bv] (one of each per launch of
-    kernel 1: `launches`, w's first), (aqk [C] and qg [K] of row t, unless priming), the state block s [K, bv], the
-    v_new cache [C, bv]; then the outputs (o [bv], unless priming) and the cache."""
-    w_refs, u_refs, refs = refs[:launches], refs[launches:2 * launches], refs[2 * launches:]
+    qg's row beside w's in one dot with S0). refs: (aqk [C] and qg [K] of row t, unless priming), the
+    state block s [K, bv], the v_new cache [C, bv]; then the outputs (o [bv], unless priming) and the cache."""
     if prime:
         s_ref, vn_ref, vn_out = refs
     else:
@@ -367,11 +316,12 @@ def _out_step_kernel(len_ref, *refs, prime, launches, cfg, interpret):
         t = n - 1
         i = t // SUB  # the new token's block row and its row in it (traced: the placements below are selects)
         r = t - i * SUB
-        bv = u_refs[0].shape[-1]
+        bv = u_ref.shape[-1]
         r0 = 0 if prime else r  # the rows this call computes: r0 .. r of block row i
         s0 = s_ref[...]  # [K, bv] of this program's V block
         rows_of = functools.partial(_mma_rows, i=i, interpret=interpret)
-        w, u = (_launch_rows(refs_of, i, r0, r) for refs_of in (w_refs, u_refs))
+        w = plt.load(w_ref.at[...], mask=_rows_between(w_ref.shape, r0, r), other=0.0)
+        u = plt.load(u_ref.at[...], mask=_rows_between(u_ref.shape, r0, r), other=0.0)
         one_dot = cfg["replay_s0_dots"] == 1 and not prime
         if one_dot:  # qg's row goes into w's tile at row r2 (another row than r): one dot with S0 gives both rows
             r2 = (r + SUB // 2) % SUB
@@ -400,17 +350,6 @@ def _out_step_kernel(len_ref, *refs, prime, launches, cfg, interpret):
         # v_new of block row i's rows this call computed into the cache (at t = 63, for kernel 4)
         block = pl.ds(pl.multiple_of(i * SUB, SUB), SUB)
         plt.store(vn_out.at[block, :], v, mask=_rows_between(v.shape, r0, r))
-
-
-def _launch_rows(refs, i, first, last):
-    """Rows first .. last of kernel 1's [16, n] output, zeros elsewhere: from its one launch, or from launch i (block
-    row i, traced) of its four (the others' loads masked off: only launch i wrote these rows)."""
-    out = None
-    for blk, ref in enumerate(refs):
-        mask = _rows_between(ref.shape, first, last) & (len(refs) == 1 or i == blk)
-        x = plt.load(ref.at[...], mask=mask, other=0.0)
-        out = x if out is None else jnp.where(i == blk, x, out)
-    return out
 
 
 def _at_row(x, r):
@@ -524,9 +463,6 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
                          f"program)")
     if not (cfg["replay_qk_cols"] == "auto" or isinstance(cfg["replay_qk_cols"], bool)):
         raise ValueError(f"replay_qk_cols={cfg['replay_qk_cols']!r}: 'auto', True or False")
-    if cfg["replay_prep_launches"] not in (1, NB) or isinstance(cfg["replay_prep_launches"], bool):
-        raise ValueError(f"replay_prep_launches={cfg['replay_prep_launches']!r}: 1 (kernel 1 as one launch) or {NB} "
-                         f"(one per block row of the open chunk)")
     kd_mode = cfg["replay_kd"]
     if kd_mode not in ("fold", "prep"):
         raise ValueError(f"replay_kd={kd_mode!r}: 'prep' or 'fold' (where kernel 4 takes a completing chunk's kd "
@@ -551,55 +487,21 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
 
     # kernel 1, grid (HV, B): the new row of the prep (and a completing chunk's kd with replay_kd "prep")
     kd_out = [(head(CHUNK, K), jax.ShapeDtypeStruct((B, HV, CHUNK, K), wk_dtype))] if kd_from_prep else []
-    prep_in = [length, src.spec("k", key_of_head), src.spec("v", value_head), src.spec("g", value_head),
-               src.spec("beta", value_head), head(CHUNK, CHUNK)]
-    wu_shapes = [jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
-                 jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32)]
-    prep_kw = dict(use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg, interpret=interpret)
-    launches = 1 if prime else cfg["replay_prep_launches"]
-    if launches == 1:
-        w16, u16, x_cache, *kd_chunk = pl.pallas_call(
-            functools.partial(_prep_step_kernel, prime=prime, **prep_kw),
-            grid=(HV, B),
-            in_specs=prep_in,
-            out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)] + [spec for spec, _ in kd_out],
-            out_shape=wu_shapes + [jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + [shape for _, shape in kd_out],
-            input_output_aliases={5: 2},
-            compiler_params=ck._triton_params(warps_prep, 1),
-            interpret=interpret,
-            name="gdn_replay_prep",
-        )(lengths, src.k, src.v, src.g, src.beta, x_cache)
-        w16, u16 = [w16], [u16]
-    else:  # one launch per block row, independent of each other; then the x cache's merge (`_x_merge_kernel`)
-        w16, u16, slabs, kd_chunk = [], [], [], []
-        for i in range(NB):
-            kd_i = kd_out if i == NB - 1 else []
-            w_i, u_i, slab_i, *kd_i = pl.pallas_call(
-                functools.partial(_prep_one_block_row_kernel, i=i, **prep_kw),
-                grid=(HV, B),
-                in_specs=prep_in,
-                out_specs=[head(SUB, K), head(SUB, V), head(SUB, CHUNK)] + [spec for spec, _ in kd_i],
-                out_shape=wu_shapes + [jax.ShapeDtypeStruct((B, HV, SUB, CHUNK), jnp.float32)]
-                + [shape for _, shape in kd_i],
-                compiler_params=ck._triton_params(warps_prep, 1),
-                interpret=interpret,
-                name=f"gdn_replay_prep_{i}",
-            )(lengths, src.k, src.v, src.g, src.beta, x_cache)
-            w16.append(w_i)
-            u16.append(u_i)
-            slabs.append(slab_i)
-            kd_chunk += kd_i
-        x_cache = pl.pallas_call(
-            _x_merge_kernel,
-            grid=(HV, B),
-            in_specs=[length, head(CHUNK, CHUNK)] + [head(SUB, CHUNK)] * NB,
-            out_specs=head(CHUNK, CHUNK),
-            out_shape=jax.ShapeDtypeStruct(x_cache.shape, jnp.float32),
-            input_output_aliases={1: 0},
-            compiler_params=ck._triton_params(1, 1),
-            interpret=interpret,
-            name="gdn_replay_x_merge",
-        )(lengths, x_cache, *slabs)
+    w16, u16, x_cache, *kd_chunk = pl.pallas_call(
+        functools.partial(_prep_step_kernel, prime=prime, use_l2=use_qk_l2norm, wk_dtype=wk_dtype, cfg=cfg,
+                          interpret=interpret),
+        grid=(HV, B),
+        in_specs=[length, src.spec("k", key_of_head), src.spec("v", value_head), src.spec("g", value_head),
+                  src.spec("beta", value_head), head(CHUNK, CHUNK)],
+        out_specs=[head(SUB, K), head(SUB, V), head(CHUNK, CHUNK)] + [spec for spec, _ in kd_out],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, SUB, K), jnp.float32),  # w: its `_wk_dtype` values (kernel 3)
+                   jax.ShapeDtypeStruct((B, HV, SUB, V), jnp.float32),
+                   jax.ShapeDtypeStruct(x_cache.shape, jnp.float32)] + [shape for _, shape in kd_out],
+        input_output_aliases={5: 2},
+        compiler_params=ck._triton_params(warps_prep, 1),
+        interpret=interpret,
+        name="gdn_replay_prep",
+    )(lengths, src.k, src.v, src.g, src.beta, x_cache)
 
     row_ops = []
     if not prime:  # kernel 2, grid (HV // P, B): the new token's row of Aqk and qg (the output's; priming skips it),
@@ -635,17 +537,16 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
 
     # kernel 3, grid (V // bv, HV, B): v_new and the output row
     res = pl.pallas_call(
-        functools.partial(_out_step_kernel, prime=prime, launches=len(w16), cfg=cfg, interpret=interpret),
+        functools.partial(_out_step_kernel, prime=prime, cfg=cfg, interpret=interpret),
         grid=(V // bv, HV, B),
-        in_specs=[row_length] + [whole(SUB, K)] * len(w16) + [cols(SUB, bv)] * len(u16)
-        + [whole(CHUNK), whole(K)][:len(row_ops)] + state_specs,
+        in_specs=[row_length, whole(SUB, K), cols(SUB, bv)] + [whole(CHUNK), whole(K)][:len(row_ops)] + state_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={2 + 2 * len(w16) + len(row_ops): len(out_shape) - 1},
+        input_output_aliases={4 + len(row_ops): len(out_shape) - 1},
         compiler_params=ck._triton_params(warps_out, 1),
         interpret=interpret,
         name="gdn_replay_out",
-    )(lengths, *w16, *u16, *row_ops, state, vn_cache)
+    )(lengths, w16, u16, *row_ops, state, vn_cache)
     if prime:  # an open chunk (< 64 tokens): never complete; no output
         return None, state, x_cache, res[0]
     o, vn_cache = res

@@ -470,20 +470,3 @@ def test_replay_step_kernels_take_their_warps(warps, want):
     names = re.findall(r'name = "(gdn_replay_\w+)"', text)
     assert names == ["gdn_replay_prep", "gdn_replay_intra", "gdn_replay_out", "gdn_replay_state"], names
     assert [int(w) for w in re.findall(r"num_warps = (\d+) : i32", text)] == want
-
-
-def test_replay_prep_in_four_launches_lowers():
-    """`replay_prep_launches` = 4: kernel 1 as one launch per block row (each with its branch alone), then the small
-    kernel that merges their new tiles into the x cache, before kernels 2-4 — every one lowers for the H200, and
-    kernel 1's launches take the prefill prep's warps."""
-    from pallas_kernels.gated_delta.replay import chunk_replay_step_pallas
-
-    B, HK, HV, K, V = 4, 16, 32, 128, 128
-    chunk, xc, vc = replay_step_args(B, HK, HV, K, V)
-    lowered, _ = lower_for_h200(lambda *a: chunk_replay_step_pallas(*a, config={"replay_prep_launches": 4}), *chunk,
-                                xc, vc, SDS((B,), jnp.int32))
-    text = lowered.as_text()
-    names = re.findall(r'name = "(gdn_replay_\w+)"', text)
-    assert names == [f"gdn_replay_prep_{i}" for i in range(4)] + ["gdn_replay_x_merge", "gdn_replay_intra",
-                                                                  "gdn_replay_out", "gdn_replay_state"], names
-    assert [int(w) for w in re.findall(r"num_warps = (\d+) : i32", text)][:4] == [4] * 4

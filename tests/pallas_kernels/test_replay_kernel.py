@@ -82,8 +82,6 @@ def _decode(x, s0, prompt, steps, config=None):
     # the gram tiles as one bf16 dot (the default before run 114; now one fp16 dot: `chunk._gram_precision`), in the
     # prefill, prime and step alike
     (1, 2, jnp.bfloat16, "near_zero", "one", (45, 20), 60, V, {"p_kk": "bf16"}),
-    # kernel 1 as one launch per block row, then the x cache's merge (every block row crossed, and a completion)
-    (2, 4, jnp.bfloat16, "realistic", "mixed", (5, 30, 47, 64), 70, V, {"replay_prep_launches": 4}),
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
     rng = np.random.default_rng(HV + steps)
@@ -155,17 +153,9 @@ def test_launch_keys_take_effect_and_are_checked():
     xc, vc = chunk_replay_prime_pallas(*args, jnp.asarray([20, 47]), interpret=True)
     lengths = jnp.asarray([21, 48])  # the second row completes block row 2: the v_new cache is written
     want = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True)
-    for cfg in ({"warps_replay": (8, 4, 4)}, {"warps_replay": 8}, {"warps_replay_intra": 4},
-                {"replay_prep_launches": 4}):
+    for cfg in ({"warps_replay": (8, 4, 4)}, {"warps_replay": 8}, {"warps_replay_intra": 4}):
         got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=cfg)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want)), cfg
-    # kernel 1 in four launches, at the rows where the x cache changes most: a block row's first token, and the
-    # chunk's last (the cache emptied, the boundary state folded): outputs, state and both caches, bitwise
-    xc2, vc2 = chunk_replay_prime_pallas(*args, jnp.asarray([63, 16]), interpret=True)
-    one, four = (chunk_replay_step_pallas(*args, xc2, vc2, jnp.asarray([64, 17]), interpret=True, config=cfg)
-                 for cfg in (None, {"replay_prep_launches": 4}))
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(one, four))
-    assert not np.asarray(one[2][0]).any() and np.asarray(one[2][1]).any()  # row 0's cache emptied, row 1's not
     for cfg in ({"bv_replay": 16}, {"replay_qk_cols": True}):
         got = chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=cfg)
         for a, b in zip(got, want):
@@ -174,7 +164,7 @@ def test_launch_keys_take_effect_and_are_checked():
     with pytest.raises(ValueError, match="bv_replay"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
     for bad in ({"replay_s0_dots": 3}, {"replay_s0_dots": 1, "p_qs": "ieee"}, {"replay_qk_cols": "yes"},
-                {"replay_qk_cols": 2}, {"replay_prep_launches": 2}, {"replay_prep_launches": True}):
+                {"replay_qk_cols": 2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=bad)
     with pytest.raises(ValueError, match="warps_replay_intra"):
