@@ -48,6 +48,9 @@ class Checkpoint:
     gdn: tuple[GDNLayerState, ...]  # per GDN layer: conv [KC-1, C], recurrent fp32 [HV, K, V] (on the grid:
     # `state.at_boundary`, no open-chunk buffers; elsewhere, in replay mode, with them)
     kv: tuple[AttentionLayerState, ...]  # per attention layer: keys, values [P, HKV, Dh]
+    # `numerics_key` of the model that computed it, or None where not known (a checkpoint made by hand without the
+    # model): `PrefixCache.insert` refuses one made with other numerics than the cache's states
+    numerics: str | None = None
 
     @property
     def position(self) -> int:
@@ -58,8 +61,10 @@ class Checkpoint:
         return sum(int(x.nbytes) for x in jax.tree.leaves((self.gdn, self.kv)))
 
 
-def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int]) -> Checkpoint:
-    """The checkpoint of batch row `row` of `state`, whose absorbed tokens are `tokens` (len == its position)."""
+def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], model=None) -> Checkpoint:
+    """The checkpoint of batch row `row` of `state`, whose absorbed tokens are `tokens` (len == its position).
+    `model`: the model that computed the state; its `numerics_key` goes into the checkpoint (a state does not carry
+    it), so that a cache of other numerics refuses it. Without it the checkpoint's numerics are unknown (None)."""
     pos = int(state.position[row])
     if len(tokens) != pos:
         raise ValueError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
@@ -67,16 +72,18 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int]) ->
                 for s in state.layers if isinstance(s, GDNLayerState))
     kv = tuple(AttentionLayerState(keys=s.keys[row, :pos], values=s.values[row, :pos])
                for s in state.layers if isinstance(s, AttentionLayerState))
-    return Checkpoint(tokens=tuple(int(t) for t in tokens), provenance=int(state.provenance[row]), gdn=gdn, kv=kv)
+    return Checkpoint(tokens=tuple(int(t) for t in tokens), provenance=int(state.provenance[row]), gdn=gdn, kv=kv,
+                      numerics=None if model is None else numerics_key(model))
 
 
 def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: Sequence[Sequence[int]],
-                             kv_state: ModelState, interval: int) -> list[Checkpoint]:
+                             kv_state: ModelState, interval: int, numerics: str | None = None) -> list[Checkpoint]:
     """The cache checkpoints among a prefill's in-call states (`prefill_chunk(..., checkpoint_stride=...)`).
 
     provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
     up to each checkpoint). kv_state: the state after the call, or any later state of the same rows (the keys
-    and values of a prefix never change). Kept: valid checkpoints at positive multiples of `interval`.
+    and values of a prefix never change). Kept: valid checkpoints at positive multiples of `interval`. numerics:
+    the `numerics_key` of the model that ran the prefill (None: unknown).
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
@@ -86,7 +93,7 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
         gdn = tuple(jax.tree.map(lambda x: x[b, j], g) for g in found.gdn)
         kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
         out.append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
-                              gdn=gdn, kv=kv))
+                              gdn=gdn, kv=kv, numerics=numerics))
     return out
 
 
@@ -157,7 +164,8 @@ def numerics_key(model) -> str:
 @dataclasses.dataclass(frozen=True)
 class PrefixCache:
     """Immutable prefix cache. `interval`: checkpoint grid (a multiple of 64); `max_bytes`: LRU byte budget;
-    `numerics`: the `numerics_key` of the model whose states it holds (set by the first `generate` through it)."""
+    `numerics`: the `numerics_key` of the model whose states it holds (set by the first `generate` through it, or
+    by the first checkpoint inserted whose numerics are known)."""
 
     interval: int = DEFAULT_INTERVAL
     deterministic: bool = True
@@ -237,17 +245,23 @@ class PrefixCache:
         """A new cache holding `checkpoints` too (the old cache is unchanged).
 
         A checkpoint the admission rule refuses raises `CheckpointRefused` (naming the rule), or with
-        `skip_refused=True` is counted in `stats().refused_writes` and left out. Least recently used entries
-        are evicted, whole, until the byte budget holds; a checkpoint larger than the whole budget is refused.
+        `skip_refused=True` is counted in `stats().refused_writes` and left out. So is a checkpoint computed with
+        other numerics than the cache's states (`Checkpoint.numerics`, when both are known); an unbound cache takes
+        the numerics of the first known checkpoint it admits. Least recently used entries are evicted, whole, until
+        the byte budget holds; a checkpoint larger than the whole budget is refused.
         """
         if isinstance(checkpoints, Checkpoint):
             checkpoints = [checkpoints]
         entries = dict(self._entries)
         clock = self._clock
         h, m, ht, refused, ev = self._counts
+        numerics = self.numerics
         for ck in checkpoints:
             problem = None
-            if not (ck.position > 0 and ck.position % self.interval == 0):
+            if ck.numerics is not None and numerics is not None and ck.numerics != numerics:
+                problem = (f"this checkpoint was computed by a model with {ck.numerics}; this cache holds states of a "
+                           f"model with {numerics} (restored, it would silently give other bits)")
+            elif not (ck.position > 0 and ck.position % self.interval == 0):
                 problem = f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
             elif self.deterministic and ck.provenance != Provenance.PREFILL:
                 problem = (f"deterministic cache admits only prefill-produced states (provenance PREFILL); this "
@@ -260,6 +274,7 @@ class PrefixCache:
                     raise CheckpointRefused(problem)
                 refused += 1
                 continue
+            numerics = numerics if ck.numerics is None else ck.numerics
             key = _prefix_keys(ck.tokens, self.interval, ck.position)[-1][1]
             old = entries.get(key)
             if old is not None and old.checkpoint.tokens != ck.tokens:
@@ -275,15 +290,15 @@ class PrefixCache:
                 total -= e.checkpoint.nbytes
                 del entries[key]
                 ev += 1
-        return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev))
+        return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev), numerics=numerics)
 
 
 def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     """Assert the cache's invariants (chex assertions; raises AssertionError naming the entry).
 
-    Every entry on the grid, finite, matching the model's state spec in structure, shape and dtype; in
-    deterministic mode every entry prefill-produced; with `recompute=True` every entry bitwise equal to a
-    fresh prefill of its prefix.
+    The cache's numerics, where known, the model's (`numerics_key`), and every entry's, where known, the cache's. Every
+    entry on the grid, finite, matching the model's state spec in structure, shape and dtype; in deterministic mode
+    every entry prefill-produced; with `recompute=True` every entry bitwise equal to a fresh prefill of its prefix.
     """
     from .model import _prefill_jit  # local: the model module does not depend on the cache
 
@@ -298,6 +313,9 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
         where = f"entry at position {ck.position}"
         chex.assert_equal(ck.position % cache.interval, 0, custom_message=f"{where} is off the grid")
         chex.assert_equal(ck.position > 0, True, custom_message=f"{where} is empty")
+        if ck.numerics is not None:
+            chex.assert_equal(ck.numerics, numerics_key(model) if cache.numerics is None else cache.numerics,
+                              custom_message=f"{where} was computed with other numerics than the cache's")
         chex.assert_tree_all_finite((ck.gdn, ck.kv), custom_message=f"{where} is not finite")
         chex.assert_trees_all_equal_structs(ck.gdn, gdn_spec)
         chex.assert_trees_all_equal_shapes_and_dtypes(ck.gdn, gdn_spec, custom_message=where)

@@ -270,17 +270,19 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                                         cached_tokens=int(starts[b]), top_logprobs=top))
     if cache is not None:
         histories = [p + toks[b].tolist() for b, p in enumerate(prompts)]
+        numerics = numerics_key(model)
         new = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories, out["state"],
-                                       cache.interval)
+                                       cache.interval, numerics)
         if snap_interval:
-            new += _decode_checkpoints(out, prompts, histories, [len(r.tokens) for r in results], snap_interval)
+            new += _decode_checkpoints(out, prompts, histories, [len(r.tokens) for r in results], snap_interval,
+                                       numerics)
         results.cache = cache.insert(new, skip_refused=True)
     return results
 
 
-def _decode_checkpoints(out, prompts, histories, n_emitted, interval) -> list[Checkpoint]:
+def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: str) -> list[Checkpoint]:
     """Checkpoints at the grid boundaries reached by decode, within emitted tokens (provenance: the final state's,
-    DECODE after recurrent decode, PREFILL after replay decode)."""
+    DECODE after recurrent decode, PREFILL after replay decode), computed with `numerics` (`numerics_key`)."""
     state = out["state"]
     provenance = np.asarray(state.provenance)
     attn = [s for s in state.layers if isinstance(s, AttentionLayerState)]
@@ -294,5 +296,6 @@ def _decode_checkpoints(out, prompts, histories, n_emitted, interval) -> list[Ch
                 break
             gdn = tuple(jax.tree.map(lambda x: x[i, b], s) for s in out["snaps"])
             kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
-            found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(provenance[b]), gdn=gdn, kv=kv))
+            found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(provenance[b]), gdn=gdn, kv=kv,
+                                    numerics=numerics))
     return found

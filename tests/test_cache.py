@@ -288,3 +288,33 @@ def test_a_cache_holds_one_kind_of_state(tiny):
         jaxgdn.check_cache(filled, scan)
     fresh = jaxgdn.generate(scan, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL))
     assert fresh.cache.numerics == jaxgdn.cache.numerics_key(scan) and len(fresh.cache)
+
+
+def test_checkpoints_carry_their_models_numerics(tiny):
+    """A checkpoint records the numerics of the model that computed it (`generate`'s own, or `model=` by hand): a
+    cache refuses one made with other numerics than its states' (`skip_refused` counts it), takes one of unknown
+    numerics, binds itself to the first known one when unbound, and `check_cache` names an entry planted with other
+    numerics."""
+    prompt = np.random.default_rng(10).integers(0, tiny.config.vocab_size, 70).tolist()
+    filled = jaxgdn.generate(tiny, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL)).cache
+    key = jaxgdn.cache.numerics_key(tiny)
+    assert len(filled) and all(ck.numerics == key for ck in filled.checkpoints())
+    toks = list(range(1, 65))
+    state, _ = _prefill(tiny, toks, capacity=128)
+    scan = tiny.with_gdn_prefill("recurrent")
+    other = checkpoint_from_state(state, 0, toks, model=scan)  # labelled as made by the token-by-token prefill
+    assert other.numerics == jaxgdn.cache.numerics_key(scan) != key
+    with pytest.raises(jaxgdn.CheckpointRefused, match="computed by a model with .*gdn_prefill=recurrent"):
+        filled.insert(other)
+    skipped = filled.insert(other, skip_refused=True)
+    assert len(skipped) == len(filled) and skipped.stats().refused_writes == filled.stats().refused_writes + 1
+    unknown = checkpoint_from_state(state, 0, toks)
+    assert unknown.numerics is None and len(filled.insert(unknown)) == len(filled) + 1
+    bound = jaxgdn.PrefixCache(interval=INTERVAL).insert(other)
+    assert bound.numerics == other.numerics and jaxgdn.PrefixCache(interval=INTERVAL).insert(unknown).numerics is None
+    with pytest.raises(jaxgdn.CheckpointRefused, match="gdn_prefill=recurrent"):
+        jaxgdn.generate(tiny, [prompt], max_new_tokens=4, cache=bound)
+    jaxgdn.check_cache(jaxgdn.PrefixCache(interval=INTERVAL).insert(checkpoint_from_state(state, 0, toks, model=tiny)),
+                       tiny, recompute=True)
+    with pytest.raises(AssertionError, match="other numerics than the cache's"):
+        jaxgdn.check_cache(_plant(jaxgdn.PrefixCache(interval=INTERVAL, numerics=key), other), tiny)
