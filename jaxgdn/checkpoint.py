@@ -193,12 +193,18 @@ def _moe(r: _Reader, c: ModelConfig, pre: str) -> MoEParams:
                      shared_gate=r.linear(pre + "shared_expert_gate", 1, D))
 
 
-def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False) -> ModelParams:
-    """The parameters as jax arrays, or (`lazy`) as host arrays read only when placed (`jaxgdn.sharding.place`)."""
+def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False, progress: bool | None = None) -> ModelParams:
+    """The parameters as jax arrays, or (`lazy`) as host arrays read only when placed (`jaxgdn.sharding.place`).
+    progress: a bar over the layers on stderr (None: on a terminal only; never when lazy, where nothing is read
+    here)."""
+    from tqdm.auto import tqdm
+
     r = _Reader(_open_tensors(path), dtype, lazy)
     c, D = config, config.hidden_size
     layers = []
-    for i, kind in enumerate(c.layer_types):
+    bar = tqdm(enumerate(c.layer_types), total=len(c.layer_types), desc=f"loading {path.name}", unit="layer",
+               leave=False, disable=True if lazy else (None if progress is None else not progress))
+    for i, kind in bar:
         pre = f"model.layers.{i}."
         mixer = _gdn(r, c, pre + "linear_attn.") if kind == LINEAR else _attention(r, c, pre + "self_attn.")
         ff = _moe(r, c, pre + "mlp.") if c.is_moe_layer(i) else _mlp(r, pre + "mlp.", D, c.intermediate_size)
@@ -218,7 +224,7 @@ def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False) -> M
 
 
 def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, deterministic: bool = False,
-                    mesh=None) -> Model:
+                    mesh=None, progress: bool | None = None) -> Model:
     """Load a Hugging Face directory (config.json + model.safetensors or a sharded index) into a `Model`.
 
     dtype: parameter/activation dtype (float32 or bfloat16); A_log and dt_bias always load as fp32.
@@ -226,6 +232,8 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
     deterministic: batch-invariant numerics (see `Model.deterministic`).
     mesh: a `jax.sharding.Mesh` with a "tp" axis (`jaxgdn.sharding.make_mesh`): parameters placed for tensor
     parallelism (`jaxgdn.sharding.shard_model`), each device's slice read from the file on its own.
+    progress: a progress bar over the layers as they are read, on stderr (None, the default: only when stderr is a
+    terminal; True: always; False: never). Not with `mesh`, where the reads happen as the slices are placed.
     """
     check_model_options(dtype, backend)
     path = Path(path)
@@ -239,5 +247,5 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
 
         return shard_model(Model(params=read_params(path, config, dtype, lazy=True), config=config, dtype=dtype,
                                  backend=backend, deterministic=deterministic), mesh)
-    return Model(params=read_params(path, config, dtype), config=config, dtype=dtype, backend=backend,
-                 deterministic=deterministic)
+    return Model(params=read_params(path, config, dtype, progress=progress), config=config, dtype=dtype,
+                 backend=backend, deterministic=deterministic)

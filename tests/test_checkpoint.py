@@ -355,3 +355,17 @@ def test_bad_model_options_are_rejected_before_loading(kw, match):
     model = jaxgdn.tiny_model("tiny")
     with pytest.raises(jaxgdn.InputError, match=match):
         dataclasses.replace(model, **kw)  # as with_backend and every other copy does
+
+
+def test_loading_shows_progress_when_asked(capsys):
+    """`progress=True` draws a bar over the layers on stderr; the default draws one on a terminal only (pytest's
+    captured stderr is not one), and `progress=False` never: the weights are the same."""
+    shown = jaxgdn.load_pretrained(SRC, progress=True)
+    err = capsys.readouterr().err
+    n = len(shown.config.layer_types)
+    assert f"loading {SRC.name}" in err and f"/{n} [" in err and "layer" in err, err  # (tqdm redraws at most every
+    # 0.1 s and clears the bar at the end: a fast load may never show n/n)
+    quiet = [jaxgdn.load_pretrained(SRC), jaxgdn.load_pretrained(SRC, progress=False)]
+    assert capsys.readouterr().err == ""
+    for model in quiet:
+        chex.assert_trees_all_equal(model.params, shown.params)
