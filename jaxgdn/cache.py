@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import CHUNK
+from pallas_kernels import CHUNK, resolve_backend
 
 from .errors import InputError, JaxGDNError
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
@@ -156,9 +156,11 @@ class _Entry:
 
 
 def numerics_key(model) -> str:
-    """What decides a model's state bits beyond its weights: deterministic mode and the GDN prefill arithmetic.
-    A cache holds states of one kind only (`PrefixCache.bound_to`)."""
-    return f"deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}"
+    """What decides a model's state bits beyond its weights: deterministic mode, the GDN prefill arithmetic, the
+    activation dtype and the kernel backend (resolved: None is the device's default). A cache holds states of one
+    kind only (`PrefixCache.bound_to`)."""
+    return (f"deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}, "
+            f"dtype={jnp.dtype(model.dtype).name}, backend={resolve_backend(model.backend)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -407,6 +407,7 @@ def state_gap_records(model, tokens: list[int], decode_from: int, splits: list[i
     toks[:T] = tokens
     layer_ids = model.config.gdn_layers
     positions = list(range(stride, T + 1, stride))
+    splits = sorted(set(splits))  # each split point once
 
     def run_prefill(state, start, lengths):
         """Rows of `state` (all at position `start`) absorb tokens[start: start + lengths[r]]."""
@@ -541,6 +542,10 @@ def _compare_states(args, out: _Outputs) -> int:
         raise InputError(f"--splits must lie in [1, {T - 1}] for a {T}-token prompt; got {splits}")
     if args.stride < 1:
         raise InputError(f"--stride must be >= 1; got {args.stride}")
+    splits = sorted(set(splits))  # a split point given twice is compared once
+    if not any(p > min([args.decode_from] + splits) for p in range(args.stride, T + 1, args.stride)):
+        raise InputError(f"nothing to compare: no position {args.stride}, {2 * args.stride}, ... up to {T} (--stride) "
+                         f"lies past --decode-from ({args.decode_from}) or a split point ({splits or 'none'})")
     t0 = time.perf_counter()
     records = state_gap_records(model, tokens, args.decode_from, splits, args.stride)
     summary = summarize_gaps(records)

@@ -288,6 +288,12 @@ def test_a_cache_holds_one_kind_of_state(tiny):
         jaxgdn.check_cache(filled, scan)
     fresh = jaxgdn.generate(scan, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL))
     assert fresh.cache.numerics == jaxgdn.cache.numerics_key(scan) and len(fresh.cache)
+    # the activation dtype and the kernel backend decide the bits too: a bf16 or interpret-mode model is refused
+    # before anything is computed
+    for other in (dataclasses.replace(tiny, dtype=jnp.bfloat16), tiny.with_backend("interpret")):
+        with pytest.raises(jaxgdn.cache.CheckpointRefused, match="dtype=float32, backend=reference; the model using "
+                           "it has .*(dtype=bfloat16|backend=interpret)"):
+            jaxgdn.generate(other, [prompt], max_new_tokens=4, cache=filled)
 
 
 def test_checkpoints_carry_their_models_numerics(tiny):

@@ -207,7 +207,8 @@ def test_score_bad_input(capsys, tmp_path, argv, match):
 
 # ---- compare-states ----------------------------------------------------------------------------------------------
 
-CS_ARGS = ["--length", 70, "--decode-from", 60, "--splits", "64,63", "--stride", 5, "--seed", 4]
+CS_ARGS = ["--length", 70, "--decode-from", 60, "--splits", "64,63,64", "--stride", 5, "--seed", 4]  # (64 twice:
+# compared once)
 
 
 def test_compare_states(capsys, tmp_path, preset):
@@ -262,6 +263,9 @@ def test_compare_states_leaves_no_partial_files(capsys, tmp_path, monkeypatch):
     (["--length", "20", "--decode-from", "20"], "--decode-from must lie in [0, 19]"),
     (["--length", "20", "--decode-from", "5", "--splits", "0,5"], "--splits must lie in [1, 19]"),
     (["--tokens", "1,2,300"], "outside [0, 256)"),
+    (["--length", "100", "--stride", "1000"], "nothing to compare: no position 1000, 2000, ... up to 100"),
+    (["--length", "100", "--splits", "", "--decode-from", "99", "--stride", "3"],
+     "lies past --decode-from (99) or a split point (none)"),
 ])
 def test_compare_states_bad_input(capsys, tmp_path, argv, match):
     rc, _, err = run(capsys, "compare-states", *argv, "--output", tmp_path / "cs")
