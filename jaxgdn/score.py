@@ -63,18 +63,29 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
         raise InputError("sequences must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
                          "list)")
     try:
-        seqs = [np.asarray(s) for s in sequences]
+        items = list(sequences)
     except TypeError:
         raise InputError("sequences must be a list of token-id sequences") from None
+    seqs = []
+    for i, s in enumerate(items):
+        try:
+            seqs.append(np.asarray(s))
+        except (TypeError, ValueError):  # ragged or nested rows: NumPy cannot make one flat array of them
+            raise InputError(f"sequence {i} must be a flat sequence of integer token ids") from None
     if not seqs:
         raise InputError("no sequences given")
-    if isinstance(start, (int, np.integer)) and not isinstance(start, bool):
+    if is_int(start):
         starts = [int(start)] * len(seqs)
     else:
         try:
-            starts = [int(s) for s in start]
-        except (TypeError, ValueError):
-            raise InputError(f"start must be an int or one int per sequence; got {start!r}") from None
+            given = list(start)
+        except TypeError:
+            raise InputError(f"start must be an int or one int per sequence; got {start!r:.80}") from None
+        bad = [i for i, s in enumerate(given) if not is_int(s)]
+        if bad:
+            raise InputError(f"start must be an int or one int per sequence; start value {bad[0]} is "
+                             f"{given[bad[0]]!r:.40}, not an integer")
+        starts = [int(s) for s in given]
         if len(starts) != len(seqs):
             raise InputError(f"{len(starts)} start values for {len(seqs)} sequences")
     out = []
@@ -94,10 +105,16 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
     """Per-token logprobs by teacher forcing.
 
     sequences: token-id sequences (any lengths >= 2). start: the first position scored, one int for all or one
-    per sequence, in [1, len - 1]. Returns, in order, for each sequence the list of
-    log p(seq[t] | seq[:t]) for t = start .. len - 1 (full-vocabulary log_softmax of the model's logits, fp32).
+    per sequence, in [1, len - 1]. batch_size and window are ints (window a multiple of 64). Bad input raises
+    `InputError` naming the argument or the sequence, before anything is compiled. Returns, in order, for each
+    sequence the list of log p(seq[t] | seq[:t]) for t = start .. len - 1 (full-vocabulary log_softmax of the
+    model's logits, fp32).
     """
     seqs, starts = check_sequences(model, sequences, start)
+    for name, value in (("batch_size", batch_size), ("window", window)):
+        if not is_int(value):
+            raise InputError(f"{name} must be an integer; got {type(value).__name__} {value!r:.40}")
+    batch_size, window = int(batch_size), int(window)
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1; got {batch_size}")
     if window < CHUNK or window % CHUNK:

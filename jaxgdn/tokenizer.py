@@ -8,17 +8,70 @@ A checkpoint directory's `tokenizer.json` is read with Hugging Face `tokenizers`
 sequence ids come from `generation_config.json` or `config.json` (`eos_token_id`, an int or a list), for use as
 default stop tokens. `ByteTokenizer` (UTF-8 bytes as ids 0..255) is the fallback for the embedded tiny models,
 whose vocabulary is exactly 256.
+
+Both classes decode alike: an id outside [0, vocab_size) (negative ones included) reads as one U+FFFD, and each run
+of valid ids between such ids is decoded on its own, so the text around a bad id survives. An id that is not an
+integer (a float, a string, a bool) raises `InputError`.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from .errors import CheckpointError, JaxGDNError
+import numpy as np
+
+from .errors import CheckpointError, InputError, JaxGDNError, is_int
 
 TOKENIZER_FILE = "tokenizer.json"
+REPLACEMENT = "\ufffd"
+
+
+def _token_ids(ids) -> list[int]:
+    """`ids` as Python ints; raises InputError for a string or an id that is not an integer."""
+    if isinstance(ids, (str, bytes)):
+        raise InputError(f"token ids must be a sequence of integers; got {type(ids).__name__} {ids!r:.60}")
+    try:
+        items = list(ids)
+    except TypeError:
+        raise InputError(f"token ids must be a sequence of integers; got {ids!r:.60}") from None
+    out = []
+    for i, t in enumerate(items):
+        if not is_int(t):
+            try:  # 0-d integer arrays (NumPy, JAX) have __index__; bools and floats are refused
+                if isinstance(t, (bool, np.bool_)) or getattr(t, "dtype", None) == np.bool_:
+                    raise TypeError
+                t = operator.index(t)
+            except TypeError:
+                raise InputError(f"token id {i} is not an integer: {t!r:.60}") from None
+        out.append(int(t))
+    return out
+
+
+def _check_text(text) -> None:
+    if not isinstance(text, str):
+        raise InputError(f"text to encode must be a str; got {type(text).__name__}")
+
+
+def _decode_runs(ids: list[int], vocab_size: int, decode_run: Callable[[list[int]], str]) -> str:
+    """Decode each run of ids in [0, vocab_size) with `decode_run`; every id outside it reads as one U+FFFD."""
+    if all(0 <= t < vocab_size for t in ids):
+        return decode_run(ids)
+    parts: list[str] = []
+    run: list[int] = []
+    for t in ids:
+        if 0 <= t < vocab_size:
+            run.append(t)
+            continue
+        if run:
+            parts.append(decode_run(run))
+            run = []
+        parts.append(REPLACEMENT)
+    if run:
+        parts.append(decode_run(run))
+    return "".join(parts)
 
 
 class Tokenizer:
@@ -51,11 +104,15 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added)."""
+        """Token ids of `text` (no special tokens added); InputError unless `text` is a str."""
+        _check_text(text)
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
+        """Text of `ids`. An id outside [0, vocab_size) (negative included) reads as one U+FFFD, and the runs of
+        valid ids around it are decoded separately; a non-integer id raises `InputError`."""
+        return _decode_runs(_token_ids(ids), self.vocab_size,
+                            lambda run: self._tok.decode(run, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (for per-token tables)."""
@@ -66,20 +123,20 @@ class Tokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids (0..255). Decoding replaces ids above 255 and broken UTF-8 with U+FFFD."""
+    """UTF-8 bytes as token ids (0..255). Decoding reads each id outside 0..255 (negative included) as one U+FFFD
+    and decodes the runs of valid bytes around it as UTF-8 (broken UTF-8 there becomes U+FFFD too), so
+    `decode([0xC3, 0xA9, 300]) == "\u00e9\ufffd"`; a non-integer id raises `InputError`."""
 
     name = "bytes"
     vocab_size = 256
     eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
+        _check_text(text)
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        ids = [int(t) for t in ids]
-        if all(0 <= t < 256 for t in ids):
-            return bytes(ids).decode("utf-8", errors="replace")
-        return "".join(bytes([t]).decode("utf-8", errors="replace") if 0 <= t < 256 else "\ufffd" for t in ids)
+        return _decode_runs(_token_ids(ids), 256, lambda run: bytes(run).decode("utf-8", errors="replace"))
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
@@ -88,8 +145,19 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
+def _eos_field(f: Path, field: str, eos) -> tuple[int, ...]:
+    """`eos` (the value of `field` in file `f`) as a tuple of ints; CheckpointError unless an int or a list of ints."""
+    if is_int(eos):
+        return (int(eos),)
+    if isinstance(eos, list) and all(is_int(t) for t in eos):
+        return tuple(int(t) for t in eos)
+    raise CheckpointError(f"{f}: {field} must be an integer or a list of integers; got {json.dumps(eos):.80}")
+
+
 def eos_token_ids(model_dir) -> tuple[int, ...]:
-    """`eos_token_id` of generation_config.json (else config.json, or its text_config) as a tuple; () if none."""
+    """`eos_token_id` of generation_config.json (else config.json, or its text_config) as a tuple; () if none.
+    Raises `CheckpointError` naming the file and field when the file is not a JSON object or the field is anything
+    but an integer or a list of integers."""
     model_dir = Path(model_dir)
     for name in ("generation_config.json", "config.json"):
         f = model_dir / name
@@ -99,10 +167,17 @@ def eos_token_ids(model_dir) -> tuple[int, ...]:
             cfg = json.loads(f.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{f} is not valid JSON: {e}") from None
-        for c in (cfg, cfg.get("text_config") or {}):
-            eos = c.get("eos_token_id")
-            if eos is not None:
-                return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{f} must hold a JSON object; got a {type(cfg).__name__}")
+        if cfg.get("eos_token_id") is not None:
+            return _eos_field(f, "eos_token_id", cfg["eos_token_id"])
+        text_cfg = cfg.get("text_config")
+        if text_cfg is None:
+            continue
+        if not isinstance(text_cfg, dict):
+            raise CheckpointError(f"{f}: text_config must be a JSON object; got {json.dumps(text_cfg):.80}")
+        if text_cfg.get("eos_token_id") is not None:
+            return _eos_field(f, "text_config.eos_token_id", text_cfg["eos_token_id"])
     return ()
 
 

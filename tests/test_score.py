@@ -90,13 +90,33 @@ def test_no_recompilation_within_a_bucket(det, seqs):
     (np.array([1, 2, 3]), 1, "wrap it in a list"),
     ([1, 2, 3], 1, "one flat sequence of ids: wrap it in a list"),
     ("hello", 1, "got a string"),
+    ([[1, [2], 3]], 1, "sequence 0 must be a flat sequence of integer token ids"),
+    ([[1, 2, 3], [4, [5, 6], 7]], 1, "sequence 1 must be a flat sequence of integer token ids"),
+    ([[1, 2, 3, 4]], [1.9], "start value 0 is 1.9, not an integer"),
+    ([[1, 2, 3, 4], [1, 2, 3]], [1, "2"], "start value 1 is '2', not an integer"),
+    ([[1, 2, 3, 4]], [True], "start value 0 is True, not an integer"),
+    ([[1, 2, 3, 4]], 1.0, "start must be an int or one int per sequence"),
+    (None, 1, "sequences must be a list of token-id sequences"),
 ])
 def test_bad_input(det, sequences, start, match):
     with pytest.raises(jaxgdn.InputError, match=match):
         score(det, sequences, start=start)
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(batch_size=0), "batch_size"), (dict(window=100), "window")])
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch_size"), (dict(window=100), "window"),
+    (dict(batch_size=2.5), "batch_size must be an integer; got float 2.5"),
+    (dict(batch_size="8"), "batch_size must be an integer; got str '8'"),
+    (dict(batch_size=True), "batch_size must be an integer; got bool"),
+    (dict(window=64.0), "window must be an integer; got float 64.0"),
+    (dict(window=np.float32(128)), "window must be an integer"),
+])
 def test_bad_options(det, kwargs, match):
     with pytest.raises(jaxgdn.InputError, match=match):
         score(det, [[1, 2, 3]], **kwargs)
+
+
+def test_numpy_integer_options(det, seqs, scored):
+    """NumPy integers are integers: start, batch_size and window given as np.int64 score as the Python ints do."""
+    again = score(det, seqs, start=np.array(STARTS), batch_size=np.int64(8), window=np.int64(512))
+    assert again == scored

@@ -85,3 +85,74 @@ def test_byte_tokenizer():
     assert len(ids) == len(text.encode("utf-8")) and max(ids) < 256
     assert b.decode(ids) == text
     assert b.decode([104, 105, 300]) == "hi\ufffd"  # an id beyond 255 decodes as U+FFFD
+
+
+def test_byte_decode_keeps_valid_utf8_around_bad_ids():
+    b = ByteTokenizer()
+    assert b.decode([0xC3, 0xA9, 300]) == "\u00e9\ufffd"  # the valid run still decodes as UTF-8
+    assert b.decode([-1, 65]) == "\ufffdA"  # a negative id reads as U+FFFD too
+    assert b.decode([0xC3, 0xA9, 256, 0xC3, 0xA9]) == "\u00e9\ufffd\u00e9"
+    assert b.decode([0xC3, 300, 0xA9]) == "\ufffd\ufffd\ufffd"  # a bad id splits the character: broken UTF-8
+    assert b.decode([]) == ""
+
+
+def test_hf_decode_out_of_range_ids(tok):
+    ids = tok.encode("Hello world")
+    assert tok.decode([-1]) == "\ufffd"
+    assert tok.decode([tok.vocab_size]) == "\ufffd"
+    assert tok.decode(ids + [tok.vocab_size + 1000] + ids) == "Hello world\ufffdHello world"
+    assert tok.decode([-5] + ids) == "\ufffdHello world"
+    assert tok.token_text(-1) == "\ufffd"
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([1.5], "token id 0 is not an integer"),
+    ([65, "6"], "token id 1 is not an integer"),
+    ([True], "token id 0 is not an integer"),
+    ("65", "token ids must be a sequence of integers"),
+    (5, "token ids must be a sequence of integers"),
+])
+def test_decode_non_integer_ids(tok, ids, match):
+    for t in (tok, ByteTokenizer()):
+        with pytest.raises(jaxgdn.InputError, match=match):
+            t.decode(ids)
+
+
+def test_decode_accepts_numpy_ids(tok):
+    import numpy as np
+    ids = tok.encode("Hello")
+    assert tok.decode(np.array(ids, np.int32)) == "Hello" == tok.decode([np.int64(t) for t in ids])
+    assert ByteTokenizer().decode(np.array([104, 105], np.uint8)) == "hi"
+
+
+@pytest.mark.parametrize("text", [b"hi", 5, None])
+def test_encode_needs_a_str(tok, text):
+    for t in (tok, ByteTokenizer()):
+        with pytest.raises(jaxgdn.InputError, match="text to encode must be a str"):
+            t.encode(text)
+
+
+@pytest.mark.parametrize("content, match", [
+    ([1, 2], r"generation_config.json must hold a JSON object"),
+    ({"eos_token_id": [[1]]}, r"generation_config.json: eos_token_id must be an integer or a list of integers"),
+    ({"eos_token_id": 2.7}, r"generation_config.json: eos_token_id must be an integer or a list of integers; got 2.7"),
+    ({"eos_token_id": "2"}, r"eos_token_id must be an integer or a list of integers"),
+    ({"eos_token_id": True}, r"eos_token_id must be an integer or a list of integers; got true"),
+    ({"eos_token_id": [1, 2.0]}, r"eos_token_id must be an integer or a list of integers"),
+    ({"text_config": {"eos_token_id": {"a": 1}}}, r"text_config\.eos_token_id must be an integer"),
+    ({"text_config": [1]}, r"text_config must be a JSON object"),
+])
+def test_malformed_eos_ids(tmp_path, content, match):
+    (tmp_path / "generation_config.json").write_text(json.dumps(content))
+    with pytest.raises(jaxgdn.CheckpointError, match=match):
+        eos_token_ids(tmp_path)
+    shutil.copy(FIXTURE, tmp_path / "tokenizer.json")
+    with pytest.raises(jaxgdn.CheckpointError, match=match):
+        load_tokenizer(tmp_path)
+
+
+def test_eos_ids_valid_forms(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None, "text_config": None}))
+    assert eos_token_ids(tmp_path) == ()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    assert eos_token_ids(tmp_path) == (2, 5)  # generation_config.json names none: config.json's
