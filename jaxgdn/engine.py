@@ -36,17 +36,45 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence, Union
+from typing import Iterable, Sequence, Union
+
+import numpy as np
 
 from .cache import PrefixCache
-from .errors import CapacityError, InputError
+from .errors import CapacityError, InputError, check_token_ids, is_int
 from .generate import GenerationResult, _check_request, generate
 from .model import Model
+
+SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wrap around modulo this
+DEFAULT_MAX_LENGTH = 1 << 22  # prompt + generated tokens per row when `Engine(max_length=None)` (4,194,304)
+MAX_LENGTH_LIMIT = 1 << 30  # the largest `max_length` (positions are int32; bucket rounding stays far below 2**31)
+MAX_DECODE_BUCKET = 1 << 20
+
+
+def _stop_ids(value) -> tuple[int, ...]:
+    """SamplingParams.stop_token_ids as a tuple of ints: a sequence of integer ids, or one integer id."""
+    if is_int(value):
+        return (int(value),)
+    bad = InputError(f"stop_token_ids must be a sequence of integer token ids (or one integer id); got {value!r}")
+    if value is None or isinstance(value, (str, bytes, dict, set, frozenset)):
+        raise bad
+    try:
+        ids = list(value)
+    except TypeError:
+        raise bad from None
+    if not all(is_int(t) for t in ids):
+        raise bad
+    return tuple(int(t) for t in ids)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings (see `jaxgdn.generate`)."""
+    """Per-request generation settings (see `jaxgdn.generate`).
+
+    stop_token_ids: a sequence of integer token ids (a list, tuple or 1-D integer array), or a single integer id;
+    stored as a tuple of ints. Anything else (a string, None, floats, bools, nested lists) raises InputError here;
+    the ids' range and the other fields are checked against the model by `Engine.run`.
+    """
 
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
@@ -56,7 +84,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
 
     @property
     def batch_key(self):
@@ -66,7 +94,7 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One prompt (token ids) to complete."""
+    """One prompt to complete: a non-empty sequence of integer token ids (no bools, no floats)."""
 
     prompt: Sequence[int]
     params: SamplingParams = SamplingParams()
@@ -76,7 +104,9 @@ class Request:
 class Conversation:
     """A multi-turn conversation: turn i's prompt = prompt(i-1) + answer(i-1) + messages[i] (token ids).
 
-    Every turn uses `params`; the seed of turn i is `params.seed + i` so sampled turns do not repeat each other.
+    Every message must hold at least one token (integer token ids, no bools, no floats). Every turn uses `params`;
+    the seed of turn i is `(params.seed + i) % 2**32` (so sampled turns do not repeat each other, and any valid seed,
+    2**32 - 1 included, stays valid on every turn).
     """
 
     messages: Sequence[Sequence[int]]
@@ -157,24 +187,47 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _check_tokens(msg, what: str, vocab_size: int) -> list[int]:
+    """A prompt / message as a list of ints: a flat, non-empty sequence of integer ids in [0, vocab_size), no bools
+    (what `generate` accepts); raises InputError naming `what` otherwise."""
+    if isinstance(msg, (str, bytes)):
+        raise InputError(f"{what} must be a sequence of integer token ids (got a string: encode it with a "
+                         f"tokenizer)")
+    try:
+        a = np.asarray(msg)
+    except (TypeError, ValueError, OverflowError):
+        raise InputError(f"{what} must be a flat sequence of integer token ids") from None
+    check_token_ids(a, what, vocab_size)
+    # [1, True] makes an int64 array: refuse any bool, as generate does for an all-bool prompt
+    if not isinstance(msg, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in msg):
+        raise InputError(f"{what} must hold integer token ids; got a bool")
+    return [int(t) for t in a]
+
+
 class Engine:
     """Offline batched generation over one prefix cache (see the module docstring).
 
     cache: the prefix cache to start from; None with `use_cache=True` makes an empty one (deterministic when the
     model is). The engine keeps the newest cache in `.cache` across `run` calls.
-    max_length: optional limit on prompt + generated tokens per row (`CapacityError` beyond it).
+    max_length: limit on prompt + generated tokens per row, counted over a conversation's turns (`CapacityError`
+    beyond it, raised before anything runs); None means `DEFAULT_MAX_LENGTH` (2**22); at most 2**30.
+    max_batch, decode_bucket: positive integers (decode_bucket at most 2**20).
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, cache: PrefixCache | None = None,
                  use_cache: bool = True, max_length: int | None = None, progress: bool = True,
                  pad_batches: bool = True, decode_bucket: int = 16,
                  default_params: SamplingParams = SamplingParams()):
-        if max_batch < 1:
-            raise InputError(f"max_batch must be >= 1; got {max_batch}")
-        if decode_bucket < 1:
-            raise InputError(f"decode_bucket must be >= 1; got {decode_bucket}")
-        if max_length is not None and max_length < 2:
-            raise InputError(f"max_length must be >= 2; got {max_length}")
+        if not is_int(max_batch) or max_batch < 1:
+            raise InputError(f"max_batch must be an integer >= 1; got {max_batch!r}")
+        if not is_int(decode_bucket) or not 1 <= decode_bucket <= MAX_DECODE_BUCKET:
+            raise InputError(f"decode_bucket must be an integer in [1, {MAX_DECODE_BUCKET}]; got {decode_bucket!r}")
+        if max_length is not None and not (is_int(max_length) and 2 <= max_length <= MAX_LENGTH_LIMIT):
+            raise InputError(f"max_length must be None or an integer in [2, {MAX_LENGTH_LIMIT}]; got {max_length!r}")
+        if cache is not None and not isinstance(cache, PrefixCache):
+            raise InputError(f"cache must be a jaxgdn.PrefixCache or None; got {type(cache).__name__}")
+        if not isinstance(default_params, SamplingParams):
+            raise InputError(f"default_params must be a SamplingParams; got {type(default_params).__name__}")
         self.model = model
         self.max_batch = max_batch
         self.cache = cache if cache is not None else (PrefixCache(deterministic=model.deterministic)
@@ -186,36 +239,64 @@ class Engine:
         self.default_params = default_params
 
     # ---- validation ----------------------------------------------------------------------------------------
-    def _normalise(self, items: Sequence[Item]) -> list[Request | Conversation]:
+    def _normalise(self, items: Iterable[Item]) -> list[Request | Conversation]:
+        if isinstance(items, (Request, Conversation)):
+            raise InputError("run takes a list of requests / conversations (got one: wrap it in a list)")
+        if isinstance(items, (str, bytes)):
+            raise InputError("run takes a list of requests (got a string: encode it with a tokenizer)")
+        try:
+            items = list(items)  # any iterable (a generator too), materialised once
+        except TypeError:
+            raise InputError(f"run takes a list of requests / conversations / token-id lists; got "
+                             f"{type(items).__name__}") from None
         if len(items) == 0:
             raise InputError("no requests given")
+        if all(is_int(t) for t in items):
+            raise InputError("run takes a list of requests (got one flat sequence of ids: wrap it in a list)")
+        V = self.model.config.vocab_size
+        limit = self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
         out = []
         for i, it in enumerate(items):
             if not isinstance(it, (Request, Conversation)):
                 it = Request(prompt=it, params=self.default_params)
-            prompts = [it.prompt] if isinstance(it, Request) else list(it.messages)
             what = f"request {i}" if isinstance(it, Request) else f"conversation {i}"
-            if not prompts:
-                raise InputError(f"{what} has no messages")
+            if not isinstance(it.params, SamplingParams):
+                raise InputError(f"{what}: params must be a SamplingParams; got {type(it.params).__name__}")
+            if isinstance(it, Request):
+                prompts = [_check_tokens(it.prompt, f"{what}: the prompt", V)]
+            else:
+                if isinstance(it.messages, (str, bytes)):
+                    raise InputError(f"{what}: messages must be a list of token-id sequences; got a string")
+                try:
+                    messages = list(it.messages)
+                except TypeError:
+                    raise InputError(f"{what}: messages must be a list of token-id sequences") from None
+                if not messages:
+                    raise InputError(f"{what} has no messages")
+                if all(is_int(t) for t in messages):
+                    raise InputError(f"{what}: messages must be a list of token-id sequences (got one flat sequence "
+                                     f"of ids: wrap it in a list)")
+                prompts = [_check_tokens(m, f"{what}, message {j}", V) for j, m in enumerate(messages)]
             p = it.params
-            for j, msg in enumerate(prompts):
-                where = what if isinstance(it, Request) else f"{what}, message {j}"
-                try:
-                    ids = [int(t) for t in msg]
-                    if any(ids[k] != msg[k] for k in range(len(ids))):
-                        raise ValueError
-                except (TypeError, ValueError):
-                    raise InputError(f"{where}: a prompt must be a sequence of integer token ids") from None
-                try:
-                    _check_request(self.model, [ids], p.max_new_tokens, p.temperature, p.top_k, p.top_p,
-                                   p.stop_token_ids, seed=p.seed)
-                except InputError as e:
-                    raise type(e)(f"{where}: {e}") from None
+            for name in ("temperature", "top_p"):
+                x = getattr(p, name)
+                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+                    raise InputError(f"{what}: invalid sampling parameters: {name}={x!r} (a number)")
+            try:
+                _check_request(self.model, prompts[:1], p.max_new_tokens, p.temperature, p.top_k, p.top_p,
+                               p.stop_token_ids, seed=p.seed)
+            except InputError as e:
+                raise type(e)(f"{what}: {e}") from None
             need = sum(len(m) for m in prompts) + len(prompts) * p.max_new_tokens
-            if self.max_length is not None and need > self.max_length:
+            if need > limit:
+                bound = (f"max_length {self.max_length}" if self.max_length is not None else
+                         f"the default bound of {DEFAULT_MAX_LENGTH} tokens per row (pass max_length, up to "
+                         f"{MAX_LENGTH_LIMIT}, to raise it)")
                 raise CapacityError(f"{what} needs up to {need} tokens (prompts + max_new_tokens per turn), beyond "
-                                    f"max_length {self.max_length}")
-            out.append(it)
+                                    f"{bound}")
+            # keep the validated ids (a generator of messages is read once)
+            out.append(dataclasses.replace(it, prompt=prompts[0]) if isinstance(it, Request) else
+                       dataclasses.replace(it, messages=prompts))
         return out
 
     # ---- scheduling ----------------------------------------------------------------------------------------
@@ -254,8 +335,12 @@ class Engine:
         return results, elapsed, getattr(out, "timings", None)
 
     # ---- the run -------------------------------------------------------------------------------------------
-    def run(self, items: Sequence[Item]) -> EngineOutput:
-        """Generate for every request / conversation; results in request order, with stats and the new cache."""
+    def run(self, items: Iterable[Item]) -> EngineOutput:
+        """Generate for every request / conversation; results in request order, with stats and the new cache.
+
+        items: any iterable (a list, a generator: it is read once) of `Request`, `Conversation` or plain token-id
+        lists (run with `default_params`). Everything is validated before anything compiles or runs.
+        """
         from tqdm.auto import tqdm
 
         t_start = time.perf_counter()
@@ -276,7 +361,7 @@ class Engine:
                         jobs.append(_Job(i, 0, [int(t) for t in it.prompt], it.params))
                     elif isinstance(it, Conversation) and turn < len(it.messages):
                         prev = conv_prompts[i][-1] + conv_turns[i][-1].tokens if turn else []
-                        params = dataclasses.replace(it.params, seed=it.params.seed + turn)
+                        params = dataclasses.replace(it.params, seed=(int(it.params.seed) + turn) % SEED_MODULUS)
                         jobs.append(_Job(i, turn, prev + [int(t) for t in it.messages[turn]], params))
                 if not jobs:
                     break

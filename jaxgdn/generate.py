@@ -143,13 +143,21 @@ def _per_request(value, n: int, name: str) -> list:
 
 
 def _stop_lists(stop_token_ids, n: int) -> list[list[int]]:
-    """Shared stop ids (a flat sequence) or one sequence per request."""
+    """Shared stop ids (a flat sequence) or one sequence per request; InputError for anything but integer ids."""
+    def ids(row) -> list[int]:
+        if isinstance(row, (str, bytes)) or np.ndim(row) != 1 or not all(is_int(s) for s in row):
+            raise InputError(f"stop_token_ids must be integer token ids (a flat sequence, or one per prompt); got "
+                             f"{row!r:.60}")
+        return [int(s) for s in row]
+
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise InputError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.60}")
     stops = list(stop_token_ids)
     if stops and np.ndim(stops[0]) > 0:
         if len(stops) != n:
             raise InputError(f"{len(stops)} stop lists for {n} prompts")
-        return [[int(s) for s in row] for row in stops]
-    return [[int(s) for s in stops]] * n
+        return [ids(row) for row in stops]
+    return [ids(stops)] * n if stops else [[]] * n
 
 
 def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
@@ -167,6 +175,8 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, an integer; got {max_new_tokens!r}")
     for t, p in zip(_per_request(temperature, n, "temperature"), _per_request(top_p, n, "top_p")):
+        if any(isinstance(x, (str, bytes, bool, np.bool_)) for x in (t, p)):
+            raise InputError(f"invalid sampling parameters: temperature={t!r}, top_p={p!r} (numbers)")
         try:
             t, p = float(t), float(p)
         except (TypeError, ValueError):
@@ -198,6 +208,8 @@ def _check_prompt(p, i: int, V: int) -> None:
     except (TypeError, ValueError):
         raise InputError(f"prompt {i} must be a flat sequence of integer token ids") from None
     check_token_ids(a, f"prompt {i}", V)
+    if not isinstance(p, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in p):  # [1, True] is int64
+        raise InputError(f"prompt {i} must hold integer token ids; got a bool")
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

@@ -104,16 +104,36 @@ def test_plain_token_lists_use_default_params(det, requests):
 
 @pytest.mark.parametrize("items, kwargs, error, match", [
     ([], {}, jaxgdn.InputError, "no requests"),
-    ([Request([])], {}, jaxgdn.InputError, "request 0: prompt 0 is empty"),
+    ([Request([])], {}, jaxgdn.InputError, "^request 0: the prompt is empty$"),
     ([[1, 2], [3, 300]], {}, jaxgdn.InputError, "request 1: .*outside"),
     ([Request([1], SamplingParams(top_p=0.0))], {}, jaxgdn.InputError, "sampling parameters"),
     ([Request([1], SamplingParams(max_new_tokens=0))], {}, jaxgdn.InputError, "max_new_tokens"),
     ([[1], Request([1], SamplingParams(seed=-1))], {}, jaxgdn.InputError, r"request 1: seed must be an integer"),
     ([Request([1], SamplingParams(stop_token_ids=(999,)))], {}, jaxgdn.InputError, "stop_token_ids"),
     ([Conversation([])], {}, jaxgdn.InputError, "conversation 0 has no messages"),
-    (["abc"], {}, jaxgdn.InputError, "request 0: a prompt must be a sequence of integer token ids"),
+    (["abc"], {}, jaxgdn.InputError, "request 0: the prompt must be a sequence of integer token ids"),
     ([[1.5, 2]], {}, jaxgdn.InputError, "integer token ids"),
-    ([Conversation([[1], []])], {}, jaxgdn.InputError, "conversation 0, message 1"),
+    ([Conversation([[1], []])], {}, jaxgdn.InputError, "^conversation 0, message 1 is empty$"),
+    ([Conversation([[1], [999]])], {}, jaxgdn.InputError, r"^conversation 0, message 1 holds token ids outside"),
+    ([[1], Request([True, False, True])], {}, jaxgdn.InputError, "^request 1: the prompt must hold integer token ids"),
+    ([Request([1.0, 2.0, 3.0])], {}, jaxgdn.InputError, "^request 0: the prompt must hold integer token ids"),
+    ([Request([1, True])], {}, jaxgdn.InputError, "request 0: the prompt must hold integer token ids; got a bool"),
+    ([Request([[1], [2, 3]])], {}, jaxgdn.InputError, "request 0: the prompt must be a flat sequence"),
+    ([[1], Conversation([[1, 2], [3.0]])], {}, jaxgdn.InputError,
+     "^conversation 1, message 1 must hold integer token ids"),
+    ([Conversation([[1], [True]])], {}, jaxgdn.InputError, "^conversation 0, message 1 must hold integer token ids"),
+    ([Conversation([[1], [2]], SamplingParams(seed=2**32))], {}, jaxgdn.InputError,
+     r"^conversation 0: seed must be an integer"),
+    ([Request([1], SamplingParams(max_new_tokens=10**15))], {}, jaxgdn.CapacityError,
+     "request 0 needs up to 1000000000000001 tokens .*default bound"),
+    ([Request([1], SamplingParams(max_new_tokens=10**15))], dict(max_length=2**30), jaxgdn.CapacityError,
+     "beyond max_length 1073741824"),
+    ([Request([1], SamplingParams(temperature="0.5"))], {}, jaxgdn.InputError, "request 0: .*temperature='0.5'"),
+    ([Request([1], None)], {}, jaxgdn.InputError, "request 0: params must be a SamplingParams"),
+    ([1, 2, 3], {}, jaxgdn.InputError, "flat sequence of ids: wrap it in a list"),
+    (Request([1, 2]), {}, jaxgdn.InputError, "got one: wrap it in a list"),
+    (5, {}, jaxgdn.InputError, "run takes a list of requests"),
+    (iter([]), {}, jaxgdn.InputError, "no requests"),
     ([Request(list(range(10)), SamplingParams(max_new_tokens=8))], dict(max_length=16), jaxgdn.CapacityError,
      "needs up to 18 tokens"),
     ([Conversation([[1] * 5, [2] * 5], SamplingParams(max_new_tokens=4))], dict(max_length=17),
@@ -124,6 +144,56 @@ def test_bad_requests(det, items, kwargs, error, match):
         Engine(det, progress=False, **kwargs).run(items)
 
 
-def test_bad_engine_options(det):
-    with pytest.raises(jaxgdn.InputError, match="max_batch"):
-        Engine(det, max_batch=0)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_batch=0), "max_batch"),
+    (dict(max_batch=2.5), r"max_batch must be an integer >= 1; got 2.5"),
+    (dict(max_batch="8"), r"max_batch must be an integer >= 1; got '8'"),
+    (dict(max_batch=True), "max_batch must be an integer"),
+    (dict(decode_bucket=2.5), r"decode_bucket must be an integer in \[1, \d+\]; got 2.5"),
+    (dict(decode_bucket=0), "decode_bucket must be an integer"),
+    (dict(decode_bucket=2**40), "decode_bucket must be an integer"),
+    (dict(max_length=1), "max_length must be None or an integer"),
+    (dict(max_length=2**40), "max_length must be None or an integer"),
+    (dict(max_length=16.0), "max_length must be None or an integer"),
+    (dict(cache=True), "cache must be a jaxgdn.PrefixCache or None; got bool"),
+    (dict(default_params={"max_new_tokens": 4}), "default_params must be a SamplingParams"),
+])
+def test_bad_engine_options(det, kwargs, match):
+    with pytest.raises(jaxgdn.InputError, match=match):
+        Engine(det, **kwargs)
+
+
+@pytest.mark.parametrize("stop", ["50", [1.7], None, [True], [[1, 2]], 2.0, {1: 2}])
+def test_bad_stop_token_ids(stop):
+    with pytest.raises(jaxgdn.InputError, match="stop_token_ids must be a sequence of integer token ids"):
+        SamplingParams(stop_token_ids=stop)
+
+
+def test_stop_token_ids_forms():
+    """A sequence of integer ids (list, tuple, 1-D array, generator) or one integer id, stored as a tuple of ints."""
+    assert SamplingParams(stop_token_ids=[5, np.int64(7)]).stop_token_ids == (5, 7)
+    assert SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=(t for t in (1, 2))).stop_token_ids == (1, 2)
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == (5,)
+    assert SamplingParams(stop_token_ids=np.int32(9)).stop_token_ids == (9,)
+    assert all(type(t) is int for t in SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids)
+
+
+def test_conversation_seed_wraps_modulo_2_32(det):
+    """A seed that passes validation stays valid on every turn: turn t uses (seed + t) % 2**32, so with seed
+    2**32 - 1 both (sampled) turns run and turn 1 draws from seed 0."""
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=2**32 - 1)
+    out = Engine(det, use_cache=False, progress=False).run([Conversation([[1, 2, 3], [4, 5]], params)])
+    [r] = out.results
+    assert len(r.turns) == 2 and all(len(t.tokens) == 2 for t in r.turns)
+    alone = _alone(det, Request(r.prompts[1], dataclasses.replace(params, seed=0)))
+    assert _same(r.turns[1], alone), "turn 1 must use seed (2**32 - 1 + 1) % 2**32 = 0"
+
+
+def test_run_accepts_any_iterable(det, requests):
+    """A generator of requests is materialised once: same results as the list."""
+    engine = Engine(det, use_cache=False, progress=False)
+    out = engine.run(r for r in requests[2:3])
+    assert len(out.results) == 1 and _same(out.results[0], _alone(det, requests[2]))
+    conv = engine.run([Conversation(iter([requests[2].prompt, [4, 5]]), SamplingParams(max_new_tokens=2))])
+    assert len(conv.results[0].turns) == 2 and conv.results[0].prompts[0] == requests[2].prompt

@@ -138,6 +138,12 @@ def test_no_recompilation_within_a_bucket(tiny, prompts):
     (dict(max_new_tokens=4, seed=-1), r"seed must be an integer in \[0, 2\*\*32\); got -1"),
     (dict(max_new_tokens=4, seed=2**32), "seed must be an integer"),
     (dict(max_new_tokens=4, seed=[1, 1.5]), "got 1.5"),
+    (dict(max_new_tokens=4, temperature="0.5"), "numbers"),  # a string is not a number, even one float() reads
+    (dict(max_new_tokens=4, temperature=True), "numbers"),
+    (dict(max_new_tokens=4, stop_token_ids="50"), "stop_token_ids must be a sequence of integer token ids"),
+    (dict(max_new_tokens=4, stop_token_ids=5), "stop_token_ids must be a sequence of integer token ids"),
+    (dict(max_new_tokens=4, stop_token_ids=[1.7]), "stop_token_ids must be integer token ids"),
+    (dict(max_new_tokens=4, stop_token_ids=[[1], [2.5]]), "stop_token_ids must be integer token ids"),
 ])
 def test_invalid_parameters(tiny, prompts, kwargs, match):
     with pytest.raises(jaxgdn.InputError, match=match):
@@ -154,6 +160,7 @@ def test_invalid_parameters(tiny, prompts, kwargs, match):
     (["hello"], "prompt 0 must be a sequence of integer token ids; got a string"),
     ([[1.7, 2.2, 3.9]], "prompt 0 must hold integer token ids; got float64"),
     ([[1, 2], [True, False]], "prompt 1 must hold integer token ids; got bool"),
+    ([[1, True, 3]], "prompt 0 must hold integer token ids; got a bool"),  # NumPy makes [1, True] int64
     (np.zeros((1, 2, 3), np.int32), r"prompt 0 must be a flat sequence of integer token ids; got shape \(2, 3\)"),
     ([[1, 2], 5], r"prompt 1 must be a flat sequence .*got shape \(\)"),
 ])
