@@ -211,7 +211,10 @@ class Engine:
     model is). The engine keeps the newest cache in `.cache` across `run` calls.
     max_length: limit on prompt + generated tokens per row, counted over a conversation's turns (`CapacityError`
     beyond it, raised before anything runs); None means `DEFAULT_MAX_LENGTH` (2**22); at most 2**30.
-    max_batch, decode_bucket: positive integers (decode_bucket at most 2**20).
+    max_batch, decode_bucket: positive integers (decode_bucket at most 2**20). max_batch bounds the requests in one
+    batch; with `pad_batches` (default) a batch's rows are padded to a power of two, so a max_batch that is not one
+    (3, say) can run up to the next power of two rows (4), the copies' results dropped: size memory for that, or
+    pass pad_batches=False (one compiled program per distinct batch size then).
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, cache: PrefixCache | None = None,
