@@ -29,7 +29,7 @@ import numpy as np
 
 from pallas_kernels import CHUNK, resolve_backend
 
-from .errors import InputError, JaxGDNError
+from .errors import CapacityError, InputError, JaxGDNError, is_int
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
@@ -65,6 +65,8 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], mo
     """The checkpoint of batch row `row` of `state`, whose absorbed tokens are `tokens` (len == its position).
     `model`: the model that computed the state; its `numerics_key` goes into the checkpoint (a state does not carry
     it), so that a cache of other numerics refuses it. Without it the checkpoint's numerics are unknown (None)."""
+    if not is_int(row) or not 0 <= row < state.batch_size:
+        raise InputError(f"row must be an integer in [0, {state.batch_size}); got {row!r}")
     pos = int(state.position[row])
     if len(tokens) != pos:
         raise ValueError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
@@ -104,7 +106,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
     is a new array tree (the caller may donate it).
     """
     if len(checkpoints) != template.batch_size:
-        raise ValueError(f"{len(checkpoints)} checkpoints for a state of {template.batch_size} rows")
+        raise InputError(f"{len(checkpoints)} checkpoints for a state of {template.batch_size} rows")
     layers = list(template.layers)
     gdn_ids = [i for i, s in enumerate(layers) if isinstance(s, GDNLayerState)]
     attn_ids = [i for i, s in enumerate(layers) if isinstance(s, AttentionLayerState)]
@@ -114,7 +116,17 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         if ck is None:
             continue
         if ck.position > template.capacity and attn_ids:
-            raise ValueError(f"checkpoint of {ck.position} tokens exceeds the state's capacity {template.capacity}")
+            raise CapacityError(f"checkpoint of {ck.position} tokens exceeds the state's capacity "
+                                f"{template.capacity}")
+        if len(ck.gdn) != len(gdn_ids) or len(ck.kv) != len(attn_ids):
+            raise InputError(f"checkpoint {b} holds {len(ck.gdn)} GDN and {len(ck.kv)} attention layers; the state "
+                             f"has {len(gdn_ids)} and {len(attn_ids)} (a checkpoint of another model)")
+        for g, i in zip(ck.gdn, gdn_ids):
+            extra = [name for name, row in g._asdict().items() if row is not None and getattr(layers[i], name) is None]
+            if extra:
+                raise InputError(f"checkpoint {b} carries {', '.join(extra)} (replay decode's open chunk, at position "
+                                 f"{ck.position}, off the 64-token grid) that this state's model does not keep: "
+                                 f"restore it into a state of a replay-mode model")
         for i, g in zip(gdn_ids, ck.gdn):  # the leaves a grid checkpoint does not keep stay the template's zeros
             layers[i] = layers[i]._replace(**{name: getattr(layers[i], name).at[b].set(row)
                                               for name, row in g._asdict().items() if row is not None})
@@ -157,10 +169,16 @@ class _Entry:
 
 def numerics_key(model) -> str:
     """What decides a model's state bits beyond its weights: deterministic mode, the GDN prefill arithmetic, the
-    activation dtype and the kernel backend (resolved: None is the device's default). A cache holds states of one
-    kind only (`PrefixCache.bound_to`)."""
+    activation dtype, the kernel backend (resolved: None is the device's default), the GDN q/k/v channel layout
+    (`jaxgdn.sharding`: a conv state's channels follow it) and the mesh a model is placed on (a split projection
+    sums in other pieces). A cache holds states of one kind only (`PrefixCache.bound_to`)."""
+    from .sharding import layout_groups, mesh_of  # local: the sharding module imports this one
+
+    mesh = mesh_of(model)
+    placed = "x".join(f"{name}{size}" for name, size in mesh.shape.items()) if mesh is not None else "none"
     return (f"deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}, "
-            f"dtype={jnp.dtype(model.dtype).name}, backend={resolve_backend(model.backend)}")
+            f"dtype={jnp.dtype(model.dtype).name}, backend={resolve_backend(model.backend)}, "
+            f"qkv_groups={layout_groups(model.config)}, mesh={placed}")
 
 
 @dataclasses.dataclass(frozen=True)

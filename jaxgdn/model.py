@@ -36,7 +36,7 @@ from .layers.linear import linear
 from .layers.mlp import feed_forward
 from .layers.norm import rms_norm
 from .params import ModelParams
-from .state import GDNLayerState, ModelState, PrefillCheckpoints, Provenance, init_state
+from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, init_state
 
 
 MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -87,6 +87,8 @@ class Model:
 
     def __post_init__(self):
         check_model_options(self.dtype, self.backend)
+        if not isinstance(self.deterministic, (bool, np.bool_)):
+            raise InputError(f"deterministic must be True or False; got {self.deterministic!r}")
         if self.decode_mode not in ("recurrent", "replay"):
             raise InputError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
         if self.gdn_prefill not in ("chunked", "recurrent"):
@@ -160,14 +162,28 @@ def _concrete(x) -> bool:
 
 
 def _check_tokens(tokens, rank: int, what: str):
-    """tokens as int32, after checking their rank and dtype (the ids: `_check_ids`)."""
+    """tokens as int32, after checking their rank and dtype (the ids: `_check_ids`), and, for concrete wider or
+    unsigned integers, that the values survive the cast (2**32 + 5 would become 5)."""
     if not hasattr(tokens, "dtype"):
-        tokens = np.asarray(tokens)
+        try:
+            tokens = np.asarray(tokens)
+        except (TypeError, ValueError):
+            raise InputError(f"{what} must be a rectangular integer array (int32)") from None
     if tokens.ndim != rank:
         raise InputError(f"{what} must have rank {rank}; got shape {tuple(tokens.shape)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise InputError(f"{what} must be an integer array (int32); got {tokens.dtype}")
+    _check_int32_range(tokens, what)
     return jnp.asarray(tokens, jnp.int32)
+
+
+def _check_int32_range(x, what: str) -> None:
+    """Concrete integers of another dtype than int32 must fit int32 (a silent wrap would change their meaning)."""
+    if _concrete(x) and x.dtype != jnp.int32 and x.size:
+        a = np.asarray(x)
+        lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        if int(a.min()) < lo or int(a.max()) > hi:
+            raise InputError(f"{what} holds values outside the int32 range: min {int(a.min())}, max {int(a.max())}")
 
 
 def _check_ids(cfg: ModelConfig, tokens: jax.Array, what: str, lengths=None):
@@ -198,8 +214,30 @@ def _check_capacity(state: ModelState, advance):
         raise CapacityError(f"row {row} would reach position {int(end[row])}, beyond the state's KV capacity {cap}")
 
 
-def _check_state_kind(state: ModelState, open_chunk: bool | None):
-    """The state's GDN layers carry the open-chunk buffers exactly when the model keeps them."""
+def _check_state_layout(cfg: ModelConfig, state: ModelState, open_chunk: bool | None):
+    """A ModelState with one layer state per layer of the config, of the layer's kind and head shapes, whose GDN
+    layers carry the open-chunk buffers exactly when the model keeps them (shapes only: holds under a trace).
+    (Not checkable here: the q/k/v channel order of a state made by a model of another layout — `jaxgdn.sharding.
+    convert_layout` moves states between layouts.)"""
+    if not isinstance(state, ModelState):
+        raise InputError(f"state must be a jaxgdn ModelState (model.init_state); got {type(state).__name__}")
+    if len(state.layers) != len(cfg.layer_types):
+        raise InputError(f"the state holds {len(state.layers)} layer states; the model has {len(cfg.layer_types)} "
+                         f"layers (make states with this model's init_state)")
+    for i, (s, kind) in enumerate(zip(state.layers, cfg.layer_types)):
+        want = GDNLayerState if kind == LINEAR else AttentionLayerState
+        if not isinstance(s, want):
+            raise InputError(f"layer {i} of the state is of type {type(s).__name__}; the model's layer {i} needs "
+                             f"{want.__name__}")
+        if kind == LINEAR:
+            got = (tuple(s.recurrent.shape[1:]), s.conv.shape[-1])
+            need = ((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                    cfg.gdn_conv_dim)
+        else:
+            got, need = tuple(s.keys.shape[2:]), (cfg.num_key_value_heads, cfg.head_dim)
+        if got != need:
+            raise InputError(f"layer {i} of the state has shapes {got}, the model's config needs {need} (a state "
+                             f"of another model)")
     gdn = [s for s in state.layers if isinstance(s, GDNLayerState)]
     if open_chunk is None or not gdn or (gdn[0].open_qkv is not None) == open_chunk:
         return
@@ -209,17 +247,18 @@ def _check_state_kind(state: ModelState, open_chunk: bool | None):
                      "decide their layout)")
 
 
-def _check_shapes(state: ModelState, tokens, lengths, open_chunk: bool | None, decode: bool = False):
+def _check_shapes(cfg: ModelConfig, state: ModelState, tokens, lengths, open_chunk: bool | None,
+                  decode: bool = False):
     """The checks that need only shapes and dtypes, so they hold under a trace too (the pure functions make them):
     tokens [B, T] with `lengths` [B] or None (a prefill) or token [B] (`decode`), B the state's batch, and a state
     laid out for the model. Returns tokens and lengths as int32 arrays (a prefill's lengths None: T for every row;
     a decode's lengths: None)."""
     what = "token" if decode else "tokens"
+    _check_state_layout(cfg, state, open_chunk)
     tokens = _check_tokens(tokens, 1 if decode else 2, what)
     B = tokens.shape[0]
     if B != state.batch_size:
         raise InputError(f"{what} {'has' if decode else 'have'} {B} rows but the state holds {state.batch_size}")
-    _check_state_kind(state, open_chunk)
     if decode:
         return tokens, None
     if tokens.shape[1] == 0:
@@ -227,16 +266,20 @@ def _check_shapes(state: ModelState, tokens, lengths, open_chunk: bool | None, d
     if lengths is None:
         return tokens, jnp.full((B,), tokens.shape[1], jnp.int32)
     if not hasattr(lengths, "dtype"):
-        lengths = np.asarray(lengths)
+        try:
+            lengths = np.asarray(lengths)
+        except (TypeError, ValueError):
+            raise InputError(f"lengths must be an int array of shape ({B},)") from None
     if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise InputError(f"lengths must be an int array of shape ({B},); got {lengths.dtype}{tuple(lengths.shape)}")
+    _check_int32_range(lengths, "lengths")
     return tokens, jnp.asarray(lengths, jnp.int32)
 
 
 def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False,
                    open_chunk: bool | None = None):
     padded = lengths is not None
-    tokens, lengths = _check_shapes(state, tokens, lengths, open_chunk)
+    tokens, lengths = _check_shapes(cfg, state, tokens, lengths, open_chunk)
     T = tokens.shape[1]
     if padded and _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
         raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
@@ -255,7 +298,7 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
 
 
 def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None):
-    token, _ = _check_shapes(state, token, None, open_chunk, decode=True)
+    token, _ = _check_shapes(cfg, state, token, None, open_chunk, decode=True)
     _check_ids(cfg, token, "token")
     _check_capacity(state, 1)
     return token
@@ -302,7 +345,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
         raise InputError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
     replay = model.keeps_open_chunk
-    tokens, lengths = _check_shapes(state, tokens, lengths, replay)
+    tokens, lengths = _check_shapes(model.config, state, tokens, lengths, replay)
     cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
@@ -345,7 +388,7 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
 
     Shapes, dtypes and the state's layout are checked (InputError), under `jit` too; values are not.
     """
-    token, _ = _check_shapes(state, token, None, model.keeps_open_chunk, decode=True)
+    token, _ = _check_shapes(model.config, state, token, None, model.keeps_open_chunk, decode=True)
     if model.decode_mode == "replay":
         state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))
         return state, logits[:, 0]

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Sequence
 
 import jax
@@ -79,6 +80,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import LINEAR, ModelConfig
+from .errors import InputError, is_int
 from .model import Model
 from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
 from .state import AttentionLayerState, GDNLayerState, ModelState
@@ -94,11 +96,44 @@ def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None
     """A 1-D tensor-parallel mesh: axis "tp" over `tp` devices (default: all of `devices` / `jax.devices()`).
 
     The axis is `AxisType.Auto` (jax 0.11's `make_mesh` defaults to Explicit, under which slicing a split axis is
-    an error instead of a resharding the partitioner works out)."""
-    devices = list(jax.devices() if devices is None else devices)
+    an error instead of a resharding the partitioner works out).
+
+    Raises InputError for a size that is not an integer >= 1 (bools refused), a size above the devices available,
+    an explicit `devices` list that is empty, holds a non-device or the same device twice, or whose length differs
+    from `tp`."""
+    if tp is not None:
+        try:  # an integer (anything with __index__), not a bool
+            if isinstance(tp, (bool, np.bool_)):
+                raise TypeError
+            tp = operator.index(tp)
+        except TypeError:
+            raise InputError(f"make_mesh: the mesh size tp must be an integer >= 1; got {tp!r}") from None
+    if tp is not None and tp < 1:
+        raise InputError(f"make_mesh: the mesh size tp must be an integer >= 1; got {tp}")
+    if devices is None:
+        devices = list(jax.devices())
+        if tp is not None and tp > len(devices):
+            raise InputError(f"make_mesh: a mesh of {tp} devices needs at least that many; "
+                             f"{len(devices)} available")
+    else:
+        if isinstance(devices, (str, bytes, jax.Device)):
+            raise InputError(f"make_mesh: devices must be a sequence of jax devices; got {devices!r}")
+        try:
+            devices = list(devices)
+        except TypeError:
+            raise InputError(f"make_mesh: devices must be a sequence of jax devices; got {devices!r}") from None
+        if not devices:
+            raise InputError("make_mesh: devices is empty; a mesh needs at least one device")
+        bad = [d for d in devices if not isinstance(d, jax.Device)]
+        if bad:
+            raise InputError(f"make_mesh: devices must be jax devices (jax.devices()); got {bad[0]!r}")
+        if len(set(devices)) != len(devices):
+            dup = next(d for i, d in enumerate(devices) if d in devices[:i])
+            raise InputError(f"make_mesh: devices lists {dup} more than once; each device may appear only once")
+        if tp is not None and tp != len(devices):
+            raise InputError(f"make_mesh: a mesh of {tp} devices was asked for but {len(devices)} devices were "
+                             f"given; pass exactly tp devices (or leave tp out)")
     tp = len(devices) if tp is None else tp
-    if not 1 <= tp <= len(devices):
-        raise ValueError(f"a mesh of {tp} devices needs at least that many; {len(devices)} available")
     return jax.make_mesh((tp,), (TP,), axis_types=(AxisType.Auto,), devices=devices[:tp])
 
 
@@ -115,11 +150,28 @@ def mesh_of(tree) -> Mesh | None:
     return None
 
 
-def _tp_size(mesh: Mesh | int) -> int:
-    if isinstance(mesh, int):
-        return mesh
+def _check_mesh(mesh, what: str) -> Mesh:
+    """`mesh` itself when it is a `jax.sharding.Mesh` with a "tp" axis; InputError (naming `what`) otherwise."""
+    if not isinstance(mesh, Mesh):
+        raise InputError(f"{what}: mesh must be a jax.sharding.Mesh with a {TP!r} axis (e.g. from "
+                         f"jaxgdn.sharding.make_mesh); got {type(mesh).__name__} {mesh!r}"[:300])
     if TP not in mesh.axis_names:
-        raise ValueError(f"the mesh has no {TP!r} axis (axes: {mesh.axis_names}); build it with make_mesh")
+        raise InputError(f"{what}: the mesh has no {TP!r} axis (its axes: {tuple(mesh.axis_names)}); tensor "
+                         f"parallelism needs a {TP!r} axis: build the mesh with jaxgdn.sharding.make_mesh")
+    return mesh
+
+
+def _tp_size(mesh: Mesh | int) -> int:
+    if is_int(mesh):
+        if mesh < 1:
+            raise InputError(f"the tensor-parallel size must be an integer >= 1; got {mesh}")
+        return int(mesh)
+    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+        raise InputError(f"expected a jax.sharding.Mesh with a {TP!r} axis (e.g. from jaxgdn.sharding.make_mesh) "
+                         f"or a tensor-parallel size; got {type(mesh).__name__} {mesh!r}"[:300])
+    if TP not in mesh.axis_names:
+        raise InputError(f"the mesh has no {TP!r} axis (its axes: {tuple(mesh.axis_names)}); tensor parallelism "
+                         f"needs a {TP!r} axis: build the mesh with jaxgdn.sharding.make_mesh")
     return mesh.shape[TP]
 
 
@@ -396,6 +448,9 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     A model split over GDN heads is moved to the grouped q/k/v layout first (`with_layout`). Parameters may be
     jax arrays (device_put: each device receives its slice) or HostArrays from the lazy loader (each device's
     slice read from the memory map). Config, dtype, backend, determinism and decode mode are kept."""
+    _check_mesh(mesh, "shard_model")
+    if not isinstance(model, Model):
+        raise InputError(f"shard_model: model must be a jaxgdn Model; got {type(model).__name__}")
     pl = plan(model.config, mesh)
     if pl.grouped_qkv:
         model = with_layout(model, model.config.linear_num_key_heads)
@@ -406,6 +461,7 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
 def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> ModelState:
     """The state placed on `mesh` by `state_specs` (heads / channels split). The state must already be in the
     model's q/k/v layout (a state made by the sharded model, or `convert_layout` of an unsharded one)."""
+    _check_mesh(mesh, "shard_state")
     config = config.config if isinstance(config, Model) else config
     return place(state, state_specs(config, mesh, _is_replay(state)), mesh)
 
@@ -413,12 +469,32 @@ def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> M
 def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None = None) -> ModelState:
     """A fresh state, created directly in its sharded placement (no device ever holds it whole).
 
-    mesh: default the mesh the model's parameters are on (an unsharded model gets `model.init_state`)."""
+    mesh: default the mesh the model's parameters are on (an unsharded model gets `model.init_state`).
+    batch_size and capacity: integers >= 1 (Python, NumPy or concrete JAX integer scalars; not bools), else
+    InputError, as `jaxgdn.state.init_state`."""
+    if not isinstance(model, Model):
+        raise InputError(f"init_state: model must be a jaxgdn Model; got {type(model).__name__}")
+    batch_size, capacity = _sizes(batch_size, capacity)
+    if mesh is not None:
+        _check_mesh(mesh, "init_state")
     mesh = mesh_of(model.params) if mesh is None else mesh
     replay = model.keeps_open_chunk
     if mesh is None:
         return _init_state(model.config, batch_size, capacity, model.dtype, replay)
     return _sharded_zeros(model.config, batch_size, capacity, jnp.dtype(model.dtype), replay, mesh)()
+
+
+def _sizes(batch_size, capacity) -> tuple[int, int]:
+    """batch_size and capacity as Python ints (hashable cache keys), checked as `jaxgdn.state.init_state` does."""
+    try:  # integers (anything with __index__: Python, NumPy and concrete JAX integer scalars), not bools
+        if isinstance(batch_size, (bool, np.bool_)) or isinstance(capacity, (bool, np.bool_)):
+            raise TypeError
+        batch_size, capacity = operator.index(batch_size), operator.index(capacity)
+    except TypeError:
+        raise InputError(f"batch_size and capacity must be integers; got {batch_size!r}, {capacity!r}") from None
+    if batch_size < 1 or capacity < 1:
+        raise InputError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
+    return batch_size, capacity
 
 
 @functools.lru_cache(maxsize=64)
@@ -442,6 +518,7 @@ def checkpoint_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False
 
 def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
     """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk)."""
+    _check_mesh(mesh, "shard_checkpoint")
     config = config.config if isinstance(config, Model) else config
     replay = any(s.open_qkv is not None for s in ck.gdn)
     gdn_s, kv_s = checkpoint_specs(config, mesh, replay)

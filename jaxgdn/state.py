@@ -126,5 +126,13 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
 
 
 def select_rows(state: ModelState, rows) -> ModelState:
-    """The state of the given batch rows (an int array): every leaf indexed on its leading axis."""
+    """The state of the given batch rows (an int array, or one int): every leaf indexed on its leading axis.
+    Concrete rows outside [-B, B) raise InputError (JAX's indexing would clamp them silently)."""
+    if not isinstance(rows, jax.core.Tracer):
+        r = np.asarray(rows)
+        if not np.issubdtype(r.dtype, np.integer):
+            raise InputError(f"rows must be integer row indices; got {r.dtype}")
+        B = state.batch_size
+        if r.size and (r.min() < -B or r.max() >= B):
+            raise InputError(f"rows must lie in [0, {B}) (or [-{B}, 0)); got {r.tolist()}")
     return jax.tree.map(lambda x: x[rows], state)

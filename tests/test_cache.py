@@ -291,8 +291,8 @@ def test_a_cache_holds_one_kind_of_state(tiny):
     # the activation dtype and the kernel backend decide the bits too: a bf16 or interpret-mode model is refused
     # before anything is computed
     for other in (dataclasses.replace(tiny, dtype=jnp.bfloat16), tiny.with_backend("interpret")):
-        with pytest.raises(jaxgdn.cache.CheckpointRefused, match="dtype=float32, backend=reference; the model using "
-                           "it has .*(dtype=bfloat16|backend=interpret)"):
+        with pytest.raises(jaxgdn.cache.CheckpointRefused, match="dtype=float32, backend=reference, qkv_groups=1, "
+                           "mesh=none; the model using it has .*(dtype=bfloat16|backend=interpret)"):
             jaxgdn.generate(other, [prompt], max_new_tokens=4, cache=filled)
 
 
@@ -324,3 +324,27 @@ def test_checkpoints_carry_their_models_numerics(tiny):
                        tiny, recompute=True)
     with pytest.raises(AssertionError, match="other numerics than the cache's"):
         jaxgdn.check_cache(_plant(jaxgdn.PrefixCache(interval=INTERVAL, numerics=key), other), tiny)
+
+
+def test_the_numerics_key_names_the_layout_and_restoring_checks_the_checkpoint(tiny):
+    """A model in another q/k/v channel layout (what a tensor-parallel split uses: its conv states' channels are
+    ordered otherwise) is refused a cache of the Hugging Face layout's states; `state_from_checkpoints` names a
+    checkpoint too long for the state (CapacityError) and one carrying replay buffers the state's model does not
+    keep (InputError), instead of NumPy / attribute errors."""
+    prompt = np.random.default_rng(9).integers(0, tiny.config.vocab_size, 70).tolist()
+    filled = jaxgdn.generate(tiny, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL)).cache
+    grouped = jaxgdn.sharding.with_layout(tiny, 2)
+    assert "qkv_groups=2, mesh=none" in jaxgdn.cache.numerics_key(grouped)
+    with pytest.raises(jaxgdn.CheckpointRefused, match="qkv_groups=2"):
+        jaxgdn.generate(grouped, [prompt], max_new_tokens=4, cache=filled)
+    [ck] = filled.checkpoints()
+    longer = dataclasses.replace(ck, tokens=ck.tokens * 2)  # 128 tokens (only its length is read before refusing)
+    with pytest.raises(jaxgdn.CapacityError, match="checkpoint of 128 tokens exceeds the state's capacity 64"):
+        state_from_checkpoints(tiny.init_state(1, 64), [longer])
+    replay = tiny.with_decode_mode("replay")
+    state, _ = _prefill(replay, prompt, capacity=128)
+    off_grid = checkpoint_from_state(state, 0, prompt)  # position 70: the open chunk's buffers kept
+    with pytest.raises(jaxgdn.InputError, match="open_qkv.*restore it into a state of a replay-mode model"):
+        state_from_checkpoints(tiny.init_state(1, 128), [off_grid])
+    with pytest.raises(jaxgdn.InputError, match="2 checkpoints for a state of 1 rows"):
+        state_from_checkpoints(tiny.init_state(1, 128), [ck, ck])

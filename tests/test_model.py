@@ -404,6 +404,53 @@ def test_prefill_rejects_bad_tokens(tiny, state2, bad, match):
         tiny.prefill_chunk(state2, bad)
 
 
+@pytest.mark.parametrize("tokens, lengths, match", [
+    (np.array([[2**32 + 5, 2, 3, 4], [5, 6, 0, 0]], np.int64), None, "tokens holds values outside the int32 range"),
+    (np.full((2, 4), 2**32 - 1, np.uint32), None, "outside the int32 range: min 4294967295"),  # not "-1"
+    (np.ones((2, 4), np.int32), np.array([2**32 + 4, 1], np.int64), "lengths holds values outside the int32 range"),
+    ([[1, 2], [3]], None, "rectangular integer array"),  # ragged rows
+])
+def test_prefill_refuses_values_a_cast_to_int32_would_change(tiny, state2, tokens, lengths, match):
+    """Token ids and lengths are cast to int32 for the kernels: wider values that would wrap (2**32 + 5 becoming
+    5) are refused, not silently changed."""
+    with pytest.raises(jaxgdn.InputError, match=match):
+        tiny.prefill_chunk(state2, tokens, lengths)
+
+
+def test_a_state_of_another_model_is_refused(tiny, state2):
+    """The state must hold one layer state per layer, each of the layer's kind and head shapes: a truncated or
+    reordered state, one of another config, or no state at all is a named InputError (before, a 2-layer state ran
+    the first two layers and returned logits)."""
+    toks = np.ones((2, 4), np.int32)
+    g0 = state2.layers[0]
+    other = state2._replace(layers=(g0._replace(recurrent=jnp.zeros((2, 2) + g0.recurrent.shape[2:])),)
+                            + state2.layers[1:])  # a GDN layer of 2 value heads, as another config makes
+    for bad, match in ((state2._replace(layers=state2.layers[:2]), "holds 2 layer states; the model has 4"),
+                       (state2._replace(layers=state2.layers[::-1]), "layer 0 of the state is of type "
+                                                                      "AttentionLayerState"),
+                       (None, "state must be a jaxgdn ModelState")):
+        with pytest.raises(jaxgdn.InputError, match=match):
+            tiny.prefill_chunk(bad, toks)
+    with pytest.raises(jaxgdn.InputError, match="a state of another model"):
+        tiny.decode_step(other, np.ones((2,), np.int32))
+    with pytest.raises(jaxgdn.InputError, match="holds 2 layer states"):
+        jax.jit(jaxgdn.decode_step)(tiny, state2._replace(layers=state2.layers[:2]), jnp.ones((2,), jnp.int32))
+
+
+def test_row_selection_is_checked(tiny, state2):
+    with pytest.raises(jaxgdn.InputError, match=r"rows must lie in \[0, 2\)"):
+        jaxgdn.state.select_rows(state2, np.array([5]))
+    with pytest.raises(jaxgdn.InputError, match=r"row must be an integer in \[0, 2\)"):
+        jaxgdn.cache.checkpoint_from_state(state2, 5, [])
+    assert jaxgdn.state.select_rows(state2, np.array([-1])).batch_size == 1
+
+
+def test_deterministic_must_be_a_bool(tiny):
+    for make in (lambda: tiny.with_deterministic("no"), lambda: jaxgdn.tiny_model("tiny", deterministic="no")):
+        with pytest.raises(jaxgdn.InputError, match="deterministic must be True or False; got 'no'"):
+            make()
+
+
 def test_prefill_rejects_out_of_range_jax_tokens(tiny, state2):
     with pytest.raises(jaxgdn.InputError, match="256"):
         tiny.prefill_chunk(state2, jnp.full((2, 4), 300, jnp.int32))
