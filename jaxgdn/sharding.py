@@ -83,7 +83,7 @@ from .config import LINEAR, ModelConfig
 from .errors import InputError, is_int
 from .model import Model
 from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
-from .state import AttentionLayerState, GDNLayerState, ModelState
+from .state import AttentionLayerState, GDNLayerState, ModelState, checked_sizes
 from .state import init_state as _init_state
 
 TP = "tp"  # the mesh axis heads are split over (pallas_kernels.api.TP_AXIS names the same axis)
@@ -474,7 +474,7 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
     InputError, as `jaxgdn.state.init_state`."""
     if not isinstance(model, Model):
         raise InputError(f"init_state: model must be a jaxgdn Model; got {type(model).__name__}")
-    batch_size, capacity = _sizes(batch_size, capacity)
+    batch_size, capacity = checked_sizes(batch_size, capacity)
     if mesh is not None:
         _check_mesh(mesh, "init_state")
     mesh = mesh_of(model.params) if mesh is None else mesh
@@ -482,19 +482,6 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
     if mesh is None:
         return _init_state(model.config, batch_size, capacity, model.dtype, replay)
     return _sharded_zeros(model.config, batch_size, capacity, jnp.dtype(model.dtype), replay, mesh)()
-
-
-def _sizes(batch_size, capacity) -> tuple[int, int]:
-    """batch_size and capacity as Python ints (hashable cache keys), checked as `jaxgdn.state.init_state` does."""
-    try:  # integers (anything with __index__: Python, NumPy and concrete JAX integer scalars), not bools
-        if isinstance(batch_size, (bool, np.bool_)) or isinstance(capacity, (bool, np.bool_)):
-            raise TypeError
-        batch_size, capacity = operator.index(batch_size), operator.index(capacity)
-    except TypeError:
-        raise InputError(f"batch_size and capacity must be integers; got {batch_size!r}, {capacity!r}") from None
-    if batch_size < 1 or capacity < 1:
-        raise InputError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
-    return batch_size, capacity
 
 
 @functools.lru_cache(maxsize=64)

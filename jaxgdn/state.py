@@ -90,13 +90,8 @@ class ModelState(NamedTuple):
         return 0
 
 
-def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32,
-               replay: bool = False) -> ModelState:
-    """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens (`replay`: with the open
-    chunk buffers of replay decode over the chunked prefill). The KV capacity is rounded up to a multiple of the
-    attention kernel's key block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a
-    padded one at every call (measured on the H200: ~0.18 ms per attention layer and decode step at B=64 with 1104
-    slots)."""
+def checked_sizes(batch_size, capacity) -> tuple[int, int]:
+    """A state's batch_size and capacity as Python ints (hashable), each an integer >= 1; InputError otherwise."""
     try:  # integers (anything with __index__: Python, NumPy and concrete JAX integer scalars), not bools
         if isinstance(batch_size, (bool, np.bool_)) or isinstance(capacity, (bool, np.bool_)):
             raise TypeError
@@ -105,6 +100,17 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
         raise InputError(f"batch_size and capacity must be integers; got {batch_size!r}, {capacity!r}") from None
     if batch_size < 1 or capacity < 1:
         raise InputError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
+    return batch_size, capacity
+
+
+def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32,
+               replay: bool = False) -> ModelState:
+    """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens (`replay`: with the open
+    chunk buffers of replay decode over the chunked prefill). The KV capacity is rounded up to a multiple of the
+    attention kernel's key block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a
+    padded one at every call (measured on the H200: ~0.18 ms per attention layer and decode step at B=64 with 1104
+    slots)."""
+    batch_size, capacity = checked_sizes(batch_size, capacity)
     capacity = -(-capacity // ATTENTION_KEY_BLOCK) * ATTENTION_KEY_BLOCK
     layers = []
     for t in config.layer_types:
