@@ -236,6 +236,10 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
     terminal; True: always; False: never). Not with `mesh`, where the reads happen as the slices are placed.
     """
     check_model_options(dtype, backend)
+    if mesh is not None:  # before any file is opened: a bad mesh argument is named first
+        from .sharding import check_mesh
+
+        check_mesh(mesh, "load_pretrained")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"model directory {path} does not exist")

@@ -150,7 +150,7 @@ def mesh_of(tree) -> Mesh | None:
     return None
 
 
-def _check_mesh(mesh, what: str) -> Mesh:
+def check_mesh(mesh, what: str) -> Mesh:
     """`mesh` itself when it is a `jax.sharding.Mesh` with a "tp" axis; InputError (naming `what`) otherwise."""
     if not isinstance(mesh, Mesh):
         raise InputError(f"{what}: mesh must be a jax.sharding.Mesh with a {TP!r} axis (e.g. from "
@@ -448,7 +448,7 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     A model split over GDN heads is moved to the grouped q/k/v layout first (`with_layout`). Parameters may be
     jax arrays (device_put: each device receives its slice) or HostArrays from the lazy loader (each device's
     slice read from the memory map). Config, dtype, backend, determinism and decode mode are kept."""
-    _check_mesh(mesh, "shard_model")
+    check_mesh(mesh, "shard_model")
     if not isinstance(model, Model):
         raise InputError(f"shard_model: model must be a jaxgdn Model; got {type(model).__name__}")
     pl = plan(model.config, mesh)
@@ -461,7 +461,7 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
 def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> ModelState:
     """The state placed on `mesh` by `state_specs` (heads / channels split). The state must already be in the
     model's q/k/v layout (a state made by the sharded model, or `convert_layout` of an unsharded one)."""
-    _check_mesh(mesh, "shard_state")
+    check_mesh(mesh, "shard_state")
     config = config.config if isinstance(config, Model) else config
     return place(state, state_specs(config, mesh, _is_replay(state)), mesh)
 
@@ -476,7 +476,7 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
         raise InputError(f"init_state: model must be a jaxgdn Model; got {type(model).__name__}")
     batch_size, capacity = checked_sizes(batch_size, capacity)
     if mesh is not None:
-        _check_mesh(mesh, "init_state")
+        check_mesh(mesh, "init_state")
     mesh = mesh_of(model.params) if mesh is None else mesh
     replay = model.keeps_open_chunk
     if mesh is None:
@@ -505,7 +505,7 @@ def checkpoint_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False
 
 def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
     """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk)."""
-    _check_mesh(mesh, "shard_checkpoint")
+    check_mesh(mesh, "shard_checkpoint")
     config = config.config if isinstance(config, Model) else config
     replay = any(s.open_qkv is not None for s in ck.gdn)
     gdn_s, kv_s = checkpoint_specs(config, mesh, replay)

@@ -97,9 +97,11 @@ def test_shard_model_needs_a_model(mesh1):
 
 
 @pytest.mark.parametrize("mesh", ["tp", 2])
-def test_load_pretrained_with_a_bad_mesh(mesh):
+def test_load_pretrained_with_a_bad_mesh(mesh, tmp_path):
     with pytest.raises(InputError, match=r"jax\.sharding\.Mesh"):
         jaxgdn.load_pretrained(FIXTURE, mesh=mesh)
+    with pytest.raises(InputError, match=r"jax\.sharding\.Mesh"):  # checked before any file is opened
+        jaxgdn.load_pretrained(tmp_path / "no such checkpoint", mesh=mesh)
 
 
 @pytest.mark.parametrize("tp", [0, -2, "2", 2.0, True])
