@@ -41,8 +41,8 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 
 from .cache import PrefixCache
-from .errors import CapacityError, InputError, check_token_ids, is_int
-from .generate import GenerationResult, _check_request, generate
+from .errors import CapacityError, InputError, is_int
+from .generate import GenerationResult, _check_request, check_prompt, generate
 from .model import Model
 
 SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wrap around modulo this
@@ -188,20 +188,8 @@ def _pow2(n: int) -> int:
 
 
 def _check_tokens(msg, what: str, vocab_size: int) -> list[int]:
-    """A prompt / message as a list of ints: a flat, non-empty sequence of integer ids in [0, vocab_size), no bools
-    (what `generate` accepts); raises InputError naming `what` otherwise."""
-    if isinstance(msg, (str, bytes)):
-        raise InputError(f"{what} must be a sequence of integer token ids (got a string: encode it with a "
-                         f"tokenizer)")
-    try:
-        a = np.asarray(msg)
-    except (TypeError, ValueError, OverflowError):
-        raise InputError(f"{what} must be a flat sequence of integer token ids") from None
-    check_token_ids(a, what, vocab_size)
-    # [1, True] makes an int64 array: refuse any bool, as generate does for an all-bool prompt
-    if not isinstance(msg, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in msg):
-        raise InputError(f"{what} must hold integer token ids; got a bool")
-    return [int(t) for t in a]
+    """A prompt / message as a list of ints, checked as `generate` checks a prompt (`check_prompt`)."""
+    return [int(t) for t in check_prompt(msg, what, vocab_size)]
 
 
 class Engine:
@@ -281,10 +269,9 @@ class Engine:
                                      f"of ids: wrap it in a list)")
                 prompts = [_check_tokens(m, f"{what}, message {j}", V) for j, m in enumerate(messages)]
             p = it.params
-            for name in ("temperature", "top_p"):
-                x = getattr(p, name)
-                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-                    raise InputError(f"{what}: invalid sampling parameters: {name}={x!r} (a number)")
+            for name in ("temperature", "top_p"):  # one number per request (generate takes lists too)
+                if np.ndim(getattr(p, name)) != 0:
+                    raise InputError(f"{what}: invalid sampling parameters: {name}={getattr(p, name)!r} (a number)")
             try:
                 _check_request(self.model, prompts[:1], p.max_new_tokens, p.temperature, p.top_k, p.top_p,
                                p.stop_token_ids, seed=p.seed)

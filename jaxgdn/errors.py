@@ -1,5 +1,7 @@
 """Exceptions raised by jaxgdn. Each names what was wrong so callers and the CLI can report one clear line."""
 
+import operator
+
 import numpy as np
 
 
@@ -26,6 +28,14 @@ class CapacityError(InputError):
 def is_int(x) -> bool:
     """A Python or NumPy integer (not a bool)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def index_value(x) -> int:
+    """x as a Python int when it is an integer — anything with __index__: Python, NumPy and concrete 0-d integer
+    arrays, JAX's too — and not a bool; TypeError otherwise (callers turn it into their InputError)."""
+    if isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_:
+        raise TypeError(f"{x!r} is a bool, not an integer")
+    return operator.index(x)
 
 
 def check_token_ids(ids: np.ndarray, what: str, vocab_size: int) -> None:

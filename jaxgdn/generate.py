@@ -193,23 +193,25 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
         if not is_int(s) or not 0 <= s < 2**32:
             raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")
     for i, p in enumerate(prompts):
-        _check_prompt(p, i, V)
+        check_prompt(p, f"prompt {i}", V)
     if any(not 0 <= s < V for row in _stop_lists(stop_token_ids, n) for s in row):
         raise InputError(f"stop_token_ids must lie in [0, {V})")
 
 
-def _check_prompt(p, i: int, V: int) -> None:
-    """Prompt i must be a flat, non-empty sequence of integer token ids in [0, V); raises InputError otherwise."""
+def check_prompt(p, what: str, V: int) -> np.ndarray:
+    """A prompt (`what` names it: "prompt 3") as an array: a flat, non-empty sequence of integer token ids in
+    [0, V), no bools; raises InputError otherwise (generate's and the engine's check)."""
     if isinstance(p, (str, bytes)):
-        raise InputError(f"prompt {i} must be a sequence of integer token ids; got a string (encode it with a "
+        raise InputError(f"{what} must be a sequence of integer token ids; got a string (encode it with a "
                          f"tokenizer)")
     try:
         a = np.asarray(p)
-    except (TypeError, ValueError):
-        raise InputError(f"prompt {i} must be a flat sequence of integer token ids") from None
-    check_token_ids(a, f"prompt {i}", V)
+    except (TypeError, ValueError, OverflowError):
+        raise InputError(f"{what} must be a flat sequence of integer token ids") from None
+    check_token_ids(a, what, V)
     if not isinstance(p, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in p):  # [1, True] is int64
-        raise InputError(f"prompt {i} must hold integer token ids; got a bool")
+        raise InputError(f"{what} must hold integer token ids; got a bool")
+    return a
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

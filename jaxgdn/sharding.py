@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from typing import Sequence
 
 import jax
@@ -80,7 +79,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import LINEAR, ModelConfig
-from .errors import InputError, is_int
+from .errors import InputError, index_value, is_int
 from .model import Model
 from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
 from .state import AttentionLayerState, GDNLayerState, ModelState, checked_sizes
@@ -102,10 +101,8 @@ def make_mesh(tp: int | None = None, devices: Sequence[jax.Device] | None = None
     an explicit `devices` list that is empty, holds a non-device or the same device twice, or whose length differs
     from `tp`."""
     if tp is not None:
-        try:  # an integer (anything with __index__), not a bool
-            if isinstance(tp, (bool, np.bool_)):
-                raise TypeError
-            tp = operator.index(tp)
+        try:
+            tp = index_value(tp)
         except TypeError:
             raise InputError(f"make_mesh: the mesh size tp must be an integer >= 1; got {tp!r}") from None
     if tp is not None and tp < 1:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import enum
-import operator
 from typing import NamedTuple, Union
 
 import jax
@@ -15,7 +14,7 @@ from pallas_kernels import CHUNK, replay_caches
 from pallas_kernels.attention import DEFAULT_CONFIG as _ATTENTION_CONFIG
 
 from .config import LINEAR, ModelConfig
-from .errors import InputError
+from .errors import InputError, index_value
 
 ATTENTION_KEY_BLOCK = _ATTENTION_CONFIG["bk"]  # KV capacities are rounded up to it (`init_state`)
 
@@ -92,10 +91,8 @@ class ModelState(NamedTuple):
 
 def checked_sizes(batch_size, capacity) -> tuple[int, int]:
     """A state's batch_size and capacity as Python ints (hashable), each an integer >= 1; InputError otherwise."""
-    try:  # integers (anything with __index__: Python, NumPy and concrete JAX integer scalars), not bools
-        if isinstance(batch_size, (bool, np.bool_)) or isinstance(capacity, (bool, np.bool_)):
-            raise TypeError
-        batch_size, capacity = operator.index(batch_size), operator.index(capacity)
+    try:
+        batch_size, capacity = index_value(batch_size), index_value(capacity)
     except TypeError:
         raise InputError(f"batch_size and capacity must be integers; got {batch_size!r}, {capacity!r}") from None
     if batch_size < 1 or capacity < 1:

@@ -17,13 +17,11 @@ integer (a float, a string, a bool) raises `InputError`.
 from __future__ import annotations
 
 import json
-import operator
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 
-from .errors import CheckpointError, InputError, JaxGDNError, is_int
+from .errors import CheckpointError, InputError, JaxGDNError, index_value, is_int
 
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"
@@ -39,14 +37,10 @@ def _token_ids(ids) -> list[int]:
         raise InputError(f"token ids must be a sequence of integers; got {ids!r:.60}") from None
     out = []
     for i, t in enumerate(items):
-        if not is_int(t):
-            try:  # 0-d integer arrays (NumPy, JAX) have __index__; bools and floats are refused
-                if isinstance(t, (bool, np.bool_)) or getattr(t, "dtype", None) == np.bool_:
-                    raise TypeError
-                t = operator.index(t)
-            except TypeError:
-                raise InputError(f"token id {i} is not an integer: {t!r:.60}") from None
-        out.append(int(t))
+        try:
+            out.append(index_value(t))
+        except TypeError:
+            raise InputError(f"token id {i} is not an integer: {t!r:.60}") from None
     return out
 
 
