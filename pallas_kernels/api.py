@@ -4,9 +4,12 @@ reference or to the Pallas kernel (compiled, or interpreted on CPU). Shapes: see
 from __future__ import annotations
 
 import importlib
+import math
+import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .backend import resolve_backend
@@ -30,6 +33,160 @@ def _per_shard(fn, mesh, args, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
+# ---- argument checks: on shapes, dtypes and Python values only (trace-time; no device work, no host reads) ----
+
+
+def _input_error(message: str) -> Exception:
+    """jaxgdn's InputError (a ValueError), imported here: jaxgdn imports this package."""
+    from jaxgdn.errors import InputError
+
+    return InputError(message)
+
+
+def _array(name: str, x, kind: str = "floating"):
+    """x itself when it is an array (jax, NumPy, or a tracer) of the `kind` of dtype ("floating" or "integer");
+    InputError naming `name` otherwise."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise _input_error(f"{name} must be an array (jax or NumPy); got {type(x).__name__}")
+    ok = (jnp.issubdtype(x.dtype, jnp.floating) if kind == "floating"
+          else jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_)
+    if not ok:
+        raise _input_error(f"{name} must have {'a floating' if kind == 'floating' else 'an integer'} dtype; got "
+                           f"{x.dtype}")
+    return x
+
+
+def _int_array(name: str, x):
+    """An integer array argument (lengths, pos): a Python list or tuple of ints is taken as a NumPy array."""
+    if isinstance(x, (list, tuple)):
+        x = np.asarray(x) if len(x) else np.zeros((0,), np.int32)
+    return _array(name, x, "integer")
+
+
+def _shape(name: str, x, want: tuple, what: str):
+    if tuple(x.shape) != tuple(want):
+        raise _input_error(f"{name} must be {what}={tuple(want)}; got {tuple(x.shape)}")
+
+
+def _flag(name: str, x) -> bool:
+    """A bool argument (a string such as "False" would otherwise read as true)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise _input_error(f"{name} must be a bool; got {x!r}")
+    return bool(x)
+
+
+def _count(name: str, x, least: int = 0) -> int:
+    """An integer argument >= least (Python or NumPy integer, not a bool), as a Python int."""
+    try:
+        if isinstance(x, (bool, np.bool_)):
+            raise TypeError
+        n = operator.index(x)
+    except TypeError:
+        raise _input_error(f"{name} must be an integer; got {x!r}") from None
+    if n < least:
+        raise _input_error(f"{name} must be >= {least}; got {n}")
+    return n
+
+
+def _checked_scale(scale, backend: str):
+    """scale: None (K^-0.5) or a finite real number; the Pallas kernels compile it in, so there it must be
+    concrete. Returned as given (the kernels and the reference convert it themselves)."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, np.bool_)):
+        raise _input_error(f"scale must be a real number; got {scale!r}")
+    if isinstance(scale, jax.core.Tracer):
+        if backend != "reference":
+            raise _input_error("scale must be a concrete number on the Pallas backends (it is compiled into the "
+                               "kernels); got a traced value")
+        if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.number) \
+                or jnp.issubdtype(scale.dtype, jnp.complexfloating):
+            raise _input_error(f"scale must be a real scalar; got {scale.dtype}{list(scale.shape)}")
+        return scale
+    if isinstance(scale, (int, float, np.integer, np.floating)):
+        value = float(scale)
+    elif hasattr(scale, "shape") and hasattr(scale, "dtype"):
+        if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating)
+                                     or jnp.issubdtype(scale.dtype, jnp.integer)) or scale.dtype == jnp.bool_:
+            raise _input_error(f"scale must be a real scalar; got {scale.dtype}{list(scale.shape)}")
+        if backend == "reference" and not isinstance(scale, np.ndarray):
+            return scale  # a concrete jax scalar: not read back to the host here (the reference multiplies by it)
+        value = float(scale)
+    else:
+        raise _input_error(f"scale must be a real number; got {scale!r}")
+    if not math.isfinite(value):
+        raise _input_error(f"scale must be finite; got {value}")
+    return scale
+
+
+def _checked_state(name: str, x, want: tuple, what: str = "[B,HV,K,V]"):
+    """An fp32 state or cache of shape `want` (a NumPy float64 array counts as fp32 where JAX runs in 32 bits)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise _input_error(f"{name} must be an fp32 array {what}; got {type(x).__name__}")
+    if jax.dtypes.canonicalize_dtype(x.dtype) != jnp.float32:
+        raise _input_error(f"{name} must be fp32 {what}={tuple(want)}; got {x.dtype}")
+    _shape(name, x, want, f"fp32 {what}")
+    return x
+
+
+def _checked_heads(q, k, v, lead: str):
+    """q, k [*lead, HK, K] and v [*lead, HV, V] (lead "B,T" or "B"), HV a multiple of HK: returns the lead shape and
+    (HK, K, HV, V)."""
+    n = len(lead.split(",")) + 2
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _array(name, x)
+    if q.ndim != n:
+        raise _input_error(f"q must be [{lead},HK,K]; got shape {tuple(q.shape)}")
+    if tuple(k.shape) != tuple(q.shape):
+        raise _input_error(f"k must have q's shape [{lead},HK,K]={tuple(q.shape)}; got {tuple(k.shape)}")
+    if v.ndim != n or tuple(v.shape[:n - 2]) != tuple(q.shape[:n - 2]):
+        raise _input_error(f"v must be [{lead},HV,V] with q's {lead}={tuple(q.shape[:n - 2])}; got shape "
+                           f"{tuple(v.shape)}")
+    HK, K, HV, V = q.shape[-2], q.shape[-1], v.shape[-2], v.shape[-1]
+    if HK < 1 or HV % HK:
+        raise _input_error(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    return tuple(q.shape[:n - 2]), (HK, K, HV, V)
+
+
+def _checked_gates(g, beta, want: tuple, what: str, g_name: str = "g", beta_name: str = "beta"):
+    for name, x in ((g_name, g), (beta_name, beta)):
+        _array(name, x)
+        _shape(name, x, want, what)
+
+
+def _checked_prefill(q, k, v, g, beta, kw: dict, backend: str, stride_multiple: int) -> dict:
+    """The prefill rules' arguments checked; returns kw with lengths as int32, the flag as a bool and the stride as
+    a Python int."""
+    (B, T), (HK, K, HV, V) = _checked_heads(q, k, v, "B,T")
+    _checked_gates(g, beta, (B, T, HV), "[B,T,HV]")
+    if kw["initial_state"] is not None:
+        _checked_state("initial_state", kw["initial_state"], (B, HV, K, V))
+    lengths = kw["lengths"]
+    if lengths is not None:
+        lengths = _int_array("lengths", lengths)
+        _shape("lengths", lengths, (B,), "[B]")
+        lengths = jnp.asarray(lengths, jnp.int32)
+    stride = kw["checkpoint_stride"]
+    if stride is not None:
+        stride = _count("checkpoint_stride", stride, 1)
+        if stride % stride_multiple:
+            raise _input_error(f"checkpoint_stride must be a positive multiple of {stride_multiple}; got {stride}")
+    return dict(kw, lengths=lengths, checkpoint_stride=stride,
+                use_qk_l2norm=_flag("use_qk_l2norm", kw["use_qk_l2norm"]),
+                scale=_checked_scale(kw["scale"], backend))
+
+
+def _empty_prefill(q, v, kw: dict):
+    """A prefill of no tokens (T = 0) or no rows (B = 0): o empty, the state as given (fp32), no checkpoints' work."""
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    s0 = kw["initial_state"]
+    state = jnp.zeros((B, HV, K, V), jnp.float32) if s0 is None else jnp.asarray(s0, jnp.float32)
+    out = (jnp.zeros((B, T, HV, V), v.dtype), state)
+    stride = kw["checkpoint_stride"]
+    return out if stride is None else out + (jnp.zeros((B, T // stride, HV, K, V), jnp.float32),)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, lengths=None,
                            checkpoint_stride=None, backend: str | None = None):
     """Chunked gated delta rule (prefill). q, k: [B,T,HK,K]; v: [B,T,HV,V]; g, beta: [B,T,HV].
@@ -39,13 +196,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     [-1, 1] (`gated_delta.chunk._wk_dtype`). With g > 0 or beta > 2 they can overflow. Outside those ranges, call
     `gated_delta.chunk.chunk_gated_delta_rule_pallas` with `config={"wk_dtype": "float32"}`.
 
-    Returns (o [B,T,HV,V], final_state fp32 [B,HV,K,V]), plus checkpoints [B,T//stride,HV,K,V] when
-    `checkpoint_stride` is given.
+    q, k, v, g and beta have floating dtypes; scale: None (K^-0.5) or a finite number; initial_state: None (zeros)
+    or fp32 [B,HV,K,V]; lengths: None or integers [B] (tokens t >= lengths[b] are padding; a length below 0 counts
+    as 0, above T as T); checkpoint_stride: None or a positive multiple of 64; use_qk_l2norm: a bool. Bad arguments
+    raise `jaxgdn.InputError` (a ValueError) naming them. T = 0 or B = 0: nothing runs, the state comes back as is.
+
+    Returns (o [B,T,HV,V] in v.dtype, final_state fp32 [B,HV,K,V]), plus checkpoints fp32 [B,T//stride,HV,K,V]
+    when `checkpoint_stride` is given. o at padded positions: zeros on the Pallas backends, not specified on the
+    reference backend (which computes it from the unchanged state).
     """
     kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
               checkpoint_stride=checkpoint_stride)
     return _prefill(q, k, v, g, beta, kw, backend, _ref.chunk_gated_delta_rule_reference,
-                    ("chunk", "chunk_gated_delta_rule_pallas"))
+                    ("chunk", "chunk_gated_delta_rule_pallas"), stride_multiple=_ref.CHUNK)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
@@ -56,19 +219,25 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
 
     Any split of a call gives the same bits as the unsplit call, and on the Pallas backends each token is bitwise
     what the decode kernel computes under the same launch configuration (`gated_delta.scan`; the defaults differ).
-    Padded tokens (lengths) leave the state bit-identical, o = 0.
+    Padded tokens (lengths) leave the state bit-identical, o = 0. Arguments as `chunk_gated_delta_rule`'s (o in
+    v.dtype; bad ones raise `jaxgdn.InputError`), but checkpoint_stride any positive integer.
     """
     kw = dict(scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, lengths=lengths,
               checkpoint_stride=checkpoint_stride)
     return _prefill(q, k, v, g, beta, kw, backend, _ref.recurrent_gated_delta_rule_reference,
-                    ("scan", "fused_recurrent_gated_delta_rule_pallas"))
+                    ("scan", "fused_recurrent_gated_delta_rule_pallas"), stride_multiple=1)
 
 
-def _prefill(q, k, v, g, beta, kw: dict, backend: str | None, reference, kernel_name: tuple[str, str]):
+def _prefill(q, k, v, g, beta, kw: dict, backend: str | None, reference, kernel_name: tuple[str, str], *,
+             stride_multiple: int):
     """A prefill rule on the chosen backend: the pure-JAX `reference`, or the Pallas kernel `kernel_name` (module in
     `gated_delta`, function; imported on first use) called directly, or per shard in `shard_map` under a
-    tensor-parallel mesh (heads split; each shard runs the kernel on its heads)."""
+    tensor-parallel mesh (heads split; each shard runs the kernel on its heads). The arguments are checked first
+    (InputError), and a call of no tokens or no rows returns the state as it is without running anything."""
     backend = resolve_backend(backend)
+    kw = _checked_prefill(q, k, v, g, beta, kw, backend, stride_multiple)
+    if v.shape[0] == 0 or v.shape[1] == 0:
+        return _empty_prefill(q, v, kw)
     if backend == "reference":
         return reference(q, k, v, g, beta, **kw)
     kernel = getattr(importlib.import_module(f".gated_delta.{kernel_name[0]}", __package__), kernel_name[1])
@@ -94,9 +263,30 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, u
     """One recurrent step per row (decode). q, k: [B,HK,K]; v: [B,HV,V]; g, beta: [B,HV] — or, with A_log and
     dt_bias ([HV]) given, the raw `a` and `b` from which the gates are computed in fp32.
 
-    Returns (o [B,HV,V], new_state fp32 [B,HV,K,V]).
+    q, k, v, g, beta, A_log and dt_bias have floating dtypes; initial_state: fp32 [B,HV,K,V], or None (zeros);
+    scale: None (K^-0.5) or a finite number; use_qk_l2norm: a bool. Bad arguments raise `jaxgdn.InputError`.
+
+    Returns (o [B,HV,V] in v.dtype, new_state fp32 [B,HV,K,V]).
     """
     backend = resolve_backend(backend)
+    (B,), (HK, K, HV, V) = _checked_heads(q, k, v, "B")
+    fused = A_log is not None
+    if fused != (dt_bias is not None):
+        raise _input_error("A_log and dt_bias go together (both given: g and beta are the raw a and b)")
+    _checked_gates(g, beta, (B, HV), "[B,HV]", *(("g (the raw a)", "beta (the raw b)") if fused else ()))
+    if fused:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            _array(name, x)
+            _shape(name, x, (HV,), "[HV]")
+    if initial_state is None:
+        initial_state = jnp.zeros((B, HV, K, V), jnp.float32)
+    _checked_state("initial_state", initial_state, (B, HV, K, V))
+    if initial_state.dtype != jnp.float32:  # a NumPy float64 array (the kernel takes fp32 only)
+        initial_state = jnp.asarray(initial_state, jnp.float32)
+    scale = _checked_scale(scale, backend)
+    use_qk_l2norm = _flag("use_qk_l2norm", use_qk_l2norm)
+    if B == 0:
+        return jnp.zeros((0, HV, V), v.dtype), jnp.asarray(initial_state, jnp.float32)
     if backend == "reference":
         if A_log is not None:
             g, beta = _ref.gdn_gates(A_log, g, dt_bias, beta)
@@ -163,9 +353,20 @@ def matmul_invariant(x, w, *, backend: str | None = None, row_groups: int | None
     Any other product under a mesh (a split the mesh does not divide) takes the reference path, which XLA
     partitions. Per shard the tile choice follows the shard's weight shape, so a sharded model is batch-invariant on
     its mesh but not bitwise equal to the unsharded one. `w_transposed`: w is [N, K] (a tied embedding as the
-    output head; its rows, the vocabulary, are then the `col_groups`).
+    output head; its rows, the vocabulary, are then the `col_groups`). Shapes that do not fit, or a non-bool
+    `w_transposed`, raise `jaxgdn.InputError`.
     """
     backend = resolve_backend(backend)
+    w_transposed = _flag("w_transposed", w_transposed)
+    for name, a in (("x", x), ("w", w)):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise _input_error(f"{name} must be an array (jax or NumPy); got {type(a).__name__}")
+    want = "[N, K]" if w_transposed else "[K, N]"
+    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[1 if w_transposed else 0]:
+        raise _input_error(f"expected x [..., K] and w {want}; got {tuple(x.shape)} and {tuple(w.shape)}")
+    for name, n in (("row_groups", row_groups), ("col_groups", col_groups)):
+        if n is not None:
+            _count(name, n)
     if not _sharded():
         return _local_matmul_invariant(x, w, backend, w_transposed=w_transposed)
     mesh = jax.sharding.get_abstract_mesh()
@@ -240,6 +441,29 @@ def _by_heads(local, fallback, q, keys, values, pos):
     return _per_shard(local, mesh, (q, keys, values, pos), (heads, heads, heads, P()), heads)
 
 
+def _checked_attention(q, keys, values, pos, decode):
+    """q [B,T,H,Dh], keys and values [B,N,HKV,Dh] (floating; H a multiple of HKV; N >= 1 unless there is no query),
+    pos integers [B,T] (a Python list taken), decode a bool: returns (pos, decode)."""
+    for name, x in (("q", q), ("keys", keys), ("values", values)):
+        _array(name, x)
+    if q.ndim != 4:
+        raise _input_error(f"q must be [B,T,H,Dh]; got shape {tuple(q.shape)}")
+    B, T, H, Dh = q.shape
+    if keys.ndim != 4 or keys.shape[0] != B or keys.shape[3] != Dh:
+        raise _input_error(f"keys must be [B,N,HKV,Dh] with q's B={B} and Dh={Dh}; got shape {tuple(keys.shape)}")
+    _shape("values", values, keys.shape, "keys' shape [B,N,HKV,Dh]")
+    N, HKV = keys.shape[1], keys.shape[2]
+    if HKV < 1 or H % HKV:
+        raise _input_error(f"query heads ({H}) must be a multiple of key/value heads ({HKV})")
+    if N == 0 and q.size:
+        raise _input_error("keys and values hold no cache slot (N = 0): a query would attend to nothing")
+    if isinstance(pos, (list, tuple)):
+        pos = jnp.asarray(_int_array("pos", pos))
+    _array("pos", pos, "integer")
+    _shape("pos", pos, (B, T), "[B,T]")
+    return pos, _flag("decode", decode)
+
+
 def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None = None):
     """Causal attention over a KV cache (default mode). q [B,T,H,Dh]; keys/values [B,N,HKV,Dh]; pos [B,T].
 
@@ -247,10 +471,13 @@ def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None =
     Pallas kernel of `attention_invariant` (3.1x faster than XLA's at decode, B=64, on the H200 — BENCHMARKS.md;
     prefill: faster inside the deterministic model, not timed alone); head layouts the kernel does not support take
     `attention_reference`, and under a tensor-parallel mesh the kernel runs per shard when the mesh splits the heads.
+    q, keys, values floating, H a multiple of HKV; pos integers; decode a bool (bad arguments: `jaxgdn.InputError`).
+    Returns [B,T,H,Dh] in q.dtype.
     """
     from . import attention as _att  # the submodule (the package exports no name `attention`)
 
     backend = resolve_backend(backend)
+    pos, decode = _checked_attention(q, keys, values, pos, decode)
     if backend == "reference":
         return _att.attention_reference(q, keys, values, pos)
 
@@ -266,8 +493,10 @@ def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | No
     `lax.map`); "pallas"/"interpret": the Pallas kernel (`pallas_kernels.attention`: 64 query rows per program, 16
     for `decode`). Head layouts the kernel does not support take the reference path; under a tensor-parallel mesh
     the kernel runs per shard when the mesh splits both the query and the KV heads, else the reference path runs.
+    Arguments checked as `cache_attention`'s (`jaxgdn.InputError`).
     """
     backend = resolve_backend(backend)
+    pos, decode = _checked_attention(q, keys, values, pos, decode)
     if backend == "reference":
         return _attention_tiled(q, keys, values, pos, decode)
     tiled = lambda *a: _attention_tiled(*a, decode)  # noqa: E731
@@ -310,6 +539,25 @@ def replay_step_matches_prefill(K: int, V: int, backend: str | None = None) -> b
     return resolve_backend(backend) != "pallas" or (K, V) in REPLAY_STEP_VERIFIED_HEADS
 
 
+def _checked_replay(q, k, v, g, beta, state, lengths, scale, use_qk_l2norm, backend: str, caches=None):
+    """The open chunk q, k [B,64,HK,K], v [B,64,HV,V], g, beta [B,64,HV]; the fp32 boundary state [B,HV,K,V]; the
+    fp32 caches x_cache [B,HV,64,64] and vn_cache [B,HV,64,V] when given; lengths integers [B]. Returns (B, HV, V,
+    lengths as int32, scale, use_qk_l2norm as a bool)."""
+    (B, T), (HK, K, HV, V) = _checked_heads(q, k, v, "B,T")
+    if T != _ref.CHUNK:
+        raise _input_error(f"q, k and v must hold the open chunk of {_ref.CHUNK} tokens ([B,{_ref.CHUNK},H,D]); got "
+                           f"T={T}")
+    _checked_gates(g, beta, (B, T, HV), "[B,64,HV]")
+    _checked_state("state", state, (B, HV, K, V))
+    if caches is not None:
+        _checked_state("x_cache", caches[0], (B, HV, _ref.CHUNK, _ref.CHUNK), "[B,HV,64,64]")
+        _checked_state("vn_cache", caches[1], (B, HV, _ref.CHUNK, V), "[B,HV,64,V]")
+    lengths = _int_array("lengths", lengths)
+    _shape("lengths", lengths, (B,), "[B]")
+    return (B, HV, V, jnp.asarray(lengths, jnp.int32), _checked_scale(scale, backend),
+            _flag("use_qk_l2norm", use_qk_l2norm))
+
+
 def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale=None, use_qk_l2norm=True,
                       backend: str | None = None):
     """One replay decode step per row over the chunked prefill: the new token's output computed with the chunked
@@ -324,13 +572,19 @@ def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, sc
     caches). On the reference backend the step runs the reference chunked rule over the open chunk and the caches
     pass through unused. The output row and states are bitwise what the same backend's chunked prefill computes
     (on the GPU: checked for bf16 q, k, v and the heads `replay_step_matches_prefill` names; `gated_delta/replay.py`).
+    q, k, v, g, beta have floating dtypes, lengths an integer one (Python lists taken); scale and use_qk_l2norm as
+    `chunk_gated_delta_rule`'s. Bad arguments raise `jaxgdn.InputError` naming them.
     """
     backend = resolve_backend(backend)
-    lengths = jnp.asarray(lengths, jnp.int32)
+    B, HV, V, lengths, scale, use_qk_l2norm = _checked_replay(q, k, v, g, beta, state, lengths, scale, use_qk_l2norm,
+                                                              backend, caches=(x_cache, vn_cache))
+    if B == 0:
+        return jnp.zeros((0, HV, V), v.dtype), state, x_cache, vn_cache
     if backend == "reference":
         o_all, final = _ref.chunk_gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=state,
                                                              use_qk_l2norm=use_qk_l2norm, lengths=lengths)
         o = jnp.take_along_axis(o_all, jnp.maximum(lengths - 1, 0)[:, None, None, None], axis=1)[:, 0]
+        o = jnp.where((lengths > 0)[:, None, None], o, jnp.zeros((), o.dtype))  # lengths 0: zeros, as documented
         return o, jnp.where((lengths == q.shape[1])[:, None, None, None], final, state), x_cache, vn_cache
     from .gated_delta.replay import chunk_replay_step_pallas
 
@@ -384,14 +638,16 @@ def chunk_replay_step_packed(qkv, gates, state, x_cache, vn_cache, lengths, *, h
 def chunk_replay_prime(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l2norm=True,
                        backend: str | None = None):
     """The caches of `chunk_replay_step` for open chunks a prefill left: lengths[b] (0..63) tokens of q, k, v, g, beta
-    ([B,64,...]) after the boundary `state`. Returns (x_cache, vn_cache); zeros on the reference backend."""
+    ([B,64,...]) after the boundary `state` (fp32 [B,HV,K,V]). Returns (x_cache, vn_cache); zeros on the reference
+    backend. Arguments checked as `chunk_replay_step`'s (`jaxgdn.InputError`)."""
     backend = resolve_backend(backend)
-    if backend == "reference":
-        return replay_caches(v.shape[0], v.shape[2], v.shape[3])
+    B, HV, V, lengths, scale, use_qk_l2norm = _checked_replay(q, k, v, g, beta, state, lengths, scale, use_qk_l2norm,
+                                                              backend)
+    if backend == "reference" or B == 0:
+        return replay_caches(B, HV, V)
     from .gated_delta.replay import chunk_replay_prime_pallas
 
     kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=backend == "interpret")
-    lengths = jnp.asarray(lengths, jnp.int32)
     mesh = _tp_mesh(q.shape[2])
     args = (q, k, v, g, beta, state, lengths)
     if mesh is None:
@@ -404,4 +660,4 @@ def replay_caches(B: int, HV: int, V: int):
     """Empty caches of `chunk_replay_step` (x_cache, vn_cache: fp32 zeros) for B rows, HV value heads of width V."""
     from .gated_delta.replay import replay_caches as empty
 
-    return empty(B, HV, V)
+    return empty(_count("B", B), _count("HV", HV, 1), _count("V", V, 1))

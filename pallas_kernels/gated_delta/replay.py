@@ -612,6 +612,9 @@ def _checked_rest(heads: Heads, B: int, state, x_cache, vn_cache, lengths, scale
     for name, (got, shape) in want.items():
         if tuple(got) != shape:
             raise ValueError(f"{name} must be {list(shape)}; got {list(got)}")
+    for name, cache in (("x_cache", x_cache), ("vn_cache", vn_cache)):  # updated in place: fp32 in, fp32 out
+        if jax.dtypes.canonicalize_dtype(cache.dtype) != jnp.float32:
+            raise ValueError(f"{name} must be fp32; got {cache.dtype}")
     ck._check_pow2("K", K)
     ck._check_pow2("V", V)
     return float(K**-0.5 if scale is None else scale)
