@@ -6,7 +6,8 @@ tokenizer.json (UTF-8 bytes for the presets, whose vocabulary is 256); `--tokens
 input exits 2: jaxgdn's own checks print one line on stderr (`jaxgdn: error: ...`), argparse's its usage and an error
 line. `check-determinism` exits 1 when a check fails and still writes its report. Output files are written to temporary
 files and renamed into place only when the command returns (a report of a failed check included), so an error leaves
-none behind.
+none behind. A stdout closed early (`jaxgdn score ... | head`) ends the command quietly with status 141, a shell's
+status for SIGPIPE, and no output file.
 """
 
 from __future__ import annotations
@@ -73,13 +74,17 @@ class _Outputs:
 # ---- models, tokenizers, prompts --------------------------------------------------------------------------------
 
 def _seed(text: str) -> int:
-    """argparse type of the --seed options: a non-negative integer (NumPy's generators take no negative seed)."""
+    """argparse type of the seed options (--seed of demo / compare-states / check-determinism, --model-seed): an
+    integer in [0, 2**32) (NumPy's generators take no negative seed; JAX's keys no seed past 64 bits; generate's
+    sampling seed is checked by the library against the same range)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer; got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer; got {value}")
+    if value >= 1 << 32:
+        raise argparse.ArgumentTypeError(f"expected an integer below 2**32; got {value}")
     return value
 
 
@@ -98,7 +103,7 @@ def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, deco
     g.add_argument("--model", default="tiny", metavar="DIR|tiny|tiny-next",
                    help="Hugging Face checkpoint directory (config.json + safetensors), or an embedded random "
                         "preset: tiny (Qwen3.5 layout) or tiny-next (Qwen3-Next, MoE). Default: tiny")
-    g.add_argument("--model-seed", type=int, metavar="N", default=0,
+    g.add_argument("--model-seed", type=_seed, metavar="N", default=0,
                    help="seed of a preset's random weights (default 0)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter/activation dtype (GDN states stay fp32; default float32)")
@@ -209,6 +214,21 @@ def _check_ids(ids: list[int], model, what: str) -> list[int]:
     return ids
 
 
+def _check_text_args(args) -> None:
+    """--prompt / --completion must be text a tokenizer can encode: bytes that are not UTF-8 in the command line
+    reach Python as lone surrogates, which made every tokenizer raise a UnicodeEncodeError (a traceback)."""
+    for flag in ("prompt", "completion"):
+        text = getattr(args, flag, None)
+        if text is None:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = e.object[e.start].encode("utf-8", "surrogateescape")[0]
+            raise InputError(f"--{flag} is not valid UTF-8 text (byte 0x{byte:02x} at character {e.start}): pass "
+                             f"token ids with --tokens, or the text in a UTF-8 file") from None
+
+
 def _read_prompt(args, tok, model, what: str = "prompt") -> tuple[list[int], bool]:
     """(token ids, given as text?) from --prompt / --prompt-file / --tokens."""
     if args.tokens is not None:
@@ -284,6 +304,7 @@ def _demo(args) -> int:
 def _generate(args, out: _Outputs) -> int:
     from .generate import generate
 
+    _check_text_args(args)
     if args.output:
         out.target(args.output)
     model, source = _load_model(args)
@@ -328,6 +349,7 @@ def _generate(args, out: _Outputs) -> int:
 def _score(args, out: _Outputs) -> int:
     from .score import score
 
+    _check_text_args(args)
     if args.output:
         if Path(args.output).suffix.lower() not in (".json", ".csv"):
             raise InputError(f"--output must end in .json or .csv; got {args.output}")
@@ -384,7 +406,7 @@ def _score(args, out: _Outputs) -> int:
 # ---- compare-states --------------------------------------------------------------------------------------------
 
 def state_gap_records(model, tokens: list[int], decode_from: int, splits: list[int], stride: int = 1,
-                      rows: int = 16) -> list[dict]:
+                      rows: int = 16, progress: bool | None = None) -> list[dict]:
     """For every GDN layer and every `stride`-th position p of `tokens`: how the fp32 recurrent state reached
     (a) by prefill of `decode_from` tokens then recurrent decode, (b) by a prefill split at s then a prefill of the
     rest, for each s in `splits`, differs from the state of one prefill of p tokens.
@@ -392,6 +414,7 @@ def state_gap_records(model, tokens: list[int], decode_from: int, splits: list[i
     Uses the pure state functions without the deterministic grid check (off-grid splits are the point). All
     prefill calls share one padded width (per-row lengths), so there are three compiled programs in all.
     Returns dict rows: comparison, layer, position, max_abs, mean_abs, rel, max_ulp, mean_ulp, frac_equal.
+    progress: a bar over the positions on stderr (None: on a terminal only).
     """
     import jax
     import jax.numpy as jnp
@@ -432,7 +455,11 @@ def state_gap_records(model, tokens: list[int], decode_from: int, splits: list[i
                                 rel=d.rel, max_ulp=d.max_ulp, mean_ulp=float(ulp_distance(a, b).mean()),
                                 frac_equal=d.frac_equal))
 
+    from tqdm.auto import tqdm
+
     dec_state, dec_pos = starts[decode_from], decode_from
+    bar = tqdm(total=len(positions), desc="compare-states", unit="pos", leave=False,
+               disable=None if progress is None else not progress)
     for k in range(0, len(positions), rows):
         batch = positions[k:k + rows]
         lens = batch + [0] * (rows - len(batch))
@@ -453,6 +480,8 @@ def state_gap_records(model, tokens: list[int], decode_from: int, splits: list[i
             for i, p in enumerate(batch):
                 if p > s:
                     add(f"split at {s} ({grid} grid)", p, [g[i] for g in got], [r[i] for r in ref])
+        bar.update(len(batch))
+    bar.close()
     return records
 
 
@@ -520,7 +549,11 @@ def _records_csv(records: list[dict]) -> str:
 def _compare_states(args, out: _Outputs) -> int:
     import numpy as np
 
+    _check_text_args(args)
     prefix = args.output
+    if os.path.basename(prefix) in ("", ".", ".."):  # 'out/' used to write the hidden files out/.csv, .json, .png
+        raise InputError(f"--output takes a file prefix (it writes PREFIX.csv, PREFIX.json, PREFIX.png), not a "
+                         f"directory; got {prefix!r}: try {os.path.join(prefix, 'compare_states')!r}")
     for ext in (".csv", ".json", ".png"):
         out.target(prefix + ext)
     model, source = _load_model(args)
@@ -702,6 +735,12 @@ def _check_determinism(args, out: _Outputs) -> int:
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown or not checks:
         raise InputError(f"--checks must name some of {', '.join(CHECKS)}; got {args.checks!r}")
+    # the longest request: B, A's prompt + A's answer + 10 tokens, then its own answer (or a batch row of 130)
+    longest = max(args.prompt_len + 2 * args.new_tokens + 10, 130 + args.new_tokens)
+    if longest > _max_length(args):
+        raise CapacityError(f"--prompt-len {args.prompt_len} and --new-tokens {args.new_tokens} make requests of "
+                            f"{longest} tokens (prompt + 2 x new tokens + 10), past the model's capacity of "
+                            f"{_max_length(args)} tokens")
     model, source = _load_model(args, deterministic=True)
     t0 = time.perf_counter()
     rows = determinism_checks(model, args.prompt_len, args.new_tokens, args.interval, args.seed, args.unsafe_cache,
@@ -813,8 +852,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, metavar="P", default=1.0,
                      help="nucleus sampling: the smallest set of tokens with probability >= P (default 1.0: all)")
     gen.add_argument("--seed", type=int, metavar="N", default=0, help="sampling seed (default 0)")
-    gen.add_argument("--stop-token-ids", metavar="IDS", help="stop tokens, e.g. '1,2' (default: the tokenizer's eos)")
-    gen.add_argument("--no-stop", action="store_true", help="no stop tokens")
+    stop = gen.add_mutually_exclusive_group()  # --no-stop used to win silently over --stop-token-ids
+    stop.add_argument("--stop-token-ids", metavar="IDS", help="stop tokens, e.g. '1,2' (default: the tokenizer's eos)")
+    stop.add_argument("--no-stop", action="store_true", help="no stop tokens")
     gen.add_argument("--max-length", type=int, metavar="N", help="capacity: prompt + new tokens (default: the model's "
                                                     f"max_position_embeddings; {PRESET_MAX_LENGTH} for presets)")
     gen.add_argument("--logprobs", action="store_true", help="also print each generated token's logprob")
@@ -823,7 +863,7 @@ def _parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("score", help="per-token logprobs of a sequence (teacher forcing)",
                         description="Logprob of each token given the tokens before it, by prefill. Scores the "
                                     "sequence from --start (default 1), or only --completion given the prompt.")
-    _add_model_args(sc)
+    _add_model_args(sc, decode_mode=False)  # scoring is a prefill: no decode step for --decode-mode to change
     _add_tokenizer_arg(sc)
     _add_prompt_args(sc, what="sequence (or the context, with --completion)")
     comp = sc.add_mutually_exclusive_group()
@@ -846,7 +886,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_prompt_args(cs, required=False, what="prompt (default: --length random tokens)")
     cs.add_argument("--length", type=int, metavar="N", default=128,
                     help="random prompt length when no prompt is given (default 128)")
-    cs.add_argument("--seed", type=_seed, metavar="N", default=0, help="seed of the random prompt")
+    cs.add_argument("--seed", type=_seed, metavar="N", default=0, help="seed of the random prompt (default 0)")
     cs.add_argument("--decode-from", type=int, metavar="N", default=64,
                     help="prefill this many tokens, then decode (default 64)")
     cs.add_argument("--splits", default="64,63", metavar="S,S", help="prefill split points (default 64,63)")
@@ -899,13 +939,22 @@ def main(argv=None) -> int:
         if args.command == "demo":
             if args.prompt_len < 1 or args.new_tokens < 1:
                 raise JaxGDNError("--prompt-len and --new-tokens must be >= 1")
-            return _demo(args)
-        rc = _COMMANDS[args.command](args, out)
+            if args.prompt_len + args.new_tokens > PRESET_MAX_LENGTH:  # (it ran out of memory, or ran for hours)
+                raise CapacityError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceed the "
+                                    f"preset's capacity of {PRESET_MAX_LENGTH} tokens")
+            rc = _demo(args)
+        else:
+            rc = _COMMANDS[args.command](args, out)
+        sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's exit flush (a message, status 120)
         out.commit()
         return rc
     except JaxGDNError as e:
         print(f"jaxgdn: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed early (`jaxgdn score ... | head`): stop quietly, as a Unix filter does
+        with contextlib.suppress(OSError):  # (and keep the interpreter's exit flush from failing on it again)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # what a shell reports for a process SIGPIPE ended
     except OSError as e:
         print(f"jaxgdn: error: {e}", file=sys.stderr)
         return 2

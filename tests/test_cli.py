@@ -248,6 +248,20 @@ def test_compare_states(capsys, tmp_path, preset):
     assert "split at 64 (on grid)" in out
 
 
+def test_compare_states_progress_bar(capsys, preset):
+    """A bar over the positions on stderr when asked (on a terminal by default; off here, where stderr is not one),
+    and nothing on stderr when not asked."""
+    from jaxgdn.cli import state_gap_records
+
+    tokens = np.random.default_rng(4).integers(0, 256, 70).tolist()
+    capsys.readouterr()
+    with_bar = state_gap_records(preset, tokens, 60, [64], 5, progress=True)
+    err = capsys.readouterr().err
+    assert "compare-states" in err and "14/14" in err, err
+    assert state_gap_records(preset, tokens, 60, [64], 5) == with_bar
+    assert capsys.readouterr().err == ""
+
+
 def test_compare_states_leaves_no_partial_files(capsys, tmp_path, monkeypatch):
     """The CSV and JSON are staged before the plot; a failure in the plot leaves no file at all."""
     def broken(*a, **k):
