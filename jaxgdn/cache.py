@@ -11,7 +11,7 @@ and never change the old one. With `deterministic=True` it admits only prefill-p
 same prefix, and caching it would make a request's logprobs depend on what ran before it. `check_cache`
 proves the invariant with chex assertions.
 
-Default interval 256: a hit recomputes at most 255 tokens (a few ms of prefill on a GPU), while a 9B model's
+Default interval 256: a hit recomputes at most 256 tokens (a few ms of prefill on a GPU), while a 9B model's
 checkpoint (24 GDN layers x 2 MiB of fp32 state, plus the prefix KV) is large enough that checkpointing every
 64 tokens would fill a byte budget four times faster for little gain. Tests use 64.
 """

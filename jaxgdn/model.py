@@ -4,7 +4,7 @@
     state, logits = model.prefill_chunk(state, tokens, lengths=None)  # tokens int32 [B, T] -> logits fp32 [B, T, Vocab]
     state, logits = model.decode_step(state, token)                   # token int32 [B]    -> logits fp32 [B, Vocab]
 
-`Model` is a pytree (parameters are leaves; config, dtype and kernel backend are static), so the functions
+`Model` is a pytree (parameters are leaves; config, dtype, kernel backend and modes are static), so the functions
 `prefill_chunk(model, state, tokens, lengths)` and `decode_step(model, state, token)` below can be jitted with
 the state donated. The methods check their inputs on concrete values (JAX silently clamps out-of-range
 gathers) and call a jitted copy.
@@ -13,7 +13,7 @@ A token's path: `Model.prefill_chunk` -> `prefill_chunk` -> per layer `layers.gd
 `pallas_kernels.chunk_gated_delta_rule` — or `fused_recurrent_gated_delta_rule` with gdn_prefill="recurrent" ->
 backend dispatch -> reference or Pallas kernel) or `layers.attention.attention`, then `layers.mlp.feed_forward`.
 Decode: `decode_step` -> `layers.gdn.gdn_decode` (`pallas_kernels.recurrent_gated_delta_rule`), or in replay mode
-the prefill path for one token (over the chunked GDN prefill: `pallas_kernels.chunk_replay_step`).
+the prefill path for one token (over the chunked GDN prefill: `pallas_kernels.chunk_replay_step_packed`).
 """
 
 from __future__ import annotations
