@@ -346,6 +346,13 @@ def _generate(args, out: _Outputs) -> int:
 
 # ---- score -----------------------------------------------------------------------------------------------------
 
+def _perplexity(mean_logprob: float) -> float:
+    """exp(-mean logprob), inf where that overflows a float (a mean below about -709)."""
+    import math
+
+    return math.exp(-mean_logprob) if -mean_logprob < 709.78 else math.inf
+
+
 def _score(args, out: _Outputs) -> int:
     from .score import score
 
@@ -385,7 +392,7 @@ def _score(args, out: _Outputs) -> int:
     total = float(sum(lps))
     mean = total / len(lps)
     print(f"scored {len(lps)} tokens (positions {start}..{len(seq) - 1}): total logprob {total:.4f}, mean "
-          f"{mean:.4f}, perplexity {float(2.718281828459045 ** -mean):.3f}")
+          f"{mean:.4f}, perplexity {_perplexity(mean):.3f}")
     print(f"[{source}, {elapsed:.2f} s]", file=sys.stderr)
     if args.output:
         if args.output.lower().endswith(".csv"):
@@ -551,6 +558,10 @@ def _compare_states(args, out: _Outputs) -> int:
 
     _check_text_args(args)
     prefix = args.output
+    given = [f"--{n}" for n in ("length", "seed") if getattr(args, n) is not None]
+    if given and (args.prompt is not None or args.prompt_file is not None or args.tokens is not None):
+        raise InputError(f"{' and '.join(given)} shape the random prompt, which a given prompt replaces: drop "
+                         f"{'them' if len(given) > 1 else 'it'} or the prompt")
     if os.path.basename(prefix) in ("", ".", ".."):  # 'out/' used to write the hidden files out/.csv, .json, .png
         raise InputError(f"--output takes a file prefix (it writes PREFIX.csv, PREFIX.json, PREFIX.png), not a "
                          f"directory; got {prefix!r}: try {os.path.join(prefix, 'compare_states')!r}")
@@ -560,9 +571,11 @@ def _compare_states(args, out: _Outputs) -> int:
     if args.prompt is not None or args.prompt_file is not None or args.tokens is not None:
         tokens, _ = _read_prompt(args, _load_tokenizer(args, model), model)
     else:
-        if args.length < 2:
-            raise InputError(f"--length must be >= 2; got {args.length}")
-        tokens = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.length).tolist()
+        length = 128 if args.length is None else args.length
+        if length < 2:
+            raise InputError(f"--length must be >= 2; got {length}")
+        seed = 0 if args.seed is None else args.seed
+        tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, length).tolist()
     T = len(tokens)
     if T < 2:
         raise InputError(f"the prompt must hold at least 2 tokens; got {T}")
@@ -783,7 +796,8 @@ def _bench(args, out: _Outputs) -> int:
     B, T, N = args.batch_size, args.prompt_len, args.decode_steps
     cap = -(-(T + N) // 64) * 64
     if T + N > _max_length(args):
-        raise CapacityError(f"{T} prompt + {N} decode tokens exceed the capacity of {_max_length(args)} tokens")
+        raise CapacityError(f"{T} prompt + {N} decode tokens exceed the capacity of {_max_length(args)} tokens "
+                            f"(--max-length)")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (B, T)), jnp.int32)
     lengths = jnp.full((B,), T, jnp.int32)
     decode_loop = model_jit(functools.partial(greedy_decode, steps=N))  # the library's compiler options
@@ -884,9 +898,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(cs, deterministic=True, decode_mode=False)
     _add_tokenizer_arg(cs)
     _add_prompt_args(cs, required=False, what="prompt (default: --length random tokens)")
-    cs.add_argument("--length", type=int, metavar="N", default=128,
+    cs.add_argument("--length", type=int, metavar="N",
                     help="random prompt length when no prompt is given (default 128)")
-    cs.add_argument("--seed", type=_seed, metavar="N", default=0, help="seed of the random prompt (default 0)")
+    cs.add_argument("--seed", type=_seed, metavar="N", help="seed of the random prompt (default 0)")
     cs.add_argument("--decode-from", type=int, metavar="N", default=64,
                     help="prefill this many tokens, then decode (default 64)")
     cs.add_argument("--splits", default="64,63", metavar="S,S", help="prefill split points (default 64,63)")

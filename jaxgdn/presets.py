@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import PRESETS
-from .errors import InputError
+from .errors import InputError, index_value
 from .init import random_params
 from .model import Model, check_model_options
 
@@ -19,6 +19,10 @@ def tiny_model(name: str = "tiny", seed: int = 0, dtype=jnp.float32, backend: st
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     check_model_options(dtype, backend)
+    try:
+        key = jax.random.key(index_value(seed))
+    except (TypeError, OverflowError, ValueError):
+        raise InputError(f"seed must be an integer a JAX key takes (64 bits); got {seed!r}") from None
     config = PRESETS[name]()
-    return Model(params=random_params(config, jax.random.key(seed), dtype), config=config, dtype=dtype,
+    return Model(params=random_params(config, key, dtype), config=config, dtype=dtype,
                  backend=backend, deterministic=deterministic)

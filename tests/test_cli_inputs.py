@@ -196,3 +196,21 @@ def test_text_that_is_not_utf8(capsys, argv, match):
     rc, out, err = run(capsys, *argv)
     assert_clean_error(rc, err, match)
     assert out == ""
+
+
+# ---- compare-states: --length / --seed shape the random prompt only (a given prompt silently replaced them) -----
+
+@pytest.mark.parametrize("extra, match", [(["--length", "70"], "--length shape the random prompt"),
+                                          (["--seed", "3"], "--seed shape the random prompt"),
+                                          (["--length", "70", "--seed", "3"], "--length and --seed shape")])
+def test_compare_states_random_prompt_flags_with_a_prompt(capsys, tmp_path, extra, match):
+    rc, _, err = run(capsys, "compare-states", "--tokens", "1,2,3,4", *extra, "--output", tmp_path / "cs")
+    assert_clean_error(rc, err, match, tmp_path)
+
+
+# ---- score: the perplexity of a very unlikely sequence was an OverflowError traceback ----------------------------
+
+def test_perplexity_overflows_to_inf():
+    assert cli._perplexity(-1.0) == pytest.approx(2.718281828459045)
+    assert cli._perplexity(0.0) == 1.0
+    assert cli._perplexity(-800.0) == float("inf")

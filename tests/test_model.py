@@ -562,3 +562,14 @@ def test_deterministic_mode_refuses_an_off_grid_prefill(det_models):
     state = model.init_state(2, CAP)._replace(position=jnp.array([64, 16], jnp.int32))
     with pytest.raises(jaxgdn.InputError, match="row 1 .*position 16.*grid"):
         model.prefill_chunk(state, np.zeros((2, 4), np.int32))
+
+
+@pytest.mark.parametrize("name, seed, match", [("tiny", 2**64, "seed must be an integer"),
+                                               ("tiny", 2.5, "seed must be an integer"),
+                                               ("tiny", True, "seed must be an integer"),
+                                               ("small", 0, "unknown preset 'small'")])
+def test_tiny_model_refuses_bad_arguments(name, seed, match):
+    """An unknown preset or a seed no JAX key takes is an InputError (a seed of 2**64 was an OverflowError from JAX;
+    a float, a TypeError)."""
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.tiny_model(name, seed=seed)
