@@ -54,6 +54,12 @@ class ModelConfig:
     gdn_qkv_groups: int = 1
 
     def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
+        for name in sizes:  # before any division by them
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive; got {getattr(self, name)!r}")
         if any(t not in (LINEAR, FULL) for t in self.layer_types):
             raise ValueError(f"layer_types must be {LINEAR!r} or {FULL!r}; got {self.layer_types}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -100,66 +106,111 @@ class ModelConfig:
 
     # ---- Hugging Face ----------------------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a parsed `config.json` (model_type qwen3_5 — via its text_config —, qwen3_5_text, qwen3_next)."""
+    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a parsed `config.json` (model_type qwen3_5 — via its text_config —, qwen3_5_text, qwen3_next).
+
+        Every field jaxgdn reads is checked for its JSON type (an integer size is an integer, not a string, float or
+        bool; a flag is true or false) and range before anything is built: `CheckpointError` naming `source` (the
+        file, in messages) and the field otherwise; `UnsupportedModelError` for a model type, architecture (a
+        classification head), quantized checkpoint, rope type or activation jaxgdn does not implement."""
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source} must hold a JSON object; got {type(cfg).__name__} {json.dumps(cfg):.60}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; jaxgdn supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"{source}: unsupported model_type {model_type!r}; jaxgdn supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        _check_supported(cfg, source, "")
+        where = ""  # prefix of field names in messages
         if model_type == "qwen3_5":
             if "text_config" not in cfg:
-                raise CheckpointError("qwen3_5 config.json has no text_config")
-            cfg = dict(cfg["text_config"], model_type="qwen3_5_text",
-                       tie_word_embeddings=cfg["text_config"].get("tie_word_embeddings",
-                                                                  cfg.get("tie_word_embeddings", False)))
-            model_type = "qwen3_5_text"
+                raise CheckpointError(f"{source}: qwen3_5 config.json has no text_config")
+            text = cfg["text_config"]
+            if not isinstance(text, dict):
+                raise CheckpointError(f"{source}: text_config must be a JSON object; got {json.dumps(text):.60}")
+            _check_supported(text, source, "text_config.")
+            tie = text.get("tie_word_embeddings")
+            if tie is None:
+                tie = _get(cfg, "tie_word_embeddings", bool, source, "", default=False)
+            cfg = dict(text, model_type="qwen3_5_text", tie_word_embeddings=tie)
+            model_type, where = "qwen3_5_text", "text_config."
+
+        def get(key, kind, default=_REQUIRED, minimum=None):
+            return _get(cfg, key, kind, source, where, default, minimum)
+
+        n = get("num_hidden_layers", int, minimum=1)
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            interval = get("full_attention_interval", int, 4, minimum=1)
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise CheckpointError(f"{source}: {where}layer_types must be a list of strings; got "
+                                  f"{json.dumps(layer_types):.80}")
+        if len(layer_types) != n:
+            raise CheckpointError(f"{source}: {where}layer_types has {len(layer_types)} entries for {n} layers "
+                                  f"({where}num_hidden_layers)")
+        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL)})
+        if bad:
+            raise CheckpointError(f"{source}: {where}layer_types must be {LINEAR!r} or {FULL!r}; got {bad}")
+        rope = None
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = rope or cfg.get(key)
+            if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+                raise CheckpointError(f"{source}: {where}{key} must be a JSON object; got {json.dumps(cfg[key]):.80}")
+        rope = rope or {}
+        rope_theta = get("rope_theta", float, None, minimum=0)
+        if rope_theta is None:
+            rope_theta = _get(rope, "rope_theta", float, source, where + "rope_parameters.", 10000.0, minimum=0)
+        partial = get("partial_rotary_factor", float, None, minimum=0)
+        if partial is None:
+            partial = _get(rope, "partial_rotary_factor", float, source, where + "rope_parameters.", 0.25, minimum=0)
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise UnsupportedModelError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the MLPs and experts are SwiGLU
+            raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (jaxgdn's MLPs use silu)")
+        moe = model_type == "qwen3_next" and get("num_experts", int, 0, minimum=0) > 0
+        heads = get("num_attention_heads", int, minimum=1)
+        hidden = get("hidden_size", int, minimum=1)
+        head_dim = get("head_dim", int, None, minimum=1)
+        if head_dim is None:
+            head_dim = hidden // heads
+        mlp_only = cfg.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(_is_int(i) for i in mlp_only):
+            raise CheckpointError(f"{source}: {where}mlp_only_layers must be a list of layer indices; got "
+                                  f"{json.dumps(mlp_only):.80}")
+        fields = dict(
+            model_type=model_type,
+            vocab_size=get("vocab_size", int, minimum=1),
+            hidden_size=hidden,
+            layer_types=tuple(layer_types),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6, minimum=0),
+            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads", int, minimum=1),
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(partial),
+            linear_num_key_heads=get("linear_num_key_heads", int, minimum=1),
+            linear_num_value_heads=get("linear_num_value_heads", int, minimum=1),
+            linear_key_head_dim=get("linear_key_head_dim", int, minimum=1),
+            linear_value_head_dim=get("linear_value_head_dim", int, minimum=1),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim", int, 4, minimum=1),
+            intermediate_size=get("intermediate_size", int, 0, minimum=0),
+            norm_topk_prob=get("norm_topk_prob", bool, True),
+            decoder_sparse_step=get("decoder_sparse_step", int, 1, minimum=0) or 1,
+            mlp_only_layers=tuple(mlp_only),
+        )
+        if moe:
+            fields.update(num_experts=get("num_experts", int), num_experts_per_tok=get("num_experts_per_tok", int, 0),
+                          moe_intermediate_size=get("moe_intermediate_size", int, 0, minimum=1),
+                          shared_expert_intermediate_size=get("shared_expert_intermediate_size", int, 0, minimum=0))
+            if not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
+                raise CheckpointError(f"{source}: {where}num_experts_per_tok ({fields['num_experts_per_tok']}) must "
+                                      f"be in [1, num_experts = {fields['num_experts']}]")
         try:
-            n = cfg["num_hidden_layers"]
-            layer_types = cfg.get("layer_types")
-            if layer_types is None:
-                interval = cfg.get("full_attention_interval", 4)
-                layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
-            if len(layer_types) != n:
-                raise CheckpointError(f"layer_types has {len(layer_types)} entries for {n} layers")
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-            partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-            if rope.get("rope_type", "default") not in ("default", None):
-                raise UnsupportedModelError(f"rope_type {rope.get('rope_type')!r} is not supported")
-            act = cfg.get("hidden_act", "silu")
-            if act not in ("silu", "swish"):  # the MLPs and experts are SwiGLU
-                raise UnsupportedModelError(f"hidden_act {act!r} is not supported (jaxgdn's MLPs use silu)")
-            moe = model_type == "qwen3_next" and cfg.get("num_experts", 0) > 0
-            return cls(
-                model_type=model_type,
-                vocab_size=cfg["vocab_size"],
-                hidden_size=cfg["hidden_size"],
-                layer_types=tuple(layer_types),
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                num_attention_heads=cfg["num_attention_heads"],
-                num_key_value_heads=cfg["num_key_value_heads"],
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                rope_theta=float(rope_theta),
-                partial_rotary_factor=float(partial),
-                linear_num_key_heads=cfg["linear_num_key_heads"],
-                linear_num_value_heads=cfg["linear_num_value_heads"],
-                linear_key_head_dim=cfg["linear_key_head_dim"],
-                linear_value_head_dim=cfg["linear_value_head_dim"],
-                linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
-                intermediate_size=cfg.get("intermediate_size", 0),
-                num_experts=cfg["num_experts"] if moe else 0,
-                num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
-                moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
-                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if moe else 0,
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers", ()) or ()),
-            )
-        except KeyError as e:
-            raise CheckpointError(f"config.json lacks the field {e.args[0]!r}") from None
-        except (ValueError, TypeError) as e:  # a field of the wrong type, or sizes that do not fit together
-            raise CheckpointError(f"config.json: {e}") from None
+            return cls(**fields)
+        except ValueError as e:  # sizes that do not fit together
+            raise CheckpointError(f"{source}: {e}") from None
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
@@ -167,10 +218,54 @@ class ModelConfig:
         if not path.is_file():
             raise CheckpointError(f"no config.json at {path}")
         try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            cfg = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_config(cfg)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+        return cls.from_hf_config(cfg, source=str(path))
+
+
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+# Heads a checkpoint may carry that jaxgdn's causal LM cannot stand in for.
+_UNSUPPORTED_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _get(cfg: dict, key: str, kind, source: str, where: str, default=_REQUIRED, minimum=None):
+    """cfg[key] checked to be of JSON type `kind` (int, float: any number, bool) and >= minimum (> 0 for floats
+    with minimum 0); `default` when absent or null (CheckpointError naming the field when required)."""
+    x = cfg.get(key)
+    if x is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{source} lacks the field {where + key!r}")
+        return default
+    ok = (isinstance(x, bool) if kind is bool else _is_int(x) if kind is int
+          else isinstance(x, (int, float)) and not isinstance(x, bool) and x == x)
+    if not ok:
+        raise CheckpointError(f"{source}: {where}{key} must be {_KINDS[kind]}; got {json.dumps(x):.60}")
+    if minimum is not None and (x < minimum if kind is int else not x > minimum):
+        raise CheckpointError(f"{source}: {where}{key} must be {'>=' if kind is int else '>'} {minimum}; got {x}")
+    return x
+
+
+def _check_supported(cfg: dict, source: str, where: str) -> None:
+    """Refuse what loads only to compute something else: a quantized checkpoint, a classification head."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(f"{source}: {where}quantization_config ({method!r}): jaxgdn loads unquantized "
+                                    f"float weights only (fp32 / bf16 / fp16)")
+    archs = cfg.get("architectures")
+    if isinstance(archs, list):
+        heads = [a for a in archs if isinstance(a, str) and a.endswith(_UNSUPPORTED_HEADS)]
+        if heads and len(heads) == len(archs):
+            raise UnsupportedModelError(f"{source}: {where}architectures {heads}: jaxgdn implements the causal "
+                                        f"language model only")
 
 
 def _tiny(**overrides) -> ModelConfig:
