@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import chex
 import jax
@@ -29,10 +29,35 @@ import numpy as np
 
 from pallas_kernels import CHUNK, resolve_backend
 
-from .errors import CapacityError, InputError, JaxGDNError, is_int
+from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _token_tuple(tokens, what: str) -> tuple[int, ...]:
+    """`tokens` (a list, tuple, NumPy or JAX array of token ids; `what` names it in errors) as a tuple of Python ints.
+
+    InputError unless it is a flat sequence of non-negative integer ids (bools, floats, strings, nested or ragged
+    sequences are refused: a float id used to be truncated, silently matching another prefix). Empty is allowed
+    here: callers decide (a checkpoint of no tokens is off the grid; `lookup` refuses an empty prompt)."""
+    if isinstance(tokens, (str, bytes)):
+        raise InputError(f"{what} must be a flat sequence of integer token ids; got {type(tokens).__name__}")
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InputError(f"{what} must be a flat sequence of integer token ids ({e})") from None
+    if arr.ndim != 1:
+        raise InputError(f"{what} must be a flat sequence of integer token ids; got "
+                         + (f"{tokens!r}" if arr.ndim == 0 else f"shape {arr.shape}"))
+    if arr.size == 0:
+        return ()
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"{what} must hold integer token ids; got {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _INT64_MAX:
+        raise InputError(f"{what} holds token ids outside [0, 2**63): min {int(arr.min())}, max {int(arr.max())}")
+    return tuple(arr.tolist())
 
 
 class CheckpointRefused(JaxGDNError):
@@ -61,6 +86,31 @@ class Checkpoint:
         return sum(int(x.nbytes) for x in jax.tree.leaves((self.gdn, self.kv)))
 
 
+def _checked(ck, what: str) -> Checkpoint:
+    """`ck` checked to be a well-formed checkpoint, with its tokens as a tuple of Python ints (a copy when they were
+    a list or an array: as given, a list never equalled a prompt's tuple, so the entry was never found, and an array
+    made every lookup of its prefix raise); InputError naming `what` otherwise. What it checks needs no model: the
+    tokens, the provenance, the numerics' type, the layer states' kinds, one key/value row per token."""
+    if not isinstance(ck, Checkpoint):
+        raise InputError(f"{what} must be a jaxgdn.cache.Checkpoint; got {type(ck).__name__}")
+    tokens = _token_tuple(ck.tokens, f"{what}'s tokens")
+    valid = {int(p) for p in Provenance if p != Provenance.FRESH or not tokens}  # FRESH: nothing absorbed
+    if not is_int(ck.provenance) or int(ck.provenance) not in valid:
+        raise InputError(f"{what} has provenance {ck.provenance!r}; a state that absorbed {len(tokens)} tokens has "
+                         f"one of {sorted(valid)} (jaxgdn.state.Provenance)")
+    if ck.numerics is not None and not isinstance(ck.numerics, str):
+        raise InputError(f"{what}'s numerics must be a `numerics_key` string or None; got {ck.numerics!r}")
+    if not (isinstance(ck.gdn, (tuple, list)) and all(isinstance(g, GDNLayerState) for g in ck.gdn)
+            and isinstance(ck.kv, (tuple, list)) and all(isinstance(a, AttentionLayerState) for a in ck.kv)):
+        raise InputError(f"{what} must hold a tuple of GDNLayerState (gdn) and of AttentionLayerState (kv)")
+    for a in ck.kv:
+        for name, x in a._asdict().items():
+            if np.ndim(x) < 1 or np.shape(x)[0] != len(tokens):
+                raise InputError(f"{what}: attention {name} of shape {np.shape(x)} for {len(tokens)} tokens (one row "
+                                 f"per token expected: tokens and states of different prefixes)")
+    return ck if type(ck.tokens) is tuple else dataclasses.replace(ck, tokens=tokens)
+
+
 def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], model=None) -> Checkpoint:
     """The checkpoint of batch row `row` of `state`, whose absorbed tokens are `tokens` (len == its position).
     `model`: the model that computed the state; its `numerics_key` goes into the checkpoint (a state does not carry
@@ -68,13 +118,14 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], mo
     if not is_int(row) or not 0 <= row < state.batch_size:
         raise InputError(f"row must be an integer in [0, {state.batch_size}); got {row!r}")
     pos = int(state.position[row])
+    tokens = _token_tuple(tokens, "tokens")
     if len(tokens) != pos:
-        raise ValueError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
+        raise InputError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
     gdn = tuple(jax.tree.map(lambda x: x[row], at_boundary(s) if pos % CHUNK == 0 else s)
                 for s in state.layers if isinstance(s, GDNLayerState))
     kv = tuple(AttentionLayerState(keys=s.keys[row, :pos], values=s.values[row, :pos])
                for s in state.layers if isinstance(s, AttentionLayerState))
-    return Checkpoint(tokens=tuple(int(t) for t in tokens), provenance=int(state.provenance[row]), gdn=gdn, kv=kv,
+    return Checkpoint(tokens=tokens, provenance=int(state.provenance[row]), gdn=gdn, kv=kv,
                       numerics=None if model is None else numerics_key(model))
 
 
@@ -115,6 +166,8 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
     for b, ck in enumerate(checkpoints):
         if ck is None:
             continue
+        if not isinstance(ck, Checkpoint):
+            raise InputError(f"checkpoints[{b}] must be a jaxgdn.cache.Checkpoint or None; got {type(ck).__name__}")
         if ck.position > template.capacity and attn_ids:
             raise CapacityError(f"checkpoint of {ck.position} tokens exceeds the state's capacity "
                                 f"{template.capacity}")
@@ -168,15 +221,18 @@ class _Entry:
 
 
 def numerics_key(model) -> str:
-    """What decides a model's state bits beyond its weights: deterministic mode, the GDN prefill arithmetic, the
+    """What decides a model's state bits beyond its weights: the architecture (a digest of its `ModelConfig`: a
+    "tiny-next" state has the shapes of a "tiny" one), deterministic mode, the GDN prefill arithmetic, the
     activation dtype, the kernel backend (resolved: None is the device's default), the GDN q/k/v channel layout
     (`jaxgdn.sharding`: a conv state's channels follow it) and the mesh a model is placed on (a split projection
-    sums in other pieces). A cache holds states of one kind only (`PrefixCache.bound_to`)."""
+    sums in other pieces). A cache holds states of one kind only (`PrefixCache.bound_to`). The weights are not in
+    it (hashing them would read every parameter): two checkpoints of one architecture share a key."""
     from .sharding import layout_groups, mesh_of  # local: the sharding module imports this one
 
     mesh = mesh_of(model)
     placed = "x".join(f"{name}{size}" for name, size in mesh.shape.items()) if mesh is not None else "none"
-    return (f"deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}, "
+    config = hashlib.sha256(repr(model.config).encode()).hexdigest()[:12]  # (a frozen dataclass: a stable repr)
+    return (f"config={config}, deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}, "
             f"dtype={jnp.dtype(model.dtype).name}, backend={resolve_backend(model.backend)}, "
             f"qkv_groups={layout_groups(model.config)}, mesh={placed}")
 
@@ -196,10 +252,32 @@ class PrefixCache:
     _counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # hits, misses, hit_tokens, refused, evictions
 
     def __post_init__(self):
-        if self.interval <= 0 or self.interval % CHUNK:
-            raise InputError(f"interval must be a positive multiple of {CHUNK}; got {self.interval}")
-        if self.max_bytes is not None and self.max_bytes < 0:
-            raise InputError("max_bytes must be >= 0")
+        # Checked and normalised to Python ints / bools: a float interval used to pass here and fail in the first
+        # lookup (`range`), a NaN budget evicted every entry, and deterministic=None made a non-deterministic cache.
+        try:
+            interval = index_value(self.interval)
+        except TypeError:
+            interval = None
+        if interval is None or interval <= 0 or interval % CHUNK:
+            raise InputError(f"interval must be a positive multiple of {CHUNK}; got {self.interval!r}")
+        if not isinstance(self.deterministic, (bool, np.bool_)):
+            raise InputError(f"deterministic must be True or False; got {self.deterministic!r}")
+        max_bytes = self.max_bytes
+        if max_bytes is not None:
+            if isinstance(max_bytes, (float, np.floating)) and np.isfinite(max_bytes) and max_bytes == int(max_bytes):
+                max_bytes = int(max_bytes)  # a whole number written as a float (8e9) is a byte count
+            try:
+                max_bytes = index_value(max_bytes)
+            except TypeError:
+                raise InputError(f"max_bytes must be an integer number of bytes >= 0, or None; got {max_bytes!r}") \
+                    from None
+            if max_bytes < 0:
+                raise InputError(f"max_bytes must be >= 0; got {max_bytes}")
+        if self.numerics is not None and not isinstance(self.numerics, str):
+            raise InputError(f"numerics must be a `numerics_key` string or None; got {self.numerics!r}")
+        object.__setattr__(self, "interval", interval)
+        object.__setattr__(self, "deterministic", bool(self.deterministic))
+        object.__setattr__(self, "max_bytes", max_bytes)
 
     # ---- reading -------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -230,9 +308,25 @@ class PrefixCache:
         return self
 
     def accepts(self, checkpoint: Checkpoint) -> bool:
-        """The admission rule: on the grid, and — when deterministic — produced by prefill alone (on the grid)."""
-        on_grid = checkpoint.position > 0 and checkpoint.position % self.interval == 0
-        return on_grid and (not self.deterministic or checkpoint.provenance == Provenance.PREFILL)
+        """Whether `insert` would admit `checkpoint` into this cache: on the grid; when deterministic, produced by
+        prefill alone (on the grid); computed with the cache's numerics where both are known; no larger than the byte
+        budget. A malformed checkpoint raises InputError, as in `insert`."""
+        return self._refusal(_checked(checkpoint, "checkpoint"), self.numerics) is None
+
+    def _refusal(self, ck: Checkpoint, numerics: str | None) -> str | None:
+        """Why the admission rule refuses `ck` into a cache of states of `numerics` (None: admitted)."""
+        if ck.numerics is not None and numerics is not None and ck.numerics != numerics:
+            return (f"this checkpoint was computed by a model with {ck.numerics}; this cache holds states of a "
+                    f"model with {numerics} (restored, it would silently give other bits)")
+        if not (ck.position > 0 and ck.position % self.interval == 0):
+            return f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
+        if self.deterministic and ck.provenance != Provenance.PREFILL:
+            return (f"deterministic cache admits only prefill-produced states (provenance PREFILL); this "
+                    f"state is {Provenance(ck.provenance).name}: a decode-produced or off-grid-split GDN "
+                    f"state is not bitwise equal to a prefill of the same prefix")
+        if self.max_bytes is not None and ck.nbytes > self.max_bytes:
+            return f"checkpoint of {ck.nbytes} bytes exceeds the cache budget of {self.max_bytes} bytes"
+        return None
 
     def _replace(self, **kw) -> "PrefixCache":
         return dataclasses.replace(self, **kw)
@@ -241,17 +335,28 @@ class PrefixCache:
     def lookup(self, prompts: Sequence[Sequence[int]]) -> tuple[list[Checkpoint | None], "PrefixCache"]:
         """For each prompt, the longest cached prefix of at most len(prompt) - 1 tokens (None on a miss).
 
+        prompts: a sequence of prompts, each a non-empty flat sequence (list, tuple, NumPy or JAX array) of
+        non-negative integer token ids; InputError otherwise (nothing is counted then).
         Returns (checkpoints, new cache) — the new cache records recency and hit statistics.
         """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+            raise InputError(f"prompts must be a sequence of prompts (lists of token ids); got "
+                             f"{type(prompts).__name__}")
+        checked = []
+        for i, tokens in enumerate(prompts):
+            tokens = _token_tuple(tokens, f"prompt {i}")
+            if not tokens:
+                raise InputError(f"prompt {i} is empty")
+            checked.append(tokens)
         entries = dict(self._entries)
         clock = self._clock
         h, m, ht, r, ev = self._counts
         found = []
-        for tokens in prompts:
+        for tokens in checked:
             hit = None
             for p, key in reversed(_prefix_keys(tokens, self.interval, len(tokens) - 1)):
                 e = entries.get(key)
-                if e is not None and e.checkpoint.tokens == tuple(int(t) for t in tokens[:p]):
+                if e is not None and e.checkpoint.tokens == tokens[:p]:
                     hit = e.checkpoint
                     clock += 1
                     entries[key] = _Entry(hit, clock)
@@ -269,26 +374,23 @@ class PrefixCache:
         other numerics than the cache's states (`Checkpoint.numerics`, when both are known); an unbound cache takes
         the numerics of the first known checkpoint it admits. Least recently used entries are evicted, whole, until
         the byte budget holds; a checkpoint larger than the whole budget is refused.
+
+        A malformed checkpoint — not a `Checkpoint`, tokens that are not a flat sequence of non-negative integer ids,
+        attention keys/values not one row per token, an unknown provenance — raises InputError, `skip_refused` or
+        not (the whole call then inserts nothing). Tokens given as a list or an array are stored as a tuple.
         """
         if isinstance(checkpoints, Checkpoint):
             checkpoints = [checkpoints]
+        if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+            raise InputError(f"checkpoints must be a Checkpoint or a sequence of them; got "
+                             f"{type(checkpoints).__name__}")
+        checkpoints = [_checked(ck, f"checkpoints[{i}]") for i, ck in enumerate(checkpoints)]
         entries = dict(self._entries)
         clock = self._clock
         h, m, ht, refused, ev = self._counts
         numerics = self.numerics
         for ck in checkpoints:
-            problem = None
-            if ck.numerics is not None and numerics is not None and ck.numerics != numerics:
-                problem = (f"this checkpoint was computed by a model with {ck.numerics}; this cache holds states of a "
-                           f"model with {numerics} (restored, it would silently give other bits)")
-            elif not (ck.position > 0 and ck.position % self.interval == 0):
-                problem = f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
-            elif self.deterministic and ck.provenance != Provenance.PREFILL:
-                problem = (f"deterministic cache admits only prefill-produced states (provenance PREFILL); this "
-                           f"state is {Provenance(ck.provenance).name}: a decode-produced or off-grid-split GDN "
-                           f"state is not bitwise equal to a prefill of the same prefix")
-            elif self.max_bytes is not None and ck.nbytes > self.max_bytes:
-                problem = f"checkpoint of {ck.nbytes} bytes exceeds the cache budget of {self.max_bytes} bytes"
+            problem = self._refusal(ck, numerics)
             if problem:
                 if not skip_refused:
                     raise CheckpointRefused(problem)
@@ -316,9 +418,12 @@ class PrefixCache:
 def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     """Assert the cache's invariants (chex assertions; raises AssertionError naming the entry).
 
-    The cache's numerics, where known, the model's (`numerics_key`), and every entry's, where known, the cache's. Every
-    entry on the grid, finite, matching the model's state spec in structure, shape and dtype; in deterministic mode
-    every entry prefill-produced; with `recompute=True` every entry bitwise equal to a fresh prefill of its prefix.
+    The cache's numerics, where known, the model's (`numerics_key`), and every entry's, where known, the cache's; its
+    bytes within `max_bytes`. Every entry on the grid, stored under its own prefix's key (an entry under another key is
+    never found and blocks the insertion of that prefix), its tokens a tuple of the model's token ids, its provenance
+    one of a state that absorbed tokens, finite, matching the model's state spec in structure, shape and dtype; in
+    deterministic mode every entry prefill-produced; with `recompute=True` every entry bitwise equal to a fresh
+    prefill of its prefix.
     """
     from .model import _prefill_jit  # local: the model module does not depend on the cache
 
@@ -329,10 +434,22 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     if cache.numerics is not None:
         chex.assert_equal(cache.numerics, numerics_key(model),
                           custom_message="the cache holds states of a model with other numerics")
-    for ck in cache.checkpoints():
+    if cache.max_bytes is not None:
+        chex.assert_equal(cache.nbytes <= cache.max_bytes, True,
+                          custom_message=f"the cache holds {cache.nbytes} bytes, over its budget of {cache.max_bytes}")
+    vocab = model.config.vocab_size
+    absorbed = [int(p) for p in Provenance if p != Provenance.FRESH]
+    for key, entry in sorted(cache._entries.items(), key=lambda kv: kv[1].last_used):
+        ck = entry.checkpoint
         where = f"entry at position {ck.position}"
         chex.assert_equal(ck.position % cache.interval, 0, custom_message=f"{where} is off the grid")
         chex.assert_equal(ck.position > 0, True, custom_message=f"{where} is empty")
+        chex.assert_equal(type(ck.tokens) is tuple and all(is_int(t) and 0 <= t < vocab for t in ck.tokens), True,
+                          custom_message=f"{where}: its tokens are not a tuple of token ids in [0, {vocab})")
+        chex.assert_equal(key, _prefix_keys(ck.tokens, cache.interval, ck.position)[-1][1],
+                          custom_message=f"{where} is stored under another prefix's key")
+        chex.assert_equal(ck.provenance in absorbed, True,
+                          custom_message=f"{where} has provenance {ck.provenance!r}, not one of {absorbed}")
         if ck.numerics is not None:
             chex.assert_equal(ck.numerics, numerics_key(model) if cache.numerics is None else cache.numerics,
                               custom_message=f"{where} was computed with other numerics than the cache's")
