@@ -161,6 +161,22 @@ def fixture_models():
     return {name: jaxgdn.load_pretrained(FIXTURES / name) for name in FIXTURE_NAMES}
 
 
+@pytest.fixture(scope="module")
+def tensors() -> dict:
+    """The qwen3_5_tiny fixture's tensors (name -> NumPy array), for tests that write damaged or altered copies."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(FIXTURES / "qwen3_5_tiny" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def hf_config() -> dict:
+    """The qwen3_5_tiny fixture's config.json, parsed."""
+    import json
+
+    return json.loads((FIXTURES / "qwen3_5_tiny" / "config.json").read_text())
+
+
 @pytest.fixture(scope="session")
 def expected():
     """transformers' recorded logits: name -> dict of arrays (full_tokens, full_logits, prefill_*, decode_*)."""

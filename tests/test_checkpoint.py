@@ -23,16 +23,6 @@ from tests.conftest import CAP, FIXTURES, max_abs_diff
 SRC = FIXTURES / "qwen3_5_tiny"
 
 
-@pytest.fixture(scope="module")
-def tensors() -> dict[str, np.ndarray]:
-    return load_file(str(SRC / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def hf_config() -> dict:
-    return json.loads((SRC / "config.json").read_text())
-
-
 def write_checkpoint(path: Path, tensors: dict[str, np.ndarray], config: dict | str | None) -> Path:
     """A checkpoint folder: model.safetensors and config.json (a dict, raw text, or None for no config file)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -301,18 +291,25 @@ def test_truncated_safetensors_file_names_the_file_and_a_tensor(tmp_path, tensor
         jaxgdn.load_pretrained(path)
 
 
-def test_tensor_bytes_that_do_not_fit_its_shape_are_refused(tmp_path, tensors, hf_config):
-    """A header whose byte range for a tensor disagrees with its shape and dtype (a corrupt header)."""
-    path = write_checkpoint(tmp_path / "hdr", tensors, hf_config)
-    raw = (path / "model.safetensors").read_bytes()
+def edit_first_header_entry(file: Path, edit) -> str:
+    """Rewrite the header entry of the first tensor of a .safetensors file with `edit(entry)` (in place), keeping
+    the header's length so that every offset still points where it did; returns the tensor's name."""
+    raw = file.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
     name = next(k for k in header if k != "__metadata__")
-    header[name]["shape"] = [header[name]["shape"][0] + 1] + header[name]["shape"][1:]
+    edit(header[name])
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (n - len(text)) if len(text) <= n else b""
-    assert len(text) == n  # the same header length, so every offset still points where it did
-    (path / "model.safetensors").write_bytes(raw[:8] + text + raw[8 + n:])
+    assert len(text) <= n
+    file.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+    return name
+
+
+def test_tensor_bytes_that_do_not_fit_its_shape_are_refused(tmp_path, tensors, hf_config):
+    """A header whose byte range for a tensor disagrees with its shape and dtype (a corrupt header)."""
+    path = write_checkpoint(tmp_path / "hdr", tensors, hf_config)
+    name = edit_first_header_entry(path / "model.safetensors",
+                                   lambda e: e.update(shape=[e["shape"][0] + 1] + e["shape"][1:]))
     with pytest.raises(jaxgdn.CheckpointError, match=name.replace(".", r"\.") + r" has \d+ bytes, but its shape"):
         jaxgdn.load_pretrained(path)
 

@@ -22,19 +22,10 @@ import jaxgdn
 from jaxgdn import checkpoint as ckpt
 from jaxgdn.config import ModelConfig, tiny_qwen3_5
 from tests.conftest import FIXTURES
+from tests.test_checkpoint import edit_first_header_entry
 
 SRC = FIXTURES / "qwen3_5_tiny"
 NEXT = FIXTURES / "qwen3_next_tiny"
-
-
-@pytest.fixture(scope="module")
-def tensors() -> dict[str, np.ndarray]:
-    return load_file(str(SRC / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def hf_config() -> dict:
-    return json.loads((SRC / "config.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -366,14 +357,7 @@ def test_progress_bar_goes_to_stderr_only(capsys, tmp_path, tensors, hf_config):
 def test_header_entry_with_a_non_string_dtype(tmp_path, tensors, hf_config):
     """A corrupt header whose dtype is a list was a TypeError (unhashable) from the dtype lookup."""
     path = write(tmp_path / "c", tensors, hf_config)
-    raw = (path / "model.safetensors").read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k != "__metadata__")
-    header[name]["dtype"] = ["F32"]
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= n
-    (path / "model.safetensors").write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+    name = edit_first_header_entry(path / "model.safetensors", lambda e: e.update(dtype=["F32"]))
     with pytest.raises(jaxgdn.CheckpointError, match=f"model.safetensors: malformed header entry for tensor "
                                                      f"{esc(name)}"):
         jaxgdn.load_pretrained(path)

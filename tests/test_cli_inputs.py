@@ -13,24 +13,10 @@ from pathlib import Path
 import pytest
 
 from jaxgdn import cli
+from tests.test_cli import assert_clean_error, run
 
 ROOT = Path(__file__).absolute().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-
-
-def run(capsys, *argv):
-    rc = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_clean_error(rc, err, match, directory=None):
-    assert rc == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("jaxgdn: error: "), err
-    assert match in lines[0], lines[0]
-    if directory is not None:
-        assert list(Path(directory).iterdir()) == [], "output or temporary files left behind"
 
 
 def argparse_error(capsys, *argv) -> str:
