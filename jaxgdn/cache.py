@@ -373,7 +373,9 @@ class PrefixCache:
         `skip_refused=True` is counted in `stats().refused_writes` and left out. So is a checkpoint computed with
         other numerics than the cache's states (`Checkpoint.numerics`, when both are known); an unbound cache takes
         the numerics of the first known checkpoint it admits. Least recently used entries are evicted, whole, until
-        the byte budget holds; a checkpoint larger than the whole budget is refused.
+        the byte budget holds; a checkpoint larger than the whole budget is refused. A prefix already cached keeps its
+        entry (its recency refreshed), unless the new checkpoint's state was produced more exactly (`Provenance`: a
+        prefill's replaces a decode-produced one, in a cache that admits both).
 
         A malformed checkpoint — not a `Checkpoint`, tokens that are not a flat sequence of non-negative integer ids,
         attention keys/values not one row per token, an unknown provenance — raises InputError, `skip_refused` or
@@ -402,8 +404,11 @@ class PrefixCache:
             if old is not None and old.checkpoint.tokens != ck.tokens:
                 raise RuntimeError("sha256 prefix collision")  # never silently alias two prefixes
             clock += 1
-            # An existing entry for the same prefix is kept (deterministic: identical anyway); recency refreshed.
-            entries[key] = _Entry(old.checkpoint if old else ck, clock)
+            # An existing entry for the same prefix is kept (deterministic: identical anyway), recency refreshed —
+            # unless the new one was produced more exactly (a lower Provenance: a prefill's state replaces a
+            # decode-produced one of the same prefix in a non-deterministic cache)
+            keep = old is not None and int(old.checkpoint.provenance) <= int(ck.provenance)
+            entries[key] = _Entry(old.checkpoint if keep else ck, clock)
         if self.max_bytes is not None:
             total = sum(e.checkpoint.nbytes for e in entries.values())
             for key, e in sorted(entries.items(), key=lambda kv: kv[1].last_used):

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import pickle
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +272,18 @@ def test_another_architecture_of_the_same_shapes_is_refused(setup):
     assert not other.accepts(cks[0])
     with pytest.raises(jaxgdn.CheckpointRefused):
         other.insert(cks[0])
+
+
+def test_a_prefill_checkpoint_replaces_a_decode_produced_one_of_the_same_prefix(setup):
+    """In a cache that admits decode-produced states (deterministic=False), a prefill checkpoint of a prefix already
+    held as a decode-produced one takes its place (it was dropped: the less exact state stayed); the other way round,
+    the prefill one stays."""
+    _, _, _, cks = setup
+    decoded = dataclasses.replace(cks[0], provenance=int(Provenance.DECODE),
+                                  gdn=jax.tree.map(lambda x: x + 1.0, cks[0].gdn))  # other values, to tell them apart
+    first_decoded = PrefixCache(interval=INTERVAL, deterministic=False).insert(decoded).insert(cks[0])
+    first_prefill = PrefixCache(interval=INTERVAL, deterministic=False).insert(cks[0]).insert(decoded)
+    for cache in (first_decoded, first_prefill):
+        [entry] = cache._entries.values()
+        assert entry.checkpoint.provenance == int(Provenance.PREFILL) and len(cache) == 1
+        chex.assert_trees_all_equal(entry.checkpoint.gdn, cks[0].gdn)
