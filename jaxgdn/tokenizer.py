@@ -181,6 +181,8 @@ def load_tokenizer(path) -> Tokenizer | None:
     path = Path(path)
     if path.is_dir():
         f = path / TOKENIZER_FILE
+        if f.exists() and not f.is_file():  # (a directory of that name: it read as "no tokenizer")
+            raise CheckpointError(f"{f} is not a file")
         return Tokenizer.from_file(f, eos_token_ids(path)) if f.is_file() else None
     if not path.exists():
         raise CheckpointError(f"tokenizer path {path} does not exist")

@@ -156,3 +156,12 @@ def test_eos_ids_valid_forms(tmp_path):
     assert eos_token_ids(tmp_path) == ()
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     assert eos_token_ids(tmp_path) == (2, 5)  # generation_config.json names none: config.json's
+
+
+def test_a_tokenizer_json_that_is_a_directory_is_an_error(tmp_path):
+    """A checkpoint whose tokenizer.json is a directory (a botched download or copy) read as "no tokenizer"."""
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(jaxgdn.CheckpointError, match="tokenizer.json is not a file"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "empty").mkdir()
+    assert load_tokenizer(tmp_path / "empty") is None  # no tokenizer.json at all: None, as before
