@@ -29,13 +29,10 @@ import numpy as np
 
 from pallas_kernels import CHUNK, resolve_backend
 
-from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int
+from .errors import CapacityError, InputError, JaxGDNError, check_token_ids, index_value, is_int
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
 def _token_tuple(tokens, what: str) -> tuple[int, ...]:
     """`tokens` (a list, tuple, NumPy or JAX array of token ids; `what` names it in errors) as a tuple of Python ints.
 
@@ -48,15 +45,9 @@ def _token_tuple(tokens, what: str) -> tuple[int, ...]:
         arr = np.asarray(tokens)
     except (TypeError, ValueError, OverflowError) as e:
         raise InputError(f"{what} must be a flat sequence of integer token ids ({e})") from None
-    if arr.ndim != 1:
-        raise InputError(f"{what} must be a flat sequence of integer token ids; got "
-                         + (f"{tokens!r}" if arr.ndim == 0 else f"shape {arr.shape}"))
-    if arr.size == 0:
-        return ()
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"{what} must hold integer token ids; got {arr.dtype}")
-    if int(arr.min()) < 0 or int(arr.max()) > _INT64_MAX:
-        raise InputError(f"{what} holds token ids outside [0, 2**63): min {int(arr.min())}, max {int(arr.max())}")
+    if arr.ndim == 0:
+        raise InputError(f"{what} must be a flat sequence of integer token ids; got {tokens!r}")
+    check_token_ids(arr, what, None, allow_empty=True)
     return tuple(arr.tolist())
 
 

@@ -102,6 +102,11 @@ class _SafetensorsFile:
         return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def _normalised(name: str) -> str:
+    """A tensor's name with Qwen3.5's `model.language_model.` prefix read as `model.`."""
+    return name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") else name
+
+
 def _open_tensors(path: Path) -> dict[str, tuple[_SafetensorsFile, str]]:
     """Map normalised tensor names to (file, original name). Only headers are read. With an index, its shards are
     the files, and every tensor it maps must be in the shard it names; without one, every *.safetensors file is. A
@@ -131,8 +136,7 @@ def _open_tensors(path: Path) -> dict[str, tuple[_SafetensorsFile, str]]:
         for name in st.keys():
             if name.startswith(_IGNORED_PREFIXES):
                 continue
-            norm = name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") \
-                else name
+            norm = _normalised(name)
             if norm in out:
                 other, oname = out[norm]
                 hint = "remove the stale file" if other.path != fpath else "the file holds both prefixes"
@@ -143,8 +147,7 @@ def _open_tensors(path: Path) -> dict[str, tuple[_SafetensorsFile, str]]:
         for name, fname in weight_map.items():
             if name.startswith(_IGNORED_PREFIXES):
                 continue
-            norm = name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") \
-                else name
+            norm = _normalised(name)
             st, orig = out.get(norm, (None, None))
             if st is None or st.path != path / fname or orig != name:
                 where = f"it is in {st.path.name}" if st is not None else "no shard holds it"

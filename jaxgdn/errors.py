@@ -38,15 +38,18 @@ def index_value(x) -> int:
     return operator.index(x)
 
 
-def check_token_ids(ids: np.ndarray, what: str, vocab_size: int) -> None:
-    """`ids` (what the caller calls `what`: "prompt 3", "sequence 0") must be a flat, non-empty array of integer token
-    ids in [0, vocab_size); raises InputError naming the problem otherwise (shared by `generate` and `score`)."""
+def check_token_ids(ids: np.ndarray, what: str, vocab_size: int | None, allow_empty: bool = False) -> None:
+    """`ids` (what the caller calls `what`: "prompt 3", "sequence 0") must be a flat, non-empty (unless `allow_empty`)
+    array of integer token ids in [0, vocab_size) — [0, 2**63) with no vocabulary (the prefix cache's, which knows no
+    model); raises InputError naming the problem otherwise (shared by `generate`, `score` and the cache)."""
     if ids.ndim != 1:
         raise InputError(f"{what} must be a flat sequence of integer token ids; got shape {ids.shape}")
     if ids.size == 0:
+        if allow_empty:
+            return
         raise InputError(f"{what} is empty")
     if not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"{what} must hold integer token ids; got {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise InputError(f"{what} holds token ids outside [0, {vocab_size}): min {int(ids.min())}, "
-                         f"max {int(ids.max())}")
+    bound, shown = (vocab_size, vocab_size) if vocab_size is not None else (2**63, "2**63")
+    if int(ids.min()) < 0 or int(ids.max()) >= bound:
+        raise InputError(f"{what} holds token ids outside [0, {shown}): min {int(ids.min())}, max {int(ids.max())}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +75,12 @@ def _flag(name: str, x) -> bool:
 
 
 def _count(name: str, x, least: int = 0) -> int:
-    """An integer argument >= least (Python or NumPy integer, not a bool), as a Python int."""
+    """An integer argument >= least (Python or NumPy integer, not a bool: `jaxgdn.errors.index_value`), as a Python
+    int."""
+    from jaxgdn.errors import index_value  # (here: jaxgdn imports this package)
+
     try:
-        if isinstance(x, (bool, np.bool_)):
-            raise TypeError
-        n = operator.index(x)
+        n = index_value(x)
     except TypeError:
         raise _input_error(f"{name} must be an integer; got {x!r}") from None
     if n < least:
