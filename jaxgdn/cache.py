@@ -212,20 +212,31 @@ class _Entry:
 
 
 def numerics_key(model) -> str:
-    """What decides a model's state bits beyond its weights: the architecture (a digest of its `ModelConfig`: a
-    "tiny-next" state has the shapes of a "tiny" one), deterministic mode, the GDN prefill arithmetic, the
-    activation dtype, the kernel backend (resolved: None is the device's default), the GDN q/k/v channel layout
-    (`jaxgdn.sharding`: a conv state's channels follow it) and the mesh a model is placed on (a split projection
-    sums in other pieces). A cache holds states of one kind only (`PrefixCache.bound_to`). The weights are not in
-    it (hashing them would read every parameter): two checkpoints of one architecture share a key."""
+    """What decides a model's state bits: its weights (`Model.weights_digest`: a fine-tune or an RL policy update of
+    the same architecture computes other states), the architecture (a digest of its `ModelConfig`: a "tiny-next"
+    state has the shapes of a "tiny" one), deterministic mode, the GDN prefill arithmetic, the activation dtype, the
+    kernel backend (resolved: None is the device's default), the GDN q/k/v channel layout (`jaxgdn.sharding`: a conv
+    state's channels follow it) and the mesh a model is placed on (a split projection sums in other pieces). A cache
+    holds states of one kind only (`PrefixCache.bound_to`)."""
     from .sharding import layout_groups, mesh_of  # local: the sharding module imports this one
 
     mesh = mesh_of(model)
     placed = "x".join(f"{name}{size}" for name, size in mesh.shape.items()) if mesh is not None else "none"
     config = hashlib.sha256(repr(model.config).encode()).hexdigest()[:12]  # (a frozen dataclass: a stable repr)
-    return (f"config={config}, deterministic={bool(model.deterministic)}, gdn_prefill={model.gdn_prefill}, "
-            f"dtype={jnp.dtype(model.dtype).name}, backend={resolve_backend(model.backend)}, "
-            f"qkv_groups={layout_groups(model.config)}, mesh={placed}")
+    return (f"config={config}, weights={model.weights_digest}, deterministic={bool(model.deterministic)}, "
+            f"gdn_prefill={model.gdn_prefill}, dtype={jnp.dtype(model.dtype).name}, "
+            f"backend={resolve_backend(model.backend)}, qkv_groups={layout_groups(model.config)}, mesh={placed}")
+
+
+def _key_difference(held: str, other: str) -> str:
+    """The fields in which two `numerics_key`s differ, as 'name: held -> other' (the whole keys where they do not
+    parse as fields)."""
+    def fields(key):
+        return dict(part.split("=", 1) for part in key.split(", ") if "=" in part)
+
+    a, b = fields(held), fields(other)
+    changed = [f"{name}: {a.get(name)} -> {b.get(name)}" for name in {**a, **b} if a.get(name) != b.get(name)]
+    return "; ".join(changed) if changed else f"{held} -> {other}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +306,8 @@ class PrefixCache:
             return dataclasses.replace(self, numerics=numerics)
         if self.numerics != numerics:
             raise CheckpointRefused(f"this cache holds states of a model with {self.numerics}; the model using it has "
-                                    f"{numerics} (use one cache per kind of model)")
+                                    f"{numerics} (differing: {_key_difference(self.numerics, numerics)}; use one "
+                                    f"cache per kind of model, and a new cache when the weights change)")
         return self
 
     def accepts(self, checkpoint: Checkpoint) -> bool:
@@ -308,7 +320,8 @@ class PrefixCache:
         """Why the admission rule refuses `ck` into a cache of states of `numerics` (None: admitted)."""
         if ck.numerics is not None and numerics is not None and ck.numerics != numerics:
             return (f"this checkpoint was computed by a model with {ck.numerics}; this cache holds states of a "
-                    f"model with {numerics} (restored, it would silently give other bits)")
+                    f"model with {numerics} (differing: {_key_difference(numerics, ck.numerics)}; restored, it would "
+                    f"silently give other bits)")
         if not (ck.position > 0 and ck.position % self.interval == 0):
             return f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
         if self.deterministic and ck.provenance != Provenance.PREFILL:

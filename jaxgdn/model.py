@@ -35,7 +35,7 @@ from .layers.gdn import gdn_decode, gdn_prefill
 from .layers.linear import linear
 from .layers.mlp import feed_forward
 from .layers.norm import rms_norm
-from .params import ModelParams
+from .params import ModelParams, weights_digest
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, init_state
 
 
@@ -104,6 +104,12 @@ class Model:
         """Whether a prefill may start anywhere and still give the unsplit call's bits: replay decode over the
         chunked prefill (it replays the open chunk) and the token-by-token prefill. Otherwise only on the grid."""
         return self.keeps_open_chunk or self.gdn_prefill == "recurrent"
+
+    @functools.cached_property
+    def weights_digest(self) -> str:
+        """`jaxgdn.params.weights_digest` of the parameters, computed once per model object (on its first use: the
+        prefix cache's `numerics_key`)."""
+        return weights_digest(self.params)
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
         """A fresh state; for a model placed on a mesh (`jaxgdn.sharding`), created already split over it."""

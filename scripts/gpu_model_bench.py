@@ -97,6 +97,22 @@ def build(preset: str, layers: int | None, dtype=jnp.bfloat16, distinct: bool = 
     return jaxgdn.Model(params=params, config=cfg, dtype=dtype)
 
 
+def stage_digest(model, bw: float):
+    """`jaxgdn.params.weights_digest` of the model's weights (what the prefix cache's numerics key adds per `Model`
+    object): the first call, its compile included, and the median of five more, against the copy bandwidth."""
+    from jaxgdn.params import weights_digest
+
+    t0 = time.perf_counter()
+    digest = weights_digest(model.params)
+    first = time.perf_counter() - t0
+    median = timed(lambda: weights_digest(model.params), reps=5, warm=0)
+    nbytes = param_bytes(model.params)
+    RESULTS["digest"] = dict(first_s=first, median_s=median, bytes=nbytes, tb_per_s=nbytes / median / 1e12,
+                             copy_tb_per_s=bw / 1e12, digest=digest, stable=weights_digest(model.params) == digest)
+    log(f"weights digest {digest}: first call {first:.2f} s (compile included), then {median * 1e3:.2f} ms for "
+        f"{nbytes / 1e9:.2f} GB ({nbytes / median / 1e12:.2f} TB/s; copy {bw / 1e12:.2f})")
+
+
 def prefill_flops(cfg, T: int) -> float:
     """Matmul FLOPs of one prefill of T tokens (projections, MLP, lm_head, attention, GDN chunk algebra)."""
     D, f = cfg.hidden_size, 0.0
@@ -409,6 +425,7 @@ def main():
     decode = functools.partial(stage_decode, phases=args.phases)
     profile = functools.partial(stage_profile, phases=args.phases)
     named = dict([
+        ("digest", lambda: stage_digest(model, bw)),
         ("prefill", lambda: stage_prefill(model, args.prefill_tokens, rate, "normal")),
         ("decode", lambda: decode(model, args.decode_batch, args.context, bw, "normal")),
         ("det", lambda: (stage_prefill(model.with_deterministic(), args.prefill_tokens, rate, "deterministic"),

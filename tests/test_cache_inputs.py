@@ -25,6 +25,7 @@ from jaxgdn.cache import (
     numerics_key,
     state_from_checkpoints,
 )
+from jaxgdn.params import weights_digest
 from jaxgdn.state import Provenance
 
 INTERVAL = 64
@@ -78,8 +79,8 @@ def test_lookup_takes_any_flat_integer_sequence(setup, full):
 def test_lookup_refuses_malformed_prompts(setup, full, prompt, match):
     _, toks, _, _ = setup
     bad = {"floats": [t + 0.25 for t in toks], "float_array": np.array(toks, np.float64), "bools": [True] * 100,
-           "negative": [-1] * 100, "huge": [2 ** 70] * 100, "empty": [], "string": "abc",
-           "nested": np.array([toks]), "ragged": [toks[:3], [1, 2]]}[prompt]
+           "negative": [-1] * 100, "huge": [2 ** 70] * 100, "empty": [],
+           "string": "abc", "nested": np.array([toks]), "ragged": [toks[:3], [1, 2]]}[prompt]
     with pytest.raises(jaxgdn.InputError, match=match):
         full.lookup([bad])
     with pytest.raises(jaxgdn.InputError, match="prompt 1"):  # refused before any counting: nothing half-recorded
@@ -267,11 +268,47 @@ def test_another_architecture_of_the_same_shapes_is_refused(setup):
     model, _, _, cks = setup
     nxt = jaxgdn.tiny_model("tiny-next", deterministic=True)
     assert numerics_key(nxt) != numerics_key(model)
-    assert numerics_key(jaxgdn.tiny_model("tiny", seed=5, deterministic=True)) == numerics_key(model)  # weights: no
     other = PrefixCache(interval=INTERVAL, numerics=numerics_key(nxt))
     assert not other.accepts(cks[0])
     with pytest.raises(jaxgdn.CheckpointRefused):
         other.insert(cks[0])
+
+
+def _edit_leaf(params, i, edit):
+    """params with leaf i (flattened order) replaced by edit(its NumPy copy)."""
+    leaves, treedef = jax.tree.flatten(params)
+    leaves[i] = jnp.asarray(edit(np.array(leaves[i])))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def test_the_numerics_key_covers_the_weights(setup):
+    """Two models of one architecture and mode with other weights (a fine-tune, an RL policy update) have other
+    numerics keys, so a cache holding one's states refuses the other's, naming the weights; equal weights in another
+    model object give the same key. The digest changes when one element moves by one ulp, when two elements swap,
+    and when one leaf is cast to another dtype; it reads values, so it refuses tracers."""
+    model, _, _, cks = setup
+    same = jaxgdn.Model(jax.tree.map(lambda x: jnp.array(np.array(x)), model.params), model.config,
+                        deterministic=True)
+    assert numerics_key(same) == numerics_key(model)
+    digest = weights_digest(model.params)
+    assert model.weights_digest == digest and len(digest) == 16
+    nudged = _edit_leaf(model.params, 3, lambda x: np.concatenate(
+        [np.nextafter(x.ravel()[:1], np.float32(np.inf)), x.ravel()[1:]]).reshape(x.shape).astype(x.dtype))
+    swapped = _edit_leaf(model.params, 3, lambda x: np.concatenate(
+        [x.ravel()[1::-1], x.ravel()[2:]]).reshape(x.shape))
+    leaf = np.array(jax.tree.leaves(model.params)[3]).ravel()
+    assert leaf[0] != leaf[1]  # (else the swap would change nothing)
+    cast = _edit_leaf(model.params, 3, lambda x: x.astype(jnp.bfloat16))
+    digests = {digest, *(weights_digest(p) for p in (nudged, swapped, cast))}
+    assert len(digests) == 4, digests
+    updated = dataclasses.replace(model, params=nudged)  # an RL step: one weight moved by one ulp
+    assert numerics_key(updated) != numerics_key(model)
+    cache = PrefixCache(interval=INTERVAL).insert(cks[0])
+    assert cache.numerics == numerics_key(model)
+    with pytest.raises(jaxgdn.CheckpointRefused, match=f"differing: weights: {digest} -> {weights_digest(nudged)};"):
+        cache.bound_to(numerics_key(updated))
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(weights_digest)(model.params)
 
 
 def test_a_prefill_checkpoint_replaces_a_decode_produced_one_of_the_same_prefix(setup):

@@ -41,10 +41,11 @@ def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, ba
 
 
 def test_model_bench_prefill_profile_stage(tmp_path):
-    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,prefill_profile",
-              "--prefill-tokens", "128", "--out", str(tmp_path)], tmp_path)
+    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages",
+              "ceilings,digest,prefill_profile", "--prefill-tokens", "128", "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
     res = json.loads((tmp_path / "model_bench.json").read_text())
+    assert res["digest"]["stable"] is True and len(res["digest"]["digest"]) == 16 and res["digest"]["median_s"] > 0
     for tag in ("normal", "deterministic"):
         rows = res[f"prefill_profile_{tag}"]
         assert rows and all(row["us"] >= 0 and row["count"] >= 1 for row in rows)

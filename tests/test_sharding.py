@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -50,6 +49,7 @@ def _worker() -> dict:
     from jaxgdn import sharding as S
     from jaxgdn.cache import checkpoint_from_state, state_from_checkpoints
     from jaxgdn.model import decode_step, prefill_chunk
+    from jaxgdn.params import weights_digest
     from jaxgdn.state import GDNLayerState
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -103,7 +103,9 @@ def _worker() -> dict:
              "prefill_state_misplaced": S.check_placement(s, S.state_specs(sm.config, mesh)),
              "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
              "prefill_state": tree_diff(S.convert_layout(s, sm, model), ref[0]),
-             "logits_spec": str(S.spec_of(lg))}
+             "logits_spec": str(S.spec_of(lg)),
+             # the prefix cache's weights digest computed on the mesh = computed on the host copy of the same weights
+             "weights_digest_mesh_invariant": sm.weights_digest == weights_digest(jax.tree.map(np.asarray, sm.params))}
         # per-device shard shapes of a few leaves (really split, not just annotated)
         gdn = next(x for x in s.layers if isinstance(x, GDNLayerState))
         attn = s.layers[model.config.attention_layers[0]]
@@ -371,16 +373,18 @@ def _run_worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     """The worker's results, computed once per test session: under pytest-xdist the first worker to get here runs
-    it and the others (same PYTEST_XDIST_TESTRUNUID) wait on a file lock and read its results."""
+    it and the others (same PYTEST_XDIST_TESTRUNUID) wait on a file lock and read its results, kept in the run's
+    temporary directory, which the workers share (pytest removes old runs' directories; these files used to be left
+    in /tmp after every run)."""
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_id is None:
         out = _run_worker()
     else:
         import fcntl
 
-        path = Path(tempfile.gettempdir()) / f"jaxgdn-sharding-{run_id}.json"
+        path = tmp_path_factory.getbasetemp().parent / f"jaxgdn-sharding-{run_id}.json"
         with open(str(path) + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if path.exists():
@@ -415,6 +419,7 @@ def test_sharded_logits_match_single_device(results, name, tp):
     r = _get(results, f"compare/{name}/{tp}")
     assert r["prefill_logits"] <= TOL, r
     assert r["prefill_state"] <= TOL, r
+    assert r["weights_digest_mesh_invariant"] is True, r
     if tp != 8:
         assert r["decode_logits"] <= TOL and r["decode_state"] <= TOL, r
 
