@@ -29,26 +29,16 @@ import numpy as np
 
 from pallas_kernels import CHUNK, resolve_backend
 
-from .errors import CapacityError, InputError, JaxGDNError, check_token_ids, index_value, is_int
+from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int, token_array
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
 def _token_tuple(tokens, what: str) -> tuple[int, ...]:
-    """`tokens` (a list, tuple, NumPy or JAX array of token ids; `what` names it in errors) as a tuple of Python ints.
-
-    InputError unless it is a flat sequence of non-negative integer ids (bools, floats, strings, nested or ragged
-    sequences are refused: a float id used to be truncated, silently matching another prefix). Empty is allowed
-    here: callers decide (a checkpoint of no tokens is off the grid; `lookup` refuses an empty prompt)."""
-    if isinstance(tokens, (str, bytes)):
-        raise InputError(f"{what} must be a flat sequence of integer token ids; got {type(tokens).__name__}")
-    try:
-        arr = np.asarray(tokens)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise InputError(f"{what} must be a flat sequence of integer token ids ({e})") from None
-    if arr.ndim == 0:
-        raise InputError(f"{what} must be a flat sequence of integer token ids; got {tokens!r}")
-    check_token_ids(arr, what, None, allow_empty=True)
-    return tuple(arr.tolist())
+    """`tokens` (`errors.token_array`'s inputs; `what` names it in errors) as a tuple of Python ints: any
+    non-negative integer ids, no vocabulary (a cache knows no model; a float id used to be truncated, silently
+    matching another prefix). Empty is allowed here: callers decide (a checkpoint of no tokens is off the grid;
+    `lookup` refuses an empty prompt)."""
+    return tuple(token_array(tokens, what, None, allow_empty=True).tolist())
 
 
 class CheckpointRefused(JaxGDNError):

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, UnsupportedModelError, is_int
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -175,7 +175,7 @@ class ModelConfig:
         if head_dim is None:
             head_dim = hidden // heads
         mlp_only = cfg.get("mlp_only_layers") or []
-        if not isinstance(mlp_only, list) or not all(_is_int(i) for i in mlp_only):
+        if not isinstance(mlp_only, list) or not all(is_int(i) for i in mlp_only):
             raise CheckpointError(f"{source}: {where}mlp_only_layers must be a list of layer indices; got "
                                   f"{json.dumps(mlp_only):.80}")
         fields = dict(
@@ -232,10 +232,6 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 _UNSUPPORTED_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _get(cfg: dict, key: str, kind, source: str, where: str, default=_REQUIRED, minimum=None):
     """cfg[key] checked to be of JSON type `kind` (int, float: any number, bool) and >= minimum (> 0 for floats
     with minimum 0); `default` when absent or null (CheckpointError naming the field when required)."""
@@ -244,7 +240,7 @@ def _get(cfg: dict, key: str, kind, source: str, where: str, default=_REQUIRED, 
         if default is _REQUIRED:
             raise CheckpointError(f"{source} lacks the field {where + key!r}")
         return default
-    ok = (isinstance(x, bool) if kind is bool else _is_int(x) if kind is int
+    ok = (isinstance(x, bool) if kind is bool else is_int(x) if kind is int
           else isinstance(x, (int, float)) and not isinstance(x, bool) and x == x)
     if not ok:
         raise CheckpointError(f"{source}: {where}{key} must be {_KINDS[kind]}; got {json.dumps(x):.60}")

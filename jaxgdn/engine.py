@@ -41,8 +41,8 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 
 from .cache import PrefixCache
-from .errors import CapacityError, InputError, is_int
-from .generate import GenerationResult, _check_request, check_prompt, generate
+from .errors import CapacityError, InputError, is_int, token_array
+from .generate import GenerationResult, _check_request, generate
 from .model import Model
 
 SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wrap around modulo this
@@ -188,8 +188,8 @@ def _pow2(n: int) -> int:
 
 
 def _check_tokens(msg, what: str, vocab_size: int) -> list[int]:
-    """A prompt / message as a list of ints, checked as `generate` checks a prompt (`check_prompt`)."""
-    return [int(t) for t in check_prompt(msg, what, vocab_size)]
+    """A prompt / message as a list of ints, checked as `generate` checks a prompt (`errors.token_array`)."""
+    return [int(t) for t in token_array(msg, what, vocab_size)]
 
 
 class Engine:

@@ -53,3 +53,21 @@ def check_token_ids(ids: np.ndarray, what: str, vocab_size: int | None, allow_em
     bound, shown = (vocab_size, vocab_size) if vocab_size is not None else (2**63, "2**63")
     if int(ids.min()) < 0 or int(ids.max()) >= bound:
         raise InputError(f"{what} holds token ids outside [0, {shown}): min {int(ids.min())}, max {int(ids.max())}")
+
+
+def token_array(ids, what: str, vocab_size: int | None, allow_empty: bool = False) -> np.ndarray:
+    """`ids` (a list, tuple, NumPy or JAX array; `what` names it in errors: "prompt 3", "sequence 0") as a flat NumPy
+    array of integer token ids, checked by `check_token_ids`; also refused: a string (not ids: encode it with a
+    tokenizer), nested or ragged sequences, and bools among ints ([1, True] is int64 to NumPy; it used to pass the
+    prefix cache and `score` as token 1). The one check `generate`, the engine, `score` and the prefix cache share."""
+    if isinstance(ids, (str, bytes)):
+        raise InputError(f"{what} must be a flat sequence of integer token ids; got a string "
+                         f"({type(ids).__name__}: encode it with a tokenizer)")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError):  # ragged or nested rows: no one flat array
+        raise InputError(f"{what} must be a flat sequence of integer token ids") from None
+    check_token_ids(arr, what, vocab_size, allow_empty)
+    if not hasattr(ids, "dtype") and any(isinstance(t, (bool, np.bool_)) for t in ids):  # (arrays: their dtype)
+        raise InputError(f"{what} must hold integer token ids; got a bool")
+    return arr

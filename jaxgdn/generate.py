@@ -26,7 +26,7 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
-from .errors import InputError, check_token_ids, is_int
+from .errors import InputError, is_int, token_array
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState, at_boundary
 
@@ -193,25 +193,9 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
         if not is_int(s) or not 0 <= s < 2**32:
             raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")
     for i, p in enumerate(prompts):
-        check_prompt(p, f"prompt {i}", V)
+        token_array(p, f"prompt {i}", V)
     if any(not 0 <= s < V for row in _stop_lists(stop_token_ids, n) for s in row):
         raise InputError(f"stop_token_ids must lie in [0, {V})")
-
-
-def check_prompt(p, what: str, V: int) -> np.ndarray:
-    """A prompt (`what` names it: "prompt 3") as an array: a flat, non-empty sequence of integer token ids in
-    [0, V), no bools; raises InputError otherwise (generate's and the engine's check)."""
-    if isinstance(p, (str, bytes)):
-        raise InputError(f"{what} must be a sequence of integer token ids; got a string (encode it with a "
-                         f"tokenizer)")
-    try:
-        a = np.asarray(p)
-    except (TypeError, ValueError, OverflowError):
-        raise InputError(f"{what} must be a flat sequence of integer token ids") from None
-    check_token_ids(a, what, V)
-    if not isinstance(p, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in p):  # [1, True] is int64
-        raise InputError(f"{what} must hold integer token ids; got a bool")
-    return a
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

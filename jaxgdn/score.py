@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
-from .errors import InputError, check_token_ids, is_int
+from .errors import InputError, is_int, token_array
 from .model import Model, jit, prefill_chunk
 
 DEFAULT_WINDOW = 512
@@ -66,12 +66,7 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
         items = list(sequences)
     except TypeError:
         raise InputError("sequences must be a list of token-id sequences") from None
-    seqs = []
-    for i, s in enumerate(items):
-        try:
-            seqs.append(np.asarray(s))
-        except (TypeError, ValueError):  # ragged or nested rows: NumPy cannot make one flat array of them
-            raise InputError(f"sequence {i} must be a flat sequence of integer token ids") from None
+    seqs = [token_array(s, f"sequence {i}", V) for i, s in enumerate(items)]
     if not seqs:
         raise InputError("no sequences given")
     if is_int(start):
@@ -90,7 +85,6 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
             raise InputError(f"{len(starts)} start values for {len(seqs)} sequences")
     out = []
     for i, (s, st) in enumerate(zip(seqs, starts)):
-        check_token_ids(s, f"sequence {i}", V)
         if len(s) < 2:
             raise InputError(f"sequence {i} has one token: scoring needs at least 2 (token 0 has no context)")
         if not 1 <= st < len(s):

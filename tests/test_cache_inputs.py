@@ -72,14 +72,15 @@ def test_lookup_takes_any_flat_integer_sequence(setup, full):
     ("negative", r"outside \[0, 2\*\*63\): min -1"),  # used to be looked up
     ("huge", "must hold integer token ids; got object"),  # used to raise OverflowError
     ("empty", "prompt 0 is empty"),  # used to count a miss
-    ("string", "must be a flat sequence of integer token ids; got str"),  # used to raise a bare ValueError
+    ("string", "must be a flat sequence of integer token ids; got a string"),  # used to raise a bare ValueError
+    ("bool_among_ints", "must hold integer token ids; got a bool"),  # [1, True] is int64: it was looked up
     ("nested", r"got shape \(1, 192\)"),  # used to miss silently (one "token" of 192 ids)
     ("ragged", "must be a flat sequence of integer token ids"),
 ])
 def test_lookup_refuses_malformed_prompts(setup, full, prompt, match):
     _, toks, _, _ = setup
     bad = {"floats": [t + 0.25 for t in toks], "float_array": np.array(toks, np.float64), "bools": [True] * 100,
-           "negative": [-1] * 100, "huge": [2 ** 70] * 100, "empty": [],
+           "negative": [-1] * 100, "huge": [2 ** 70] * 100, "bool_among_ints": [*toks[:99], True], "empty": [],
            "string": "abc", "nested": np.array([toks]), "ragged": [toks[:3], [1, 2]]}[prompt]
     with pytest.raises(jaxgdn.InputError, match=match):
         full.lookup([bad])

@@ -157,7 +157,7 @@ def test_invalid_parameters(tiny, prompts, kwargs, match):
     ([[-1, 2]], "prompt 0"),
     ([1, 2, 3], "one flat sequence of ids: wrap it in a list"),
     ("hello", "got a string"),
-    (["hello"], "prompt 0 must be a sequence of integer token ids; got a string"),
+    (["hello"], "prompt 0 must be a flat sequence of integer token ids; got a string"),
     ([[1.7, 2.2, 3.9]], "prompt 0 must hold integer token ids; got float64"),
     ([[1, 2], [True, False]], "prompt 1 must hold integer token ids; got bool"),
     ([[1, True, 3]], "prompt 0 must hold integer token ids; got a bool"),  # NumPy makes [1, True] int64

@@ -90,6 +90,8 @@ def test_no_recompilation_within_a_bucket(det, seqs):
     (np.array([1, 2, 3]), 1, "wrap it in a list"),
     ([1, 2, 3], 1, "one flat sequence of ids: wrap it in a list"),
     ("hello", 1, "got a string"),
+    (["hello"], 1, "sequence 0 must be a flat sequence of integer token ids; got a string"),
+    ([[1, True, 3]], 1, "sequence 0 must hold integer token ids; got a bool"),  # int64 to NumPy: it was scored
     ([[1, [2], 3]], 1, "sequence 0 must be a flat sequence of integer token ids"),
     ([[1, 2, 3], [4, [5, 6], 7]], 1, "sequence 1 must be a flat sequence of integer token ids"),
     ([[1, 2, 3, 4]], [1.9], "start value 0 is 1.9, not an integer"),
