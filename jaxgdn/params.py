@@ -66,6 +66,7 @@ class ModelParams(NamedTuple):
 _MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)  # odd multipliers: each step below is a bijection of uint32
 
 
+@jax.jit
 def _leaf_sums(x: jax.Array) -> jax.Array:
     """Two uint32 sums [2] over one array's bit patterns, each element mixed with its flat index first (so that a
     changed or a moved element changes them). Sums of integers wrap exactly modulo 2**32 in any order: the same
@@ -87,17 +88,11 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(h * (idx | jnp.uint32(1)), dtype=jnp.uint32)])
 
 
-@jax.jit
-def _all_sums(leaves):  # [n_leaves, 2] uint32 (one compiled program per parameter structure and shapes)
-    import jax.numpy as jnp
-
-    return jnp.stack([_leaf_sums(x) for x in leaves])
-
-
 def weights_digest(params) -> str:
     """A 16-hex-digit digest of a parameter pytree: its structure, every leaf's shape and dtype, and two position-mixed
-    sums of every leaf's bits (`_leaf_sums`), computed where the weights live (one jitted pass over them: ~18 GB at
-    9B in bf16, a few ms on an H200) and hashed on the host with SHA-256. Equal weights give equal digests on any
+    sums of every leaf's bits (`_leaf_sums`), computed where the weights live and hashed on the host with SHA-256:
+    for the 9B shape's 17.9 GB of bf16 weights on the H200, 2.3 s on first use (compiles included) and 54 ms after
+    (`BENCHMARKS.md`, run 150); `Model.weights_digest` computes it once per model object. Equal weights give equal digests on any
     device or mesh; any change of one element changes it (a bijection of the element's bits, then an exact sum);
     changes of several elements collide with probability about 2**-64. Not a cryptographic hash of the weights:
     it tells checkpoints of one architecture apart (a fine-tune, an RL policy update), not a forger's."""
@@ -108,7 +103,9 @@ def weights_digest(params) -> str:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         raise TypeError("weights_digest reads the weights' values: call it outside jit / grad")
-    sums = np.asarray(_all_sums(leaves)) if leaves else np.zeros((0, 2))
+    # One compiled program per distinct leaf shape and dtype (~20 at 9B, where one program over all ~400 leaves
+    # took 8.9 s to compile on the H200), each launched per leaf, asynchronously; one transfer at the end.
+    sums = np.asarray(jax.device_get([_leaf_sums(x) for x in leaves])) if leaves else np.zeros((0, 2))
     h = hashlib.sha256(str(treedef).encode())
     for x, s in zip(leaves, sums):
         h.update(f"{tuple(x.shape)}:{np.dtype(x.dtype).name};".encode())
