@@ -119,17 +119,24 @@ class Model:
             return sharding.init_state(self, batch_size, capacity)
         return init_state(self.config, batch_size, capacity, self.dtype, replay=self.keeps_open_chunk)
 
+    def _with(self, **options) -> "Model":
+        """This model with other static options, the same parameters: their digest, once computed, goes along."""
+        model = dataclasses.replace(self, **options)
+        if "weights_digest" in self.__dict__:
+            model.__dict__["weights_digest"] = self.__dict__["weights_digest"]
+        return model
+
     def with_backend(self, backend: str | None) -> "Model":
-        return dataclasses.replace(self, backend=backend)
+        return self._with(backend=backend)
 
     def with_deterministic(self, deterministic: bool = True) -> "Model":
-        return dataclasses.replace(self, deterministic=deterministic)
+        return self._with(deterministic=deterministic)
 
     def with_decode_mode(self, decode_mode: str) -> "Model":
-        return dataclasses.replace(self, decode_mode=decode_mode)
+        return self._with(decode_mode=decode_mode)
 
     def with_gdn_prefill(self, gdn_prefill: str) -> "Model":
-        return dataclasses.replace(self, gdn_prefill=gdn_prefill)
+        return self._with(gdn_prefill=gdn_prefill)
 
     def prefill_chunk(self, state: ModelState, tokens, lengths=None):
         """Absorb a batch of token runs. tokens: int32 [B, T]; lengths: int32 [B] valid tokens per row (None: T).

@@ -293,6 +293,9 @@ def test_the_numerics_key_covers_the_weights(setup):
     assert numerics_key(same) == numerics_key(model)
     digest = weights_digest(model.params)
     assert model.weights_digest == digest and len(digest) == 16
+    for derived in (model.with_backend("reference"), model.with_deterministic(False),
+                    model.with_decode_mode("replay"), model.with_gdn_prefill("recurrent")):
+        assert derived.__dict__.get("weights_digest") == digest  # carried along, not computed again
     nudged = _edit_leaf(model.params, 3, lambda x: np.concatenate(
         [np.nextafter(x.ravel()[:1], np.float32(np.inf)), x.ravel()[1:]]).reshape(x.shape).astype(x.dtype))
     swapped = _edit_leaf(model.params, 3, lambda x: np.concatenate(
