@@ -55,6 +55,20 @@ def check_token_ids(ids: np.ndarray, what: str, vocab_size: int | None, allow_em
         raise InputError(f"{what} holds token ids outside [0, {shown}): min {int(ids.min())}, max {int(ids.max())}")
 
 
+def bool_among_ints(x) -> bool:
+    """Whether `x`, a (nested) Python sequence rather than an array, holds a bool: NumPy reads [1, True] as the int64
+    [1, 1], so a bool would otherwise pass as the integer 1 (arrays: their dtype says it)."""
+    if hasattr(x, "dtype") or isinstance(x, (str, bytes)):
+        return False
+    if isinstance(x, (bool, np.bool_)):
+        return True
+    try:
+        flat = np.asarray(x, dtype=object).ravel()
+    except (TypeError, ValueError):
+        return False
+    return any(isinstance(v, (bool, np.bool_)) for v in flat)
+
+
 def token_array(ids, what: str, vocab_size: int | None, allow_empty: bool = False) -> np.ndarray:
     """`ids` (a list, tuple, NumPy or JAX array; `what` names it in errors: "prompt 3", "sequence 0") as a flat NumPy
     array of integer token ids, checked by `check_token_ids`; also refused: a string (not ids: encode it with a
@@ -68,6 +82,6 @@ def token_array(ids, what: str, vocab_size: int | None, allow_empty: bool = Fals
     except (TypeError, ValueError, OverflowError):  # ragged or nested rows: no one flat array
         raise InputError(f"{what} must be a flat sequence of integer token ids") from None
     check_token_ids(arr, what, vocab_size, allow_empty)
-    if not hasattr(ids, "dtype") and any(isinstance(t, (bool, np.bool_)) for t in ids):  # (arrays: their dtype)
+    if bool_among_ints(ids):
         raise InputError(f"{what} must hold integer token ids; got a bool")
     return arr

@@ -29,29 +29,25 @@ import numpy as np
 from pallas_kernels import CHUNK, resolve_backend
 
 from .config import LINEAR, ModelConfig
-from .errors import CapacityError, InputError
+from .errors import CapacityError, InputError, bool_among_ints, index_value
 from .layers.attention import attention
 from .layers.gdn import gdn_decode, gdn_prefill
 from .layers.linear import linear
 from .layers.mlp import feed_forward
 from .layers.norm import rms_norm
 from .params import ModelParams, weights_digest
-from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, init_state
+from .state import (STATE_DTYPES, AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance,
+                    check_state_dtype, init_state)
 
 
-MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+MODEL_DTYPES = STATE_DTYPES
 
 
 def check_model_options(dtype, backend) -> None:
     """A model's activation dtype is float32 or bfloat16 (the two the tests and the GPU checks cover) and its kernel
     backend one `pallas_kernels.backend` knows, or None; raised at construction (before any weights are read by
     `load_pretrained`), not at the first call."""
-    try:
-        ok = jnp.dtype(dtype) in MODEL_DTYPES
-    except TypeError:
-        ok = False
-    if not ok:
-        raise InputError(f"dtype must be float32 or bfloat16; got {dtype!r}")
+    check_state_dtype(dtype)
     if backend is not None:
         try:
             resolve_backend(backend)  # the one place that knows the backends
@@ -112,7 +108,9 @@ class Model:
         return weights_digest(self.params)
 
     def init_state(self, batch_size: int, capacity: int) -> ModelState:
-        """A fresh state; for a model placed on a mesh (`jaxgdn.sharding`), created already split over it."""
+        """A fresh state (`jaxgdn.state.init_state`): batch_size and capacity integers >= 1 (InputError otherwise),
+        the KV capacity rounded up to a multiple of 64; for a model placed on a mesh (`jaxgdn.sharding`), created
+        already split over it."""
         from . import sharding  # local: the sharding module imports this one
 
         if sharding.mesh_of(self.params) is not None:
@@ -145,14 +143,15 @@ class Model:
         padded positions are meaningless. Padded tokens leave the state bit-identical.
         """
         tokens, lengths = _check_prefill(self.config, state, tokens, lengths,
-                                         self.deterministic and not self.continues_exactly, self.keeps_open_chunk)
+                                         self.deterministic and not self.continues_exactly, self.keeps_open_chunk,
+                                         self.dtype)
         with mesh_context(self):
             return _prefill_jit(self, state, tokens, lengths)
 
     def decode_step(self, state: ModelState, token):
         """Absorb one token per row (`decode_mode`: the recurrent update, or replay). token: int32 [B].
-        Returns (state, logits [B, Vocab])."""
-        token = _check_decode(self.config, state, token, self.keeps_open_chunk)
+        Returns (state, logits fp32 [B, Vocab])."""
+        token = _check_decode(self.config, state, token, self.keeps_open_chunk, self.dtype)
         with mesh_context(self):
             return _decode_jit(self, state, token)
 
@@ -176,7 +175,12 @@ def _concrete(x) -> bool:
 
 def _check_tokens(tokens, rank: int, what: str):
     """tokens as int32, after checking their rank and dtype (the ids: `_check_ids`), and, for concrete wider or
-    unsigned integers, that the values survive the cast (2**32 + 5 would become 5)."""
+    unsigned integers, that the values survive the cast (2**32 + 5 would become 5). A string, or a bool inside a
+    Python sequence (NumPy reads [1, True] as [1, 1]), is refused."""
+    if isinstance(tokens, (str, bytes)):
+        raise InputError(f"{what} must be an integer array of token ids; got a string (encode it with a tokenizer)")
+    if bool_among_ints(tokens):
+        raise InputError(f"{what} must hold integer token ids; got a bool")
     if not hasattr(tokens, "dtype"):
         try:
             tokens = np.asarray(tokens)
@@ -227,9 +231,10 @@ def _check_capacity(state: ModelState, advance):
         raise CapacityError(f"row {row} would reach position {int(end[row])}, beyond the state's KV capacity {cap}")
 
 
-def _check_state_layout(cfg: ModelConfig, state: ModelState, open_chunk: bool | None):
-    """A ModelState with one layer state per layer of the config, of the layer's kind and head shapes, whose GDN
-    layers carry the open-chunk buffers exactly when the model keeps them (shapes only: holds under a trace).
+def _check_state_layout(cfg: ModelConfig, state: ModelState, open_chunk: bool | None, dtype=None):
+    """A ModelState with one layer state per layer of the config, of the layer's kind, its arrays of one batch
+    (`_check_state_arrays`; with `dtype`, the model's, their dtypes too) and head shapes, whose GDN layers carry the
+    open-chunk buffers exactly when the model keeps them (shapes and dtypes only: holds under a trace).
     (Not checkable here: the q/k/v channel order of a state made by a model of another layout — `jaxgdn.sharding.
     convert_layout` moves states between layouts.)"""
     if not isinstance(state, ModelState):
@@ -242,6 +247,8 @@ def _check_state_layout(cfg: ModelConfig, state: ModelState, open_chunk: bool | 
         if not isinstance(s, want):
             raise InputError(f"layer {i} of the state is of type {type(s).__name__}; the model's layer {i} needs "
                              f"{want.__name__}")
+    _check_state_arrays(state, dtype)
+    for i, (s, kind) in enumerate(zip(state.layers, cfg.layer_types)):
         if kind == LINEAR:
             got = (tuple(s.recurrent.shape[1:]), s.conv.shape[-1])
             need = ((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
@@ -260,14 +267,49 @@ def _check_state_layout(cfg: ModelConfig, state: ModelState, open_chunk: bool | 
                      "decide their layout)")
 
 
+_IN_MODEL_DTYPE = ("conv", "open_qkv", "keys", "values")  # a layer state's arrays in the model's dtype (others fp32)
+
+
+def _check_state_arrays(state: ModelState, dtype=None):
+    """`position` and `provenance` integer arrays [B], every layer array with those B rows on its leading axis,
+    and, given the model's `dtype`, each array in the dtype the model makes it: conv, open-chunk q|k|v, keys and
+    values in `dtype`, the rest (the GDN recurrent state, gates and replay caches) fp32. A state of a bf16 model
+    given to an fp32 one, or the reverse, used to run with promoted arithmetic and come back in other dtypes.
+    Also refused: a state whose arrays were deleted, donated to a jitted call (JAX's error named no argument)."""
+    if any(isinstance(x, jax.Array) and _concrete(x) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise InputError("the state's arrays were deleted: it was donated to a jitted call (donate_argnums), which "
+                         "consumed it; pass the state that call returned")
+    for name in ("position", "provenance"):
+        x = getattr(state, name)
+        if getattr(x, "ndim", None) != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise InputError(f"the state's {name} must be an integer array [B]; got "
+                             f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
+    B = state.position.shape[0]
+    if state.provenance.shape != (B,):
+        raise InputError(f"the state's provenance has shape {tuple(state.provenance.shape)}; its position ({B},)")
+    for i, layer in enumerate(state.layers):
+        for field, x in zip(layer._fields, layer):
+            if x is None:
+                continue
+            if x.ndim == 0 or x.shape[0] != B:
+                raise InputError(f"layer {i}'s {field} has shape {tuple(x.shape)}, not the state's {B} rows on its "
+                                 "leading axis (a state is indexed by row with jaxgdn.state.select_rows)")
+            want = jnp.dtype(dtype if field in _IN_MODEL_DTYPE else jnp.float32)
+            if dtype is not None and x.dtype != want:
+                raise InputError(f"layer {i}'s {field} is {x.dtype}; a model of dtype {jnp.dtype(dtype).name} keeps "
+                                 f"it in {want.name} (a state of another model: make states with this model's "
+                                 "init_state)")
+
+
 def _check_shapes(cfg: ModelConfig, state: ModelState, tokens, lengths, open_chunk: bool | None,
-                  decode: bool = False):
+                  decode: bool = False, dtype=None):
     """The checks that need only shapes and dtypes, so they hold under a trace too (the pure functions make them):
     tokens [B, T] with `lengths` [B] or None (a prefill) or token [B] (`decode`), B the state's batch, and a state
-    laid out for the model. Returns tokens and lengths as int32 arrays (a prefill's lengths None: T for every row;
-    a decode's lengths: None)."""
+    laid out for the model (`dtype`: the model's, which the state's dtypes must match; None: not checked).
+    Returns tokens and lengths as int32 arrays (a prefill's lengths None: T for every row; a decode's lengths:
+    None)."""
     what = "token" if decode else "tokens"
-    _check_state_layout(cfg, state, open_chunk)
+    _check_state_layout(cfg, state, open_chunk, dtype)
     tokens = _check_tokens(tokens, 1 if decode else 2, what)
     B = tokens.shape[0]
     if B != state.batch_size:
@@ -278,6 +320,8 @@ def _check_shapes(cfg: ModelConfig, state: ModelState, tokens, lengths, open_chu
         raise InputError("tokens has no columns (T == 0)")
     if lengths is None:
         return tokens, jnp.full((B,), tokens.shape[1], jnp.int32)
+    if bool_among_ints(lengths):
+        raise InputError(f"lengths must be an int array of shape ({B},); got a bool among them: {lengths!r}")
     if not hasattr(lengths, "dtype"):
         try:
             lengths = np.asarray(lengths)
@@ -289,10 +333,30 @@ def _check_shapes(cfg: ModelConfig, state: ModelState, tokens, lengths, open_chu
     return tokens, jnp.asarray(lengths, jnp.int32)
 
 
+def _check_static_options(checkpoint_stride, last_only) -> tuple[int | None, bool]:
+    """The pure prefill's `checkpoint_stride` (None or a positive multiple of 64) and `last_only` (a bool), which
+    decide the program's shapes: under `jit` they must be static (`static_argnames`), not traced."""
+    for name, value in (("checkpoint_stride", checkpoint_stride), ("last_only", last_only)):
+        if isinstance(value, jax.core.Tracer):
+            raise InputError(f"{name} decides the program's shapes, so it must be static under jit: "
+                             "jit with static_argnames=('checkpoint_stride', 'last_only')")
+    if not isinstance(last_only, (bool, np.bool_)):
+        raise InputError(f"last_only must be True or False; got {last_only!r}")
+    if checkpoint_stride is None:
+        return None, bool(last_only)
+    try:
+        stride = index_value(checkpoint_stride)
+    except TypeError:
+        stride = 0
+    if stride <= 0 or stride % CHUNK:
+        raise InputError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride!r}")
+    return stride, bool(last_only)
+
+
 def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_rule: bool = False,
-                   open_chunk: bool | None = None):
+                   open_chunk: bool | None = None, dtype=None):
     padded = lengths is not None
-    tokens, lengths = _check_shapes(cfg, state, tokens, lengths, open_chunk)
+    tokens, lengths = _check_shapes(cfg, state, tokens, lengths, open_chunk, dtype=dtype)
     T = tokens.shape[1]
     if padded and _concrete(lengths) and (np.min(lengths) < 0 or np.max(lengths) > T):
         raise InputError(f"lengths must lie in [0, T={T}]; got {np.asarray(lengths).tolist()}")
@@ -310,8 +374,8 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
     return tokens, lengths
 
 
-def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None):
-    token, _ = _check_shapes(cfg, state, token, None, open_chunk, decode=True)
+def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None, dtype=None):
+    token, _ = _check_shapes(cfg, state, token, None, open_chunk, decode=True, dtype=dtype)
     _check_ids(cfg, token, "token")
     _check_capacity(state, 1)
     return token
@@ -355,10 +419,9 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     last grid boundary (replay decode over the chunked prefill), each bitwise equal to the final state of a
     separate prefill ending there.
     """
-    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % CHUNK):
-        raise InputError(f"checkpoint_stride must be a positive multiple of {CHUNK}; got {checkpoint_stride}")
+    checkpoint_stride, last_only = _check_static_options(checkpoint_stride, last_only)
     replay = model.keeps_open_chunk
-    tokens, lengths = _check_shapes(model.config, state, tokens, lengths, replay)
+    tokens, lengths = _check_shapes(model.config, state, tokens, lengths, replay, dtype=model.dtype)
     cfg, p, det = model.config, model.params, _det(model)
     x = p.embed[tokens].astype(model.dtype)  # [B, T, D]
     new_layers, ckpts = [], []
@@ -401,7 +464,8 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
 
     Shapes, dtypes and the state's layout are checked (InputError), under `jit` too; values are not.
     """
-    token, _ = _check_shapes(model.config, state, token, None, model.keeps_open_chunk, decode=True)
+    token, _ = _check_shapes(model.config, state, token, None, model.keeps_open_chunk, decode=True,
+                             dtype=model.dtype)
     if model.decode_mode == "replay":
         state, logits = prefill_chunk(model, state, token[:, None], jnp.ones_like(state.position))
         return state, logits[:, 0]
@@ -438,8 +502,10 @@ COMPILER_OPTIONS = {"xla_allow_excess_precision": False, "xla_gpu_command_buffer
 
 
 def jit(fn, **kwargs):
-    """`jax.jit` with jaxgdn's compiler options (see COMPILER_OPTIONS)."""
-    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+    """`jax.jit` with jaxgdn's compiler options (see COMPILER_OPTIONS); other `jax.jit` arguments pass through, and
+    `compiler_options` given here are added to those (a key given wins)."""
+    options = {**COMPILER_OPTIONS, **(kwargs.pop("compiler_options", None) or {})}
+    return jax.jit(fn, compiler_options=options, **kwargs)
 
 
 _prefill_jit = jit(prefill_chunk, static_argnames=("checkpoint_stride", "last_only"))
@@ -448,4 +514,6 @@ _decode_jit = jit(decode_step)
 
 def gdn_states(state: ModelState) -> tuple[GDNLayerState, ...]:
     """The GDN layers' states, in layer order."""
+    if not isinstance(state, ModelState):
+        raise InputError(f"state must be a jaxgdn ModelState; got {type(state).__name__}")
     return tuple(s for s in state.layers if isinstance(s, GDNLayerState))

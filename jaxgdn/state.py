@@ -14,7 +14,7 @@ from pallas_kernels import CHUNK, replay_caches
 from pallas_kernels.attention import DEFAULT_CONFIG as _ATTENTION_CONFIG
 
 from .config import LINEAR, ModelConfig
-from .errors import InputError, index_value
+from .errors import InputError, bool_among_ints, index_value
 
 ATTENTION_KEY_BLOCK = _ATTENTION_CONFIG["bk"]  # KV capacities are rounded up to it (`init_state`)
 
@@ -52,6 +52,8 @@ def at_boundary(s: GDNLayerState) -> GDNLayerState:
     """A GDN layer's state as kept at a 64-token grid boundary (prefill checkpoints, cache entries, decode snapshots):
     conv and recurrent only. Replay decode's open-chunk buffers are empty there (zeros: `init_state`'s) and are not
     stored; `cache.state_from_checkpoints` restores a row into a fresh state, whose buffers are those zeros."""
+    if not isinstance(s, GDNLayerState):
+        raise InputError(f"at_boundary takes a GDNLayerState; got {type(s).__name__}")
     return GDNLayerState(conv=s.conv, recurrent=s.recurrent)
 
 
@@ -100,14 +102,29 @@ def checked_sizes(batch_size, capacity) -> tuple[int, int]:
     return batch_size, capacity
 
 
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the model dtypes (`jaxgdn.model.MODEL_DTYPES`)
+
+
+def check_state_dtype(dtype) -> None:
+    """InputError unless `dtype` is one a model computes in (float32 or bfloat16)."""
+    try:
+        ok = jnp.dtype(dtype) in STATE_DTYPES
+    except TypeError:
+        ok = False
+    if not ok:
+        raise InputError(f"dtype must be float32 or bfloat16; got {dtype!r}")
+
+
 def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32,
                replay: bool = False) -> ModelState:
     """A fresh (all-zero) state for `batch_size` sequences of up to `capacity` tokens (`replay`: with the open
     chunk buffers of replay decode over the chunked prefill). The KV capacity is rounded up to a multiple of the
     attention kernel's key block (ATTENTION_KEY_BLOCK, 64): a cache of another length would be copied into a
     padded one at every call (measured on the H200: ~0.18 ms per attention layer and decode step at B=64 with 1104
-    slots)."""
+    slots). `dtype`: the model's activation dtype (float32 or bfloat16; InputError otherwise), which conv, KV and
+    open-chunk q|k|v buffers are kept in."""
     batch_size, capacity = checked_sizes(batch_size, capacity)
+    check_state_dtype(dtype)
     capacity = -(-capacity // ATTENTION_KEY_BLOCK) * ATTENTION_KEY_BLOCK
     layers = []
     for t in config.layer_types:
@@ -128,14 +145,42 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
                       provenance=jnp.zeros((batch_size,), jnp.int32))
 
 
-def select_rows(state: ModelState, rows) -> ModelState:
-    """The state of the given batch rows (an int array, or one int): every leaf indexed on its leading axis.
-    Concrete rows outside [-B, B) raise InputError (JAX's indexing would clamp them silently)."""
-    if not isinstance(rows, jax.core.Tracer):
+def checked_rows(rows, batch_size: int):
+    """`rows` (one int, or a flat sequence or array of ints) as a flat integer index array; InputError for a bool,
+    a non-integer, an empty or a nested selection, and for concrete rows outside [-B, B). Traced rows (under `jit`)
+    are checked for dtype and rank only: JAX's indexing clamps their values."""
+    B = batch_size
+    if isinstance(rows, jax.core.Tracer):
+        if not jnp.issubdtype(rows.dtype, jnp.integer) or rows.ndim > 1 or rows.size == 0:
+            raise InputError(f"rows must be one integer or a flat, non-empty integer array; got "
+                             f"{rows.dtype}{list(rows.shape)}")
+        return jnp.reshape(rows, (-1,))
+    try:
         r = np.asarray(rows)
-        if not np.issubdtype(r.dtype, np.integer):
-            raise InputError(f"rows must be integer row indices; got {r.dtype}")
-        B = state.batch_size
-        if r.size and (r.min() < -B or r.max() >= B):
-            raise InputError(f"rows must lie in [0, {B}) (or [-{B}, 0)); got {r.tolist()}")
+    except (TypeError, ValueError):  # ragged or nested sequences
+        raise InputError("rows must be one integer or a flat sequence of integer row indices") from None
+    if r.size == 0:
+        raise InputError("rows is empty: a state holds at least one row")
+    if r.dtype == np.bool_ or bool_among_ints(rows):
+        raise InputError("rows must be integer row indices, not bools (for a mask, pass np.flatnonzero(mask))")
+    if not np.issubdtype(r.dtype, np.integer):
+        raise InputError(f"rows must be integer row indices; got {r.dtype}")
+    if r.ndim > 1:
+        raise InputError(f"rows must be one integer or a flat sequence of them; got shape {r.shape}")
+    if r.min() < -B or r.max() >= B:
+        raise InputError(f"rows must lie in [0, {B}) (or [-{B}, 0)); got {r.tolist()}")
+    return np.atleast_1d(r)
+
+
+def select_rows(state: ModelState, rows) -> ModelState:
+    """The state of the given batch rows, in the order given: `rows` is one int (a one-row state: the batch axis is
+    kept) or a flat list, NumPy or JAX array of ints in [-B, B). A row may be named more than once (its state is
+    copied, e.g. to sample one prompt several ways). Every leaf is indexed on its leading axis.
+
+    InputError for something other than a ModelState, and for rows that are bools, not integers, empty or nested,
+    or (concrete) outside [-B, B) — JAX's indexing would clamp them silently; under `jit`, traced rows are checked
+    for dtype and rank only."""
+    if not isinstance(state, ModelState):
+        raise InputError(f"state must be a jaxgdn ModelState; got {type(state).__name__}")
+    rows = checked_rows(rows, state.batch_size)
     return jax.tree.map(lambda x: x[rows], state)

@@ -1,0 +1,220 @@
+"""Bad and unusual input to the pure state functions, the state helpers and the comparison tools: each is refused
+with a named jaxgdn.InputError (or handled as documented) instead of a traceback from inside JAX or NumPy, or a
+silently misused value. No test compiles the model: every refusal comes before its jitted program runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgdn
+from jaxgdn.compare import compare_gdn_states, diff_arrays, format_table, ulp_distance
+from jaxgdn.model import _check_state_layout, gdn_states
+from jaxgdn.state import at_boundary, init_state, select_rows
+
+F32 = np.float32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxgdn.tiny_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def state(model):
+    return model.init_state(2, 64)
+
+
+def _positions(s) -> np.ndarray:
+    return np.asarray(s.position)
+
+
+# ---- select_rows ------------------------------------------------------------------------------------------------
+
+def test_select_rows_with_one_int_keeps_the_batch_axis(model, state):
+    """The docstring allows one int: it used to drop the leading axis of every leaf, a state no function took."""
+    one = select_rows(state._replace(position=jnp.array([3, 7], jnp.int32)), 1)
+    assert one.batch_size == 1 and _positions(one).tolist() == [7]
+    assert all(x.shape[0] == 1 for x in jax.tree.leaves(one))
+    _check_state_layout(model.config, one, model.keeps_open_chunk, model.dtype)  # a state the model takes
+
+
+def test_select_rows_takes_a_list_and_may_repeat_a_row(state):
+    """A Python list was a TypeError from JAX's indexing; a row may be named twice (a copy of its state)."""
+    s = state._replace(position=jnp.array([3, 7], jnp.int32))
+    assert _positions(select_rows(s, [1, 0])).tolist() == [7, 3]
+    assert _positions(select_rows(s, [1, 1])).tolist() == [7, 7]
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([], "rows is empty"),  # was "got float64"
+    (np.array([], np.int32), "rows is empty"),  # was a state of zero rows
+    ([[0, 1]], "flat sequence"),  # was a state with two batch axes
+    ([0, True], "not bools"),  # was rows [0, 1]
+    (np.array([True, False]), "not bools"),
+    ([0, 2], r"rows must lie in \[0, 2\)"),
+])
+def test_select_rows_refuses_bad_rows(state, rows, match):
+    with pytest.raises(jaxgdn.InputError, match=match):
+        select_rows(state, rows)
+
+
+def test_select_rows_checks_the_state_and_traced_rows(state):
+    with pytest.raises(jaxgdn.InputError, match="state must be a jaxgdn ModelState"):
+        select_rows(None, [0])  # was AttributeError
+    with pytest.raises(jaxgdn.InputError, match="integer array"):
+        jax.jit(select_rows)(state, jnp.array([0.0, 1.0]))  # was JAX's TypeError on a float index
+    assert jax.jit(select_rows)(state, jnp.array(1)).batch_size == 1
+
+
+# ---- state layout: dtypes and rows ------------------------------------------------------------------------------
+
+def test_a_state_of_a_model_of_the_other_dtype_is_refused(model, state):
+    """A bf16 model's state given to an fp32 model (or the reverse) ran with promoted arithmetic and came back in
+    other dtypes (conv bf16 -> fp32); now a named InputError, from the methods and under jit."""
+    bf16_state = jaxgdn.tiny_model("tiny", seed=0, dtype=jnp.bfloat16).init_state(2, 64)
+    tokens = np.ones((2, 4), np.int32)
+    with pytest.raises(jaxgdn.InputError, match="layer 0's conv is bfloat16; a model of dtype float32"):
+        model.prefill_chunk(bf16_state, tokens)
+    with pytest.raises(jaxgdn.InputError, match="layer 0's conv is bfloat16"):
+        jax.jit(jaxgdn.decode_step)(model, bf16_state, jnp.ones((2,), jnp.int32))
+    g0 = state.layers[0]
+    low = state._replace(layers=(g0._replace(recurrent=g0.recurrent.astype(jnp.bfloat16)),) + state.layers[1:])
+    with pytest.raises(jaxgdn.InputError, match="layer 0's recurrent is bfloat16; .* keeps it in float32"):
+        model.decode_step(low, np.ones((2,), np.int32))
+
+
+def test_a_state_whose_arrays_disagree_on_the_batch_is_refused(model, state):
+    """position [1] over layers of 2 rows passed the batch check (B is position's length) and failed inside JAX."""
+    half = state._replace(position=state.position[:1], provenance=state.provenance[:1])
+    with pytest.raises(jaxgdn.InputError, match=r"layer 0's conv has shape \(2, 3, 128\), not the state's 1 rows"):
+        model.prefill_chunk(half, np.ones((1, 4), np.int32))
+    with pytest.raises(jaxgdn.InputError, match="position must be an integer array"):
+        model.decode_step(state._replace(position=state.position[0]), np.ones((2,), np.int32))
+
+
+def test_init_state_refuses_a_dtype_no_model_has(model):
+    with pytest.raises(jaxgdn.InputError, match="dtype must be float32 or bfloat16"):
+        init_state(model.config, 2, 64, jnp.int32)  # was an int32 conv and KV cache
+
+
+def test_state_helpers_name_a_wrong_argument(state):
+    with pytest.raises(jaxgdn.InputError, match="state must be a jaxgdn ModelState"):
+        gdn_states(None)  # was AttributeError
+    with pytest.raises(jaxgdn.InputError, match="at_boundary takes a GDNLayerState"):
+        at_boundary(state.layers[3])  # the attention layer: was AttributeError
+
+
+# ---- tokens and lengths -----------------------------------------------------------------------------------------
+
+def test_bools_and_strings_are_not_token_ids(model, state):
+    """NumPy reads [1, True] as [1, 1]: a bool passed as token 1 (generate and score already refuse it)."""
+    with pytest.raises(jaxgdn.InputError, match="tokens must hold integer token ids; got a bool"):
+        model.prefill_chunk(state, [[1, True], [2, 3]])
+    with pytest.raises(jaxgdn.InputError, match="lengths .* a bool"):
+        model.prefill_chunk(state, [[1, 2], [2, 3]], [2, True])
+    with pytest.raises(jaxgdn.InputError, match="got a string"):
+        model.decode_step(state, "ab")
+
+
+# ---- the pure prefill's static options --------------------------------------------------------------------------
+
+def test_pure_prefill_names_options_that_must_be_static(model, state):
+    """Under a plain jax.jit, checkpoint_stride and last_only are traced: that was a TracerBoolConversionError."""
+    tokens = jnp.ones((2, 4), jnp.int32)
+    for kwargs, name in (({"checkpoint_stride": 64}, "checkpoint_stride"), ({"last_only": True}, "last_only")):
+        with pytest.raises(jaxgdn.InputError, match=f"{name} decides the program's shapes.*static_argnames"):
+            jax.jit(jaxgdn.prefill_chunk)(model, state, tokens, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"checkpoint_stride": 64.0}, "positive multiple of 64; got 64.0"),  # was a shape TypeError inside the model
+    ({"last_only": "yes"}, "last_only must be True or False"),  # was taken as True
+])
+def test_pure_prefill_refuses_options_of_the_wrong_type(model, state, kwargs, match):
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.prefill_chunk(model, state, jnp.ones((2, 4), jnp.int32), **kwargs)
+
+
+def test_jit_adds_compiler_options_given_to_it():
+    """jaxgdn.model.jit(fn, compiler_options=...) was a TypeError (the keyword given twice)."""
+    fn = jaxgdn.model.jit(lambda x: x + 1, compiler_options={"xla_allow_excess_precision": False})
+    assert float(fn(F32(1))) == 2.0
+
+
+# ---- compare ----------------------------------------------------------------------------------------------------
+
+def test_ulp_distance_of_special_values():
+    nan, inf, big = F32(np.nan), F32(np.inf), np.finfo(F32).max
+    got = ulp_distance(np.array([0.0, nan, nan, inf, -inf, nan], F32), np.array([-0.0, -nan, 1.0, big, inf, inf], F32))
+    # two NaNs of other signs were 4286578688 apart, and a NaN 1077936128 from 1.0: less than 1.0 from -1.0
+    assert got.tolist() == [0, 0, 2**32, 1, 0xFF000000, 2**32]
+    assert jaxgdn.compare.ULP_NAN == 2**32 > int(ulp_distance(F32(-inf), F32(inf)))
+
+
+@pytest.mark.parametrize("a, b, match", [
+    (np.zeros((2, 3), F32), np.zeros((3,), F32), r"differ in shape: \(2, 3\) against \(3,\)"),  # was broadcast
+    (np.array([2**24 + 1]), np.array([2**24]), "a must be a floating-point array; got int64"),  # was 0 apart
+    (np.array([1.0], F32), np.array([1.0 + 1e-12]), "b holds float64 values fp32 cannot hold exactly"),
+])
+def test_ulp_distance_refuses_what_it_would_misread(a, b, match):
+    for fn in (ulp_distance, diff_arrays):
+        with pytest.raises(jaxgdn.InputError, match=match):
+            fn(a, b)
+
+
+def test_ulp_distance_takes_bf16_and_exact_float64():
+    assert ulp_distance(jnp.array([1.0, 2.0], jnp.bfloat16), np.array([1.0, 2.0])).tolist() == [0, 0]
+
+
+def test_diff_arrays_counts_bitwise_equal_elements():
+    """frac_equal says "bitwise equal": it counted +0 == -0 as equal and NaN against the same NaN as unequal."""
+    assert diff_arrays(np.array([0.0, 1.0], F32), np.array([-0.0, 1.0], F32)).frac_equal == 0.5
+    d = diff_arrays(np.array([np.nan, 1.0], F32), np.array([np.nan, 1.0], F32))
+    assert d.frac_equal == 1.0 and d.max_ulp == 0 and np.isnan(d.max_abs)
+    with pytest.raises(jaxgdn.InputError, match="empty"):
+        diff_arrays(np.zeros(0, F32), np.zeros(0, F32))  # was NumPy's ValueError from max()
+
+
+def test_compare_gdn_states_refuses_mismatched_states_and_layer_ids(model, state):
+    ids = model.config.gdn_layers
+    one = model.init_state(1, 64)
+    with pytest.raises(jaxgdn.InputError, match=r"layer 0: the arrays differ in shape: \(1, "):
+        compare_gdn_states(one, state, ids)  # one row against two: was broadcast
+    with pytest.raises(jaxgdn.InputError, match=r"layer_ids \[0\] are not the states' GDN layers \[0, 1, 2\]"):
+        compare_gdn_states(state, state, ids[:1])  # was one layer compared, silently
+    with pytest.raises(jaxgdn.InputError, match="GDN layers differ"):
+        compare_gdn_states(state, state._replace(layers=state.layers[:2]), None)
+    assert [d.layer for d in compare_gdn_states(state, state)] == list(ids)  # layer_ids read from the states
+
+
+def test_format_table_aligns_and_never_rounds_up_to_all_equal():
+    a = np.arange(2000, dtype=F32)
+    b = a.copy()
+    b[-1] = np.nextafter(b[-1], F32(np.inf))
+    near = diff_arrays(a, b, 0)  # 1999 of 2000 equal: read "100.0%"
+    far = diff_arrays(np.array([-np.inf], F32), np.array([np.inf], F32), 12)  # a 10-digit ULP count
+    lines = format_table([near, far], "title").splitlines()
+    assert lines[2].endswith("99.9%") and near.frac_equal < 1
+    assert len({len(line) for line in lines[1:]}) == 1, lines  # the 10-digit count pushed its row out
+
+
+def test_compare_gdn_states_refuses_a_replay_state_off_the_grid_against_another(model, state):
+    """A replay-mode state's `recurrent` is the state at the last grid boundary: against a recurrent-mode state at
+    an off-grid position it was compared silently, a state of another position; on the grid it is the same."""
+    replay = model.with_decode_mode("replay").init_state(2, 64)
+    assert len(compare_gdn_states(replay, state)) == 3  # both at position 0: on the grid
+    off = jnp.array([64, 70], jnp.int32)
+    with pytest.raises(jaxgdn.InputError, match="open chunk .* off the grid"):
+        compare_gdn_states(replay._replace(position=off), state._replace(position=off))
+
+
+def test_a_donated_state_is_named(model):
+    """Reusing a state donated to a jitted call was JAX's "Array has been deleted with shape=int32[2]"."""
+    donated = model.init_state(2, 64)
+    for x in jax.tree.leaves(donated):
+        x.delete()  # what a call with donate_argnums does to the buffers it consumes
+    with pytest.raises(jaxgdn.InputError, match="donated to a jitted call"):
+        model.decode_step(donated, np.ones((2,), np.int32))
