@@ -79,8 +79,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import LINEAR, ModelConfig
-from .errors import InputError, index_value, is_int
-from .model import Model
+from .errors import InputError, index_value
+from .model import Model, _check_state_layout
 from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
 from .state import AttentionLayerState, GDNLayerState, ModelState, checked_sizes
 from .state import init_state as _init_state
@@ -147,29 +147,57 @@ def mesh_of(tree) -> Mesh | None:
     return None
 
 
-def check_mesh(mesh, what: str) -> Mesh:
-    """`mesh` itself when it is a `jax.sharding.Mesh` with a "tp" axis; InputError (naming `what`) otherwise."""
+def check_mesh(mesh, what: str = "check_mesh") -> Mesh:
+    """`mesh` itself when it is a `jax.sharding.Mesh` with a "tp" axis of type `AxisType.Auto`; InputError (naming
+    `what`, the caller) otherwise. (Under an Explicit "tp" axis a model's first call fails inside JAX: slicing a
+    split axis is an error there instead of a resharding; the mesh's other axes may be of any type.)"""
     if not isinstance(mesh, Mesh):
         raise InputError(f"{what}: mesh must be a jax.sharding.Mesh with a {TP!r} axis (e.g. from "
                          f"jaxgdn.sharding.make_mesh); got {type(mesh).__name__} {mesh!r}"[:300])
-    if TP not in mesh.axis_names:
-        raise InputError(f"{what}: the mesh has no {TP!r} axis (its axes: {tuple(mesh.axis_names)}); tensor "
-                         f"parallelism needs a {TP!r} axis: build the mesh with jaxgdn.sharding.make_mesh")
+    _check_tp_axis(mesh, what)
+    kind = mesh.axis_types[mesh.axis_names.index(TP)]
+    if kind != AxisType.Auto:
+        raise InputError(f"{what}: the mesh's {TP!r} axis is of type {kind}; tensor parallelism needs "
+                         f"AxisType.Auto (build the mesh with jaxgdn.sharding.make_mesh)")
     return mesh
 
 
-def _tp_size(mesh: Mesh | int) -> int:
-    if is_int(mesh):
-        if mesh < 1:
-            raise InputError(f"the tensor-parallel size must be an integer >= 1; got {mesh}")
-        return int(mesh)
-    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
-        raise InputError(f"expected a jax.sharding.Mesh with a {TP!r} axis (e.g. from jaxgdn.sharding.make_mesh) "
-                         f"or a tensor-parallel size; got {type(mesh).__name__} {mesh!r}"[:300])
+def _check_tp_axis(mesh, what: str) -> None:
     if TP not in mesh.axis_names:
-        raise InputError(f"the mesh has no {TP!r} axis (its axes: {tuple(mesh.axis_names)}); tensor parallelism "
-                         f"needs a {TP!r} axis: build the mesh with jaxgdn.sharding.make_mesh")
-    return mesh.shape[TP]
+        raise InputError(f"{what}: the mesh has no {TP!r} axis (its axes: {tuple(mesh.axis_names)}); tensor "
+                         f"parallelism needs a {TP!r} axis: build the mesh with jaxgdn.sharding.make_mesh")
+
+
+def _tp_size(mesh, what: str) -> int:
+    """The "tp" size of a Mesh / AbstractMesh, or `mesh` itself as an int when it is an integer >= 1 (Python,
+    NumPy or concrete JAX; not a bool); InputError naming `what` otherwise."""
+    if isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+        _check_tp_axis(mesh, what)
+        return mesh.shape[TP]
+    try:
+        tp = index_value(mesh)
+    except TypeError:
+        raise InputError(f"{what}: mesh must be a jax.sharding.Mesh with a {TP!r} axis (e.g. from "
+                         f"jaxgdn.sharding.make_mesh) or a tensor-parallel size (an integer >= 1); got "
+                         f"{type(mesh).__name__} {mesh!r}"[:300]) from None
+    if tp < 1:
+        raise InputError(f"{what}: the tensor-parallel size must be an integer >= 1; got {tp}")
+    return tp
+
+
+def _config_of(x, what: str) -> ModelConfig:
+    """The ModelConfig of `x`, a Model or a ModelConfig; InputError naming `what` (the argument) otherwise."""
+    if isinstance(x, Model):
+        return x.config
+    if isinstance(x, ModelConfig):
+        return x
+    raise InputError(f"{what} must be a jaxgdn Model or ModelConfig; got {type(x).__name__}")
+
+
+def _check_flag(x, what: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise InputError(f"{what} must be True or False; got {x!r}")
+    return bool(x)
 
 
 # ---- what is split -----------------------------------------------------------------------------------------------
@@ -197,9 +225,13 @@ class TPPlan:
         return f"tp={self.tp}: split {', '.join(split) or 'nothing'}; replicated {', '.join(rep) or 'nothing'}"
 
 
-def plan(config: ModelConfig, mesh: Mesh | int) -> TPPlan:
-    tp = _tp_size(mesh)
-    c = config
+def plan(config: ModelConfig | Model, mesh: Mesh | int) -> TPPlan:
+    """What a mesh of `mesh`'s "tp" size (a Mesh, an AbstractMesh or the size itself, an integer >= 1) splits for
+    `config` (a ModelConfig, or a Model: its config). InputError for any other argument."""
+    return _plan(_config_of(config, "plan: config"), _tp_size(mesh, "plan"))
+
+
+def _plan(c: ModelConfig, tp: int) -> TPPlan:
     div = lambda n: n > 0 and n % tp == 0  # noqa: E731
     heads = div(c.linear_num_key_heads)
     moe = any(map(c.is_moe_layer, range(c.num_layers)))
@@ -216,9 +248,11 @@ def _s(flag: bool, *spec) -> P:
     return P(*spec) if flag else P()
 
 
-def param_specs(config: ModelConfig, mesh: Mesh | int) -> ModelParams:
-    """A ModelParams-shaped tree of PartitionSpecs (None where the params hold None: a tied lm_head)."""
-    c, pl = config, plan(config, mesh)
+def param_specs(config: ModelConfig | Model, mesh: Mesh | int) -> ModelParams:
+    """A ModelParams-shaped tree of PartitionSpecs (None where the params hold None: a tied lm_head); arguments as
+    `plan`'s."""
+    c = _config_of(config, "param_specs: config")
+    pl = _plan(c, _tp_size(mesh, "param_specs"))
     col, row = (None, TP), (TP, None)
     layers = []
     for i, kind in enumerate(c.layer_types):
@@ -253,9 +287,12 @@ def _gdn_state_specs(pl: TPPlan, replay: bool, lead: tuple = (None,)) -> GDNLaye
                          open_vnew=_s(pl.gdn_heads, *lead, TP) if replay else None)
 
 
-def state_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False) -> ModelState:
-    """A ModelState-shaped tree of PartitionSpecs (`replay`: with the replay-mode open-chunk buffers)."""
-    pl = plan(config, mesh)
+def state_specs(config: ModelConfig | Model, mesh: Mesh | int, replay: bool = False) -> ModelState:
+    """A ModelState-shaped tree of PartitionSpecs (`replay`, True or False: with the replay-mode open-chunk
+    buffers, `Model.keeps_open_chunk`); config and mesh as `plan`'s."""
+    config = _config_of(config, "state_specs: config")
+    replay = _check_flag(replay, "state_specs: replay")
+    pl = _plan(config, _tp_size(mesh, "state_specs"))
     layers = tuple(_gdn_state_specs(pl, replay) if t == LINEAR
                    else AttentionLayerState(keys=_s(pl.attn_kv, None, None, TP), values=_s(pl.attn_kv, None, None, TP))
                    for t in config.layer_types)
@@ -268,17 +305,34 @@ def _is_replay(state: ModelState) -> bool:
 
 # ---- the q/k/v channel layout ------------------------------------------------------------------------------------
 
-def layout_groups(config: ModelConfig) -> int:
-    """The config's q/k/v channel layout: 1 (Hugging Face order) or G key-head groups of [q_g | k_g | v_g]."""
-    return getattr(config, "gdn_qkv_groups", 1)
+def layout_groups(config: ModelConfig | Model) -> int:
+    """The q/k/v channel layout of a config (or a Model's): 1 (Hugging Face order) or G key-head groups of
+    [q_g | k_g | v_g]. InputError for any other argument."""
+    return getattr(_config_of(config, "layout_groups: config"), "gdn_qkv_groups", 1)
 
 
-def qkv_permutation(config: ModelConfig, groups: int) -> np.ndarray:
-    """perm [C]: channel j of the `groups`-grouped layout is channel perm[j] of the Hugging Face layout."""
+def _checked_groups(config: ModelConfig, groups, what: str) -> int:
+    """`groups` as a Python int when it is a layout of `config`: an integer (not a bool) dividing its
+    linear_num_key_heads HK; InputError naming `what` otherwise."""
+    HK = config.linear_num_key_heads
+    valid = [g for g in range(1, HK + 1) if HK % g == 0]
+    try:
+        g = index_value(groups)
+    except TypeError:
+        g = None
+    if g not in valid:
+        raise InputError(f"{what}: groups must be an integer dividing the {HK} key heads (one of {valid}); "
+                         f"got {groups!r}")
+    return g
+
+
+def qkv_permutation(config: ModelConfig | Model, groups: int) -> np.ndarray:
+    """perm [C]: channel j of the `groups`-grouped layout is channel perm[j] of the Hugging Face layout (groups: an
+    integer dividing linear_num_key_heads, else InputError)."""
+    config = _config_of(config, "qkv_permutation: config")
+    groups = _checked_groups(config, groups, "qkv_permutation")
     HK, HV, K, V = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                     config.linear_value_head_dim)
-    if HK % groups:
-        raise ValueError(f"{groups} q/k/v groups do not divide {HK} key heads")
     kd, kg, vg = HK * K, HK // groups * K, HV // groups * V
     parts = []
     for g in range(groups):
@@ -308,12 +362,19 @@ def _relayout_gdn_state(s: GDNLayerState, idx) -> GDNLayerState:
 
 
 def with_layout(model: Model, groups: int) -> Model:
-    """The same model with its q/k/v channels in the `groups` layout (params permuted, config updated)."""
+    """The same model with its q/k/v channels in the `groups` layout (params permuted, config updated); `groups`:
+    an integer dividing linear_num_key_heads (1: Hugging Face order), else InputError. Returns `model` itself when
+    it is in that layout already. (On a model placed on a mesh the permuted leaves are placed where XLA puts them:
+    `shard_model` places them again.)"""
+    if not isinstance(model, Model):
+        raise InputError(f"with_layout: model must be a jaxgdn Model; got {type(model).__name__}")
+    groups = _checked_groups(model.config, groups, "with_layout")
     src = layout_groups(model.config)
     if src == groups:
         return model
     if not _GROUPED_LAYOUT:
-        raise ValueError("this jaxgdn's ModelConfig has no gdn_qkv_groups field: only the Hugging Face layout")
+        raise InputError("with_layout: this jaxgdn's ModelConfig has no gdn_qkv_groups field: only the Hugging Face "
+                         "layout")
     idx = _relayout_index(model.config, src, groups)
     layers = tuple(lp._replace(mixer=lp.mixer._replace(in_proj_qkv=_take_last(lp.mixer.in_proj_qkv, idx),
                                                        conv_weight=_take_last(lp.mixer.conv_weight, idx)))
@@ -322,15 +383,36 @@ def with_layout(model: Model, groups: int) -> Model:
                                config=dataclasses.replace(model.config, gdn_qkv_groups=groups))
 
 
+_GDN_SHAPE = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
 def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
-    """Move a ModelState, a cache `Checkpoint`, a PrefillCheckpoints or a tuple of GDNLayerState from `src`'s q/k/v
-    channel layout to `dst`'s (e.g. a state of an unsharded model to continue on a sharded one). Returns x itself
-    when the layouts agree."""
+    """Move a ModelState, a cache `Checkpoint`, a PrefillCheckpoints or a tuple of GDNLayerState (or one) from
+    `src`'s q/k/v channel layout to `dst`'s (e.g. a state of an unsharded model to continue on a sharded one).
+    Returns x itself when the layouts agree.
+
+    InputError when src or dst is neither a Model nor a ModelConfig, when their GDN head shapes differ (two
+    different models), or when x is none of those or does not fit src (a state of another model). What no check
+    can see: which layout x is really in (a state carries none) — pass the model that made it as `src`."""
     from .cache import Checkpoint  # local: the cache module imports nothing from here
     from .state import PrefillCheckpoints
 
-    src_c = src.config if isinstance(src, Model) else src
-    dst_c = dst.config if isinstance(dst, Model) else dst
+    src_c, dst_c = _config_of(src, "convert_layout: src"), _config_of(dst, "convert_layout: dst")
+    differ = [f for f in _GDN_SHAPE if getattr(src_c, f) != getattr(dst_c, f)]
+    if differ:
+        raise InputError(f"convert_layout: src and dst are different models (their {', '.join(differ)} differ); "
+                         f"a layout conversion moves a state between two layouts of one model")
+    if isinstance(x, ModelState):
+        _check_state(src_c, x, "convert_layout")
+    elif isinstance(x, (Checkpoint, PrefillCheckpoints)):
+        _check_gdn_states(src_c, x.gdn, "convert_layout")
+    elif isinstance(x, GDNLayerState):
+        _check_gdn_states(src_c, (x,), "convert_layout")
+    elif isinstance(x, (tuple, list)):
+        _check_gdn_states(src_c, x, "convert_layout")
+    else:
+        raise InputError(f"convert_layout: x must be a ModelState, a cache Checkpoint, a PrefillCheckpoints or a "
+                         f"tuple of GDNLayerState; got {type(x).__name__}")
     idx = _relayout_index(src_c, layout_groups(src_c), layout_groups(dst_c))
     if idx is None:
         return x
@@ -344,6 +426,30 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     if isinstance(x, GDNLayerState):
         return _relayout_gdn_state(x, idx)
     return tuple(_relayout_gdn_state(s, idx) for s in x)
+
+
+def _check_state(config: ModelConfig, state, what: str) -> None:
+    """`state` a ModelState laid out for `config` (`model._check_state_layout`: layer kinds and head shapes);
+    InputError prefixed with `what` otherwise."""
+    try:
+        _check_state_layout(config, state, None)
+    except InputError as e:
+        raise InputError(f"{what}: {e}") from None
+
+
+def _check_gdn_states(config: ModelConfig, states, what: str) -> None:
+    """`states` GDNLayerStates of `config`'s GDN shapes: conv (and open_qkv) over its C channels, the recurrent
+    state [.., HV, K, V]; InputError naming `what` otherwise."""
+    C = config.gdn_conv_dim
+    rec = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    for i, s in enumerate(states):
+        if not isinstance(s, GDNLayerState):
+            raise InputError(f"{what}: GDN layer state {i} must be a GDNLayerState; got {type(s).__name__}")
+        chans = [np.shape(x)[-1:] for x in (s.conv, s.open_qkv) if x is not None]
+        if any(c != (C,) for c in chans) or tuple(np.shape(s.recurrent)[-3:]) != rec:
+            raise InputError(f"{what}: GDN layer state {i} has conv {np.shape(s.conv)} and recurrent "
+                             f"{np.shape(s.recurrent)}; the model's config needs {C} channels and [.., {rec[0]}, "
+                             f"{rec[1]}, {rec[2]}] (a state of another model)")
 
 
 # ---- host tensors (the sharded checkpoint loader) ----------------------------------------------------------------
@@ -442,31 +548,71 @@ def place(tree, specs, mesh: Mesh):
 def shard_model(model: Model, mesh: Mesh) -> Model:
     """The model with its parameters placed for tensor parallelism on `mesh` (see the module docstring).
 
-    A model split over GDN heads is moved to the grouped q/k/v layout first (`with_layout`). Parameters may be
-    jax arrays (device_put: each device receives its slice) or HostArrays from the lazy loader (each device's
-    slice read from the memory map). Config, dtype, backend, determinism and decode mode are kept."""
+    A model split over GDN heads is moved to the grouped q/k/v layout first (`with_layout`: its config's
+    gdn_qkv_groups becomes HK). Parameters may be jax arrays (device_put: each device receives its slice; a model
+    already on a mesh is moved to this one) or HostArrays from the lazy loader (each device's slice read from the
+    memory map). Dtype, backend, determinism, decode mode and the rest of the config are kept."""
     check_mesh(mesh, "shard_model")
     if not isinstance(model, Model):
         raise InputError(f"shard_model: model must be a jaxgdn Model; got {type(model).__name__}")
-    pl = plan(model.config, mesh)
-    if pl.grouped_qkv:
-        model = with_layout(model, model.config.linear_num_key_heads)
+    groups = _sharded_layout(model.config, mesh)
+    model = with_layout(model, groups)
     params = place(model.params, param_specs(model.config, mesh), mesh)
     return dataclasses.replace(model, params=params)
 
 
+def _sharded_layout(config: ModelConfig, mesh: Mesh) -> int:
+    """The q/k/v layout `shard_model` gives a model of `config` on `mesh`: HK groups when the mesh splits the GDN
+    heads (and this ModelConfig knows the grouped layout), else the config's own."""
+    return config.linear_num_key_heads if plan(config, mesh).grouped_qkv else layout_groups(config)
+
+
+def _check_model_mesh(model, mesh: Mesh, what: str) -> None:
+    """A state for a `model` (a Model; anything else is not checked) placed on a mesh must be on that mesh: its
+    jitted functions refuse arguments on other devices. InputError naming `what` otherwise."""
+    have = mesh_of(model.params) if isinstance(model, Model) else None
+    if have is not None and have != mesh:
+        raise InputError(f"{what}: the model is placed on another mesh ({_describe(have)}) than the one given "
+                         f"({_describe(mesh)}); its states must be on its own mesh: leave the mesh out or pass the "
+                         f"model's (jaxgdn.sharding.mesh_of(model)), or shard_model(model, mesh) first")
+
+
+def _describe(mesh: Mesh) -> str:
+    return f"{dict(mesh.shape)} on devices {[d.id for d in mesh.devices.flat]}"
+
+
+def _check_sharded_layout(config: ModelConfig, mesh: Mesh, what: str, thing: str) -> None:
+    """A state or checkpoint placed on `mesh` is used by the model sharded there: refuse a `config` in another
+    q/k/v layout than that model's (e.g. the unsharded model's, whose states must be converted first)."""
+    have, want = layout_groups(config), _sharded_layout(config, mesh)
+    if have != want:
+        raise InputError(f"{what}: config is in the q/k/v layout gdn_qkv_groups={have}, but the model sharded on this "
+                         f"mesh uses gdn_qkv_groups={want} (shard_model regroups it): pass the sharded model (or its "
+                         f"config), after moving a {thing} of the unsharded model with convert_layout({thing}, "
+                         f"unsharded_model, sharded_model)")
+
+
 def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> ModelState:
-    """The state placed on `mesh` by `state_specs` (heads / channels split). The state must already be in the
-    model's q/k/v layout (a state made by the sharded model, or `convert_layout` of an unsharded one)."""
+    """The state placed on `mesh` by `state_specs` (heads / channels split; a state already on a mesh is moved).
+
+    `config`: the model sharded on `mesh` (`shard_model`), or its config. The state must already be in that model's
+    q/k/v layout (a state made by the sharded model, or `convert_layout` of an unsharded one's). InputError for a
+    bad mesh, a model placed on another mesh, a config that is neither, a config in another layout than a model
+    sharded on `mesh` has (e.g. the unsharded model's, when the mesh splits the GDN heads), or a state that is not a
+    ModelState of that config."""
     check_mesh(mesh, "shard_state")
-    config = config.config if isinstance(config, Model) else config
+    _check_model_mesh(config, mesh, "shard_state")
+    config = _config_of(config, "shard_state: config")
+    _check_state(config, state, "shard_state")
+    _check_sharded_layout(config, mesh, "shard_state", "state")
     return place(state, state_specs(config, mesh, _is_replay(state)), mesh)
 
 
 def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None = None) -> ModelState:
     """A fresh state, created directly in its sharded placement (no device ever holds it whole).
 
-    mesh: default the mesh the model's parameters are on (an unsharded model gets `model.init_state`).
+    mesh: default the mesh the model's parameters are on (an unsharded model gets `model.init_state`); a model on
+    a mesh takes only that one (InputError for another: the model could not use the state).
     batch_size and capacity: integers >= 1 (Python, NumPy or concrete JAX integer scalars; not bools), else
     InputError, as `jaxgdn.state.init_state`."""
     if not isinstance(model, Model):
@@ -474,6 +620,7 @@ def init_state(model: Model, batch_size: int, capacity: int, mesh: Mesh | None =
     batch_size, capacity = checked_sizes(batch_size, capacity)
     if mesh is not None:
         check_mesh(mesh, "init_state")
+        _check_model_mesh(model, mesh, "init_state")
     mesh = mesh_of(model.params) if mesh is None else mesh
     replay = model.keeps_open_chunk
     if mesh is None:
@@ -490,10 +637,13 @@ def _sharded_zeros(config, batch_size, capacity, dtype, replay, mesh):
                    out_shardings=shardings)
 
 
-def checkpoint_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False):
-    """Specs of a cache `Checkpoint`'s leaves (no batch axis): (gdn, kv) trees (`replay`: with the open-chunk buffers
-    a replay-mode checkpoint off the grid keeps; on the grid it has none, `state.at_boundary`)."""
-    pl = plan(config, mesh)
+def checkpoint_specs(config: ModelConfig | Model, mesh: Mesh | int, replay: bool = False):
+    """Specs of a cache `Checkpoint`'s leaves (no batch axis): (gdn, kv) trees (`replay`, True or False: with the
+    open-chunk buffers a replay-mode checkpoint off the grid keeps; on the grid it has none, `state.at_boundary`);
+    config and mesh as `plan`'s."""
+    config = _config_of(config, "checkpoint_specs: config")
+    replay = _check_flag(replay, "checkpoint_specs: replay")
+    pl = _plan(config, _tp_size(mesh, "checkpoint_specs"))
     gdn = tuple(_gdn_state_specs(pl, replay, lead=()) for _ in config.gdn_layers)
     kv = tuple(AttentionLayerState(keys=_s(pl.attn_kv, None, TP), values=_s(pl.attn_kv, None, TP))
                for _ in config.attention_layers)
@@ -501,18 +651,51 @@ def checkpoint_specs(config: ModelConfig, mesh: Mesh | int, replay: bool = False
 
 
 def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
-    """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk)."""
+    """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk).
+
+    `config`, and the checkpoint's q/k/v layout, as `shard_state`'s. InputError for a bad mesh or config, or a
+    checkpoint that is not a well-formed Checkpoint of that config (one GDN / attention layer state per such layer
+    of the model, of its head shapes)."""
+    from .cache import _checked  # local: the cache module imports nothing from here
+
     check_mesh(mesh, "shard_checkpoint")
-    config = config.config if isinstance(config, Model) else config
+    _check_model_mesh(config, mesh, "shard_checkpoint")
+    config = _config_of(config, "shard_checkpoint: config")
+    ck = _checked(ck, "shard_checkpoint: ck")
+    _check_checkpoint_shapes(config, ck)
+    _check_sharded_layout(config, mesh, "shard_checkpoint", "checkpoint")
     replay = any(s.open_qkv is not None for s in ck.gdn)
     gdn_s, kv_s = checkpoint_specs(config, mesh, replay)
     return dataclasses.replace(ck, gdn=place(ck.gdn, gdn_s, mesh), kv=place(ck.kv, kv_s, mesh))
 
 
+def _check_checkpoint_shapes(config: ModelConfig, ck) -> None:
+    """One layer state per GDN / attention layer of `config`, of its head shapes; InputError otherwise."""
+    what = "shard_checkpoint: ck"
+    ngdn, nattn = len(config.gdn_layers), len(config.attention_layers)
+    if len(ck.gdn) != ngdn or len(ck.kv) != nattn:
+        raise InputError(f"{what} holds {len(ck.gdn)} GDN and {len(ck.kv)} attention layer states; the model has "
+                         f"{ngdn} and {nattn} (a checkpoint of another model)")
+    _check_gdn_states(config, ck.gdn, what)
+    heads = (config.num_key_value_heads, config.head_dim)
+    for i, a in enumerate(ck.kv):
+        if tuple(np.shape(a.keys)[1:]) != heads or tuple(np.shape(a.values)[1:]) != heads:
+            raise InputError(f"{what}: attention layer state {i} has keys {np.shape(a.keys)} and values "
+                             f"{np.shape(a.values)}; the model's config needs [P, {heads[0]}, {heads[1]}] (a "
+                             f"checkpoint of another model)")
+
+
 def unshard_model(model: Model, device: jax.Device | None = None) -> Model:
-    """The model gathered onto one device, in the Hugging Face q/k/v layout (for export and comparison)."""
+    """The model gathered onto one device (`device`, default `jax.devices()[0]`), in the Hugging Face q/k/v layout
+    (for export and comparison). A model not on a mesh is moved there too (and to that layout). InputError for a
+    `model` that is not a Model or a `device` that is not a jax.Device."""
+    if not isinstance(model, Model):
+        raise InputError(f"unshard_model: model must be a jaxgdn Model; got {type(model).__name__}")
+    if device is not None and not isinstance(device, jax.Device):
+        raise InputError(f"unshard_model: device must be a jax.Device (e.g. jax.devices()[0]) or None; got "
+                         f"{type(device).__name__} {device!r}"[:300])
     device = jax.devices()[0] if device is None else device
-    model = with_layout(model, 1) if layout_groups(model.config) != 1 else model
+    model = with_layout(model, 1)
     return dataclasses.replace(model, params=jax.device_put(model.params, device))
 
 
@@ -529,22 +712,28 @@ def normalize_spec(spec: P | None, ndim: int) -> tuple:
 
 
 def check_placement(tree, specs) -> list[str]:
-    """The leaves of `tree` whose sharding differs from `specs` (empty when every leaf is placed as planned)."""
-    bad = []
+    """The leaves of `tree` whose sharding differs from `specs` (a tree of PartitionSpecs: `param_specs`,
+    `state_specs`, ...), one line each; a leaf not on a mesh always differs. Empty when every leaf is placed as
+    planned. InputError when `specs` holds anything but PartitionSpecs (and None)."""
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    other = next((s for s in flat_specs if not isinstance(s, P)), None)
+    if other is not None:
+        raise InputError(f"check_placement: specs must be a tree of PartitionSpecs (e.g. param_specs(config, mesh)); "
+                         f"it holds a leaf of type {type(other).__name__}")
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     if len(flat) != len(flat_specs):
         return [f"{len(flat)} leaves but {len(flat_specs)} specs"]
+    bad = []
     for (path, x), want in zip(flat, flat_specs):
         got = spec_of(x)
-        if got is None or normalize_spec(got, x.ndim) != normalize_spec(want, x.ndim):
+        if got is None or normalize_spec(got, np.ndim(x)) != normalize_spec(want, np.ndim(x)):
             bad.append(f"{jax.tree_util.keystr(path)}: {got} != {want}")
     return bad
 
 
 __all__ = [
-    "TP", "TPPlan", "HostArray", "HostStack", "make_mesh", "mesh_of", "plan", "param_specs", "state_specs",
-    "checkpoint_specs", "layout_groups", "qkv_permutation", "with_layout", "convert_layout", "host_array", "place",
-    "shard_model", "shard_state", "init_state", "shard_checkpoint", "unshard_model", "spec_of", "check_placement",
+    "TP", "TPPlan", "HostArray", "HostStack", "make_mesh", "check_mesh", "mesh_of", "plan", "param_specs",
+    "state_specs", "checkpoint_specs", "layout_groups", "qkv_permutation", "with_layout", "convert_layout",
+    "host_array", "place", "shard_model", "shard_state", "init_state", "shard_checkpoint", "unshard_model", "spec_of",
+    "check_placement",
 ]
-
