@@ -428,11 +428,11 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     return tuple(_relayout_gdn_state(s, idx) for s in x)
 
 
-def _check_state(config: ModelConfig, state, what: str) -> None:
-    """`state` a ModelState laid out for `config` (`model._check_state_layout`: layer kinds and head shapes);
-    InputError prefixed with `what` otherwise."""
+def _check_state(config: ModelConfig, state, what: str, dtype=None) -> None:
+    """`state` a ModelState laid out for `config` (`model._check_state_layout`: layer kinds, head shapes, one batch;
+    with the model's `dtype`, the arrays' dtypes too); InputError prefixed with `what` otherwise."""
     try:
-        _check_state_layout(config, state, None)
+        _check_state_layout(config, state, None, dtype)
     except InputError as e:
         raise InputError(f"{what}: {e}") from None
 
@@ -602,8 +602,9 @@ def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> M
     ModelState of that config."""
     check_mesh(mesh, "shard_state")
     _check_model_mesh(config, mesh, "shard_state")
+    dtype = config.dtype if isinstance(config, Model) else None  # (a config alone does not say the dtype)
     config = _config_of(config, "shard_state: config")
-    _check_state(config, state, "shard_state")
+    _check_state(config, state, "shard_state", dtype)
     _check_sharded_layout(config, mesh, "shard_state", "state")
     return place(state, state_specs(config, mesh, _is_replay(state)), mesh)
 

@@ -208,6 +208,10 @@ def test_shard_state_refuses_bad_arguments(tiny, mesh1, state, other_config):
         S.shard_state(tiny, mesh1, tiny.config)  # arguments mixed up: an AttributeError before
     with pytest.raises(InputError, match="shard_state: layer 0 of the state has shapes .*a state of another model"):
         S.shard_state(plain_init_state(other_config, 1, 64), mesh1, tiny)  # used to be placed without a word
+    bf16 = plain_init_state(tiny.config, 1, 64, jnp.bfloat16)
+    with pytest.raises(InputError, match="shard_state: layer 0's conv is bfloat16; a model of dtype float32"):
+        S.shard_state(bf16, mesh1, tiny)  # a bf16 model's state, for an fp32 model
+    assert S.check_placement(S.shard_state(bf16, mesh1, tiny.config), S.state_specs(tiny, mesh1)) == []  # no dtype
 
 
 def test_shard_state_places_a_state(tiny, mesh1, state):
