@@ -42,7 +42,7 @@ import numpy as np
 
 from .cache import PrefixCache
 from .errors import CapacityError, InputError, is_int, token_array
-from .generate import GenerationResult, _check_request, generate
+from .generate import GenerationResult, _check_request, check_model, generate, is_flat_ids, safe_ndim, token_id
 from .model import Model
 
 SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wrap around modulo this
@@ -52,9 +52,10 @@ MAX_DECODE_BUCKET = 1 << 20
 
 
 def _stop_ids(value) -> tuple[int, ...]:
-    """SamplingParams.stop_token_ids as a tuple of ints: a sequence of integer ids, or one integer id."""
-    if is_int(value):
-        return (int(value),)
+    """SamplingParams.stop_token_ids as a tuple of ints: a sequence of integer ids, or one integer id (Python, NumPy
+    or a 0-d NumPy / JAX integer array)."""
+    if token_id(value) is not None:
+        return (token_id(value),)
     bad = InputError(f"stop_token_ids must be a sequence of integer token ids (or one integer id); got {value!r}")
     if value is None or isinstance(value, (str, bytes, dict, set, frozenset)):
         raise bad
@@ -62,18 +63,19 @@ def _stop_ids(value) -> tuple[int, ...]:
         ids = list(value)
     except TypeError:
         raise bad from None
-    if not all(is_int(t) for t in ids):
+    if any(token_id(t) is None for t in ids):
         raise bad
-    return tuple(int(t) for t in ids)
+    return tuple(token_id(t) for t in ids)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings (see `jaxgdn.generate`).
 
-    stop_token_ids: a sequence of integer token ids (a list, tuple or 1-D integer array), or a single integer id;
-    stored as a tuple of ints. Anything else (a string, None, floats, bools, nested lists) raises InputError here;
-    the ids' range and the other fields are checked against the model by `Engine.run`.
+    stop_token_ids: a sequence of integer token ids (a list, tuple or 1-D NumPy / JAX integer array), or a single
+    integer id; stored as a tuple of ints. Anything else (a string, None, floats, bools, nested lists) raises
+    InputError here; the ids' range and the other fields (temperature, top_p: one number each; max_new_tokens, seed
+    and top_k unless None: one integer each) are checked against the model by `Engine.run`.
     """
 
     max_new_tokens: int = 32
@@ -192,6 +194,28 @@ def _check_tokens(msg, what: str, vocab_size: int) -> list[int]:
     return [int(t) for t in token_array(msg, what, vocab_size)]
 
 
+def _check_options(model, max_batch, cache, use_cache, max_length, progress, pad_batches, decode_bucket,
+                   default_params) -> None:
+    """`Engine`'s arguments, each as its docstring says; InputError naming the first that is not."""
+    check_model(model)
+    for name, flag in (("use_cache", use_cache), ("progress", progress), ("pad_batches", pad_batches)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InputError(f"{name} must be a bool; got {type(flag).__name__} {flag!r:.40}")
+    if not is_int(max_batch) or max_batch < 1:
+        raise InputError(f"max_batch must be an integer >= 1; got {max_batch!r}")
+    if not is_int(decode_bucket) or not 1 <= decode_bucket <= MAX_DECODE_BUCKET:
+        raise InputError(f"decode_bucket must be an integer in [1, {MAX_DECODE_BUCKET}]; got {decode_bucket!r}")
+    if max_length is not None and not (is_int(max_length) and 2 <= max_length <= MAX_LENGTH_LIMIT):
+        raise InputError(f"max_length must be None or an integer in [2, {MAX_LENGTH_LIMIT}]; got {max_length!r}")
+    if cache is not None and not isinstance(cache, PrefixCache):
+        raise InputError(f"cache must be a jaxgdn.PrefixCache or None; got {type(cache).__name__}")
+    if cache is not None and not use_cache:
+        raise InputError("cache= was given with use_cache=False: pass one or the other (use_cache=False runs "
+                         "without a cache)")
+    if not isinstance(default_params, SamplingParams):
+        raise InputError(f"default_params must be a SamplingParams; got {type(default_params).__name__}")
+
+
 class Engine:
     """Offline batched generation over one prefix cache (see the module docstring).
 
@@ -203,30 +227,23 @@ class Engine:
     batch; with `pad_batches` (default) a batch's rows are padded to a power of two, so a max_batch that is not one
     (3, say) can run up to the next power of two rows (4), the copies' results dropped: size memory for that, or
     pass pad_batches=False (one compiled program per distinct batch size then).
+    use_cache, progress, pad_batches: bools. `cache=` with `use_cache=False` is a contradiction (InputError).
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, cache: PrefixCache | None = None,
                  use_cache: bool = True, max_length: int | None = None, progress: bool = True,
                  pad_batches: bool = True, decode_bucket: int = 16,
                  default_params: SamplingParams = SamplingParams()):
-        if not is_int(max_batch) or max_batch < 1:
-            raise InputError(f"max_batch must be an integer >= 1; got {max_batch!r}")
-        if not is_int(decode_bucket) or not 1 <= decode_bucket <= MAX_DECODE_BUCKET:
-            raise InputError(f"decode_bucket must be an integer in [1, {MAX_DECODE_BUCKET}]; got {decode_bucket!r}")
-        if max_length is not None and not (is_int(max_length) and 2 <= max_length <= MAX_LENGTH_LIMIT):
-            raise InputError(f"max_length must be None or an integer in [2, {MAX_LENGTH_LIMIT}]; got {max_length!r}")
-        if cache is not None and not isinstance(cache, PrefixCache):
-            raise InputError(f"cache must be a jaxgdn.PrefixCache or None; got {type(cache).__name__}")
-        if not isinstance(default_params, SamplingParams):
-            raise InputError(f"default_params must be a SamplingParams; got {type(default_params).__name__}")
+        _check_options(model, max_batch, cache, use_cache, max_length, progress, pad_batches, decode_bucket,
+                       default_params)
         self.model = model
-        self.max_batch = max_batch
+        self.max_batch = int(max_batch)  # NumPy integers as Python ints (np.int64 has no bit_length: `_pow2`)
         self.cache = cache if cache is not None else (PrefixCache(deterministic=model.deterministic)
                                                       if use_cache else None)
-        self.max_length = max_length
-        self.progress = progress
-        self.pad_batches = pad_batches
-        self.decode_bucket = decode_bucket
+        self.max_length = int(max_length) if max_length is not None else None
+        self.progress = bool(progress)
+        self.pad_batches = bool(pad_batches)
+        self.decode_bucket = int(decode_bucket)
         self.default_params = default_params
 
     # ---- validation ----------------------------------------------------------------------------------------
@@ -242,7 +259,7 @@ class Engine:
                              f"{type(items).__name__}") from None
         if len(items) == 0:
             raise InputError("no requests given")
-        if all(is_int(t) for t in items):
+        if is_flat_ids(items):
             raise InputError("run takes a list of requests (got one flat sequence of ids: wrap it in a list)")
         V = self.model.config.vocab_size
         limit = self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
@@ -264,13 +281,13 @@ class Engine:
                     raise InputError(f"{what}: messages must be a list of token-id sequences") from None
                 if not messages:
                     raise InputError(f"{what} has no messages")
-                if all(is_int(t) for t in messages):
+                if is_flat_ids(messages):
                     raise InputError(f"{what}: messages must be a list of token-id sequences (got one flat sequence "
                                      f"of ids: wrap it in a list)")
                 prompts = [_check_tokens(m, f"{what}, message {j}", V) for j, m in enumerate(messages)]
             p = it.params
-            for name in ("temperature", "top_p"):  # one number per request (generate takes lists too)
-                if np.ndim(getattr(p, name)) != 0:
+            for name in ("temperature", "top_p", "seed"):  # one number per request (generate takes lists too)
+                if safe_ndim(getattr(p, name)) != 0:
                     raise InputError(f"{what}: invalid sampling parameters: {name}={getattr(p, name)!r} (a number)")
             try:
                 _check_request(self.model, prompts[:1], p.max_new_tokens, p.temperature, p.top_k, p.top_p,
@@ -392,10 +409,12 @@ class Engine:
 
 
 def _cut(r: GenerationResult, n: int) -> GenerationResult:
-    """A result cut back to n tokens (as if generated with max_new_tokens=n)."""
+    """A result cut back to n tokens (as if generated with max_new_tokens=n; top_logprobs too when present)."""
     if len(r.tokens) <= n:
         return r
-    return dataclasses.replace(r, tokens=r.tokens[:n], logprobs=r.logprobs[:n], finish_reason="length")
+    top = r.top_logprobs[:n] if r.top_logprobs is not None else None
+    return dataclasses.replace(r, tokens=r.tokens[:n], logprobs=r.logprobs[:n], finish_reason="length",
+                               top_logprobs=top)
 
 
 def run_requests(model: Model, items: Sequence[Item], **engine_kwargs) -> EngineOutput:

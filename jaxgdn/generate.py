@@ -26,9 +26,12 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
-from .errors import InputError, is_int, token_array
+from .errors import CapacityError, InputError, index_value, is_int, token_array
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState, at_boundary
+
+MAX_ROW_TOKENS = 2**31 - CHUNK  # prompt + max_new_tokens per row: positions are int32 (CapacityError beyond)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest temperature (sampling divides fp32 logits by it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +135,57 @@ def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_id
                 n_snap=n_snap, top_values=jnp.swapaxes(top[0], 0, 1), top_ids=jnp.swapaxes(top[1], 0, 1))
 
 
+def safe_ndim(value) -> int:
+    """np.ndim(value), or -1 for a ragged nesting (NumPy refuses to make one array of it)."""
+    try:
+        return np.ndim(value)
+    except ValueError:
+        return -1
+
+
+def token_id(x) -> int | None:
+    """x as a Python int when it is an integer — a Python or NumPy integer, or a 0-d integer array (NumPy or JAX) —
+    and not a bool; None otherwise."""
+    try:
+        return index_value(x)
+    except TypeError:
+        return None
+
+
+def is_flat_ids(seq) -> bool:
+    """Whether `seq`, given where a list of token-id sequences belongs, is one flat sequence of ids instead: a 1-D
+    array (NumPy or JAX, not of Python objects), or a non-empty list / tuple of integers (0-d integer arrays too)."""
+    if isinstance(seq, (np.ndarray, jax.Array)):
+        return seq.ndim == 1 and seq.dtype != object
+    if isinstance(seq, (list, tuple)):
+        return len(seq) > 0 and all(token_id(t) is not None for t in seq)
+    return False
+
+
+def check_model(model) -> None:
+    """InputError unless `model` is a jaxgdn Model (the first argument of generate, score and Engine)."""
+    if not isinstance(model, Model):
+        raise InputError(f"model must be a jaxgdn.Model (the first argument); got {type(model).__name__}")
+
+
+def _prompt_list(prompts):
+    """Prompts as something with a length: a generator (any iterable without one) is read once into a list; a string,
+    None and arrays are left to `_check_request`; anything that is not iterable is refused."""
+    if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__len__"):
+        return prompts
+    try:
+        return list(prompts)
+    except TypeError:
+        raise InputError(f"prompts must be a list of token-id sequences; got {type(prompts).__name__}") from None
+
+
 def _per_request(value, n: int, name: str) -> list:
-    """A scalar for every request, or a sequence of one value per request."""
-    if np.ndim(value) == 0:
+    """A scalar for every request, or a sequence of one value per request (a ragged nesting: InputError)."""
+    ndim = safe_ndim(value)
+    if ndim == 0:
         return [value.item() if isinstance(value, np.generic) else value] * n
+    if ndim < 0:
+        raise InputError(f"{name} must be one number, or one number per prompt; got {value!r:.60}")
     value = list(value)
     if len(value) != n:
         raise InputError(f"{name}: {len(value)} values for {n} prompts")
@@ -145,15 +195,16 @@ def _per_request(value, n: int, name: str) -> list:
 def _stop_lists(stop_token_ids, n: int) -> list[list[int]]:
     """Shared stop ids (a flat sequence) or one sequence per request; InputError for anything but integer ids."""
     def ids(row) -> list[int]:
-        if isinstance(row, (str, bytes)) or np.ndim(row) != 1 or not all(is_int(s) for s in row):
+        if isinstance(row, (str, bytes)) or safe_ndim(row) != 1 or any(token_id(s) is None for s in row):
             raise InputError(f"stop_token_ids must be integer token ids (a flat sequence, or one per prompt); got "
                              f"{row!r:.60}")
-        return [int(s) for s in row]
+        return [token_id(s) for s in row]
 
-    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+    if (isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__")
+            or getattr(stop_token_ids, "ndim", None) == 0):  # (a 0-d array has __iter__, yet cannot be iterated)
         raise InputError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.60}")
     stops = list(stop_token_ids)
-    if stops and np.ndim(stops[0]) > 0:
+    if stops and safe_ndim(stops[0]) != 0:
         if len(stops) != n:
             raise InputError(f"{len(stops)} stop lists for {n} prompts")
         return [ids(row) for row in stops]
@@ -162,40 +213,62 @@ def _stop_lists(stop_token_ids, n: int) -> list[list[int]]:
 
 def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
                    return_top_logprobs: int = 0, seed=0):
-    """Validate a generation request (scalars or per-request sequences); raises InputError naming the problem."""
+    """Validate a generation request (scalars or per-request sequences; `prompts` has a length: see
+    `_prompt_list`); raises InputError naming the problem."""
     V = model.config.vocab_size
     if isinstance(prompts, (str, bytes)):
         raise InputError("prompts must be a list of token-id sequences (got a string: encode it with a tokenizer)")
     if prompts is None or len(prompts) == 0:
         raise InputError("no prompts given")
-    if all(is_int(t) for t in prompts):
+    if is_flat_ids(prompts):
         raise InputError("prompts must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
                          "list)")
     n = len(prompts)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, an integer; got {max_new_tokens!r}")
     for t, p in zip(_per_request(temperature, n, "temperature"), _per_request(top_p, n, "top_p")):
-        if any(isinstance(x, (str, bytes, bool, np.bool_)) for x in (t, p)):
+        if any(isinstance(x, (str, bytes, bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_ for x in (t, p)):
             raise InputError(f"invalid sampling parameters: temperature={t!r}, top_p={p!r} (numbers)")
         try:
             t, p = float(t), float(p)
         except (TypeError, ValueError):
             raise InputError(f"invalid sampling parameters: temperature={t!r}, top_p={p!r} (numbers)") from None
-        if not t >= 0:  # also rejects NaN
-            raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0; 0 is greedy)")
+        if not 0 <= t <= FLOAT32_MAX:  # also rejects NaN, and inf: logits / inf are all 0, top_k / top_p lost
+            raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0 and finite in float32; 0 is "
+                             f"greedy)")
         if not 0 < p <= 1:
             raise InputError(f"invalid sampling parameters: top_p={p} (must lie in (0, 1])")
     if top_k is not None and not (is_int(top_k) and 1 <= top_k <= V):
         raise InputError(f"invalid sampling parameters: top_k={top_k!r} (an integer in [1, {V}], or None)")
     if not (is_int(return_top_logprobs) and 0 <= return_top_logprobs <= V):
         raise InputError(f"return_top_logprobs must lie in [0, {V}]; got {return_top_logprobs}")
-    for s in _per_request(seed, n, "seeds"):
-        if not is_int(s) or not 0 <= s < 2**32:
-            raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")
+    _seeds(seed, n)
     for i, p in enumerate(prompts):
         token_array(p, f"prompt {i}", V)
-    if any(not 0 <= s < V for row in _stop_lists(stop_token_ids, n) for s in row):
-        raise InputError(f"stop_token_ids must lie in [0, {V})")
+    bad = [s for row in _stop_lists(stop_token_ids, n) for s in row if not 0 <= s < V]
+    if bad:
+        raise InputError(f"stop_token_ids must lie in [0, {V}); got {bad[0]}")
+
+
+def _check_capacity(prompts: list[list[int]], max_new_tokens: int) -> None:
+    """CapacityError when the longest prompt + max_new_tokens passes `MAX_ROW_TOKENS` (the engine bounds its rows
+    tighter, by `max_length`, and checks that itself)."""
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > MAX_ROW_TOKENS:
+        raise CapacityError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is beyond "
+                            f"{MAX_ROW_TOKENS} tokens per row (positions are int32)")
+
+
+def _seeds(seed, n: int) -> list[int]:
+    """One seed for every request, or one per request, as Python ints in [0, 2**32) (NumPy and 0-d JAX integers
+    too); InputError otherwise."""
+    out = []
+    for s in _per_request(seed, n, "seeds"):
+        value = token_id(s)
+        if value is None or not 0 <= value < 2**32:
+            raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")
+        out.append(value)
+    return out
 
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -205,19 +278,28 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              cache: PrefixCache | None = None) -> Generations:
     """Generate from a batch of prompts (lists of token ids, any lengths). Greedy where temperature == 0.
 
-    temperature, top_p, seed: one value for all requests or one per request (top_k is shared: it is a compile-time
-    size). stop_token_ids: ids shared by all requests, or one list per request. return_top_logprobs=k also returns,
-    per generated token, the k most likely tokens and their logprobs. Returns a `Generations` list with one
-    `GenerationResult` per prompt, in order, `.cache` (the new prefix cache when `cache` was given) and `.timings`.
+    prompts: a list (any iterable: a generator is read once) of token-id sequences — lists, tuples, 1-D NumPy / JAX
+    integer arrays — or a 2-D integer array, one row per prompt. temperature, top_p, seed: one value for all requests
+    or one per request (top_k is shared: it is a compile-time size). stop_token_ids: a sequence of ids shared by all
+    requests, or one sequence per request. return_top_logprobs=k also returns, per generated token, the k most likely
+    tokens and their logprobs. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
+    `CapacityError` when a prompt + max_new_tokens passes `MAX_ROW_TOKENS`) before anything compiles. Returns a
+    `Generations` list with one `GenerationResult` per prompt, in order, `.cache` (the new prefix cache when `cache`
+    was given) and `.timings`.
     """
+    check_model(model)
+    prompts = _prompt_list(prompts)
     _check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids, return_top_logprobs,
                    seed)
+    if cache is not None and not isinstance(cache, PrefixCache):
+        raise InputError(f"cache must be a jaxgdn.PrefixCache or None; got {type(cache).__name__}")
     B = len(prompts)
-    seeds = [int(s) for s in _per_request(seed, B, "seeds")]
+    seeds = _seeds(seed, B)
     temperatures = _per_request(temperature, B, "temperature")
     top_ps = _per_request(top_p, B, "top_p")
     stop_rows = _stop_lists(stop_token_ids, B)
-    prompts = [[int(t) for t in p] for p in prompts]
+    prompts = [token_array(p, f"prompt {i}", None).tolist() for i, p in enumerate(prompts)]
+    _check_capacity(prompts, max_new_tokens)
 
     hits: list[Checkpoint | None] = [None] * B
     if cache is not None:

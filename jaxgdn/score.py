@@ -32,6 +32,7 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
 from .errors import InputError, is_int, token_array
+from .generate import check_model, is_flat_ids, token_id
 from .model import Model, jit, prefill_chunk
 
 DEFAULT_WINDOW = 512
@@ -55,32 +56,35 @@ def _score_window(model: Model, state, tokens, lengths, targets):
 
 def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], list[int]]:
     """Validate and normalise (sequences, start) for `score`; raises `InputError` naming the sequence."""
+    check_model(model)
     V = model.config.vocab_size
     if isinstance(sequences, (str, bytes)):
         raise InputError("sequences must be a list of token-id sequences (got a string: encode it with a tokenizer)")
-    if (isinstance(sequences, np.ndarray) and sequences.ndim == 1) or (
-            isinstance(sequences, (list, tuple)) and sequences and all(is_int(t) for t in sequences)):
-        raise InputError("sequences must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
-                         "list)")
+    flat = InputError("sequences must be a list of token-id sequences (got one flat sequence of ids: wrap it in a "
+                      "list)")
+    if is_flat_ids(sequences):
+        raise flat
     try:
         items = list(sequences)
     except TypeError:
         raise InputError("sequences must be a list of token-id sequences") from None
+    if is_flat_ids(items):  # a generator of ids, say
+        raise flat
     seqs = [token_array(s, f"sequence {i}", V) for i, s in enumerate(items)]
     if not seqs:
         raise InputError("no sequences given")
-    if is_int(start):
-        starts = [int(start)] * len(seqs)
+    if token_id(start) is not None:  # an int (NumPy's, a 0-d NumPy / JAX integer array too)
+        starts = [token_id(start)] * len(seqs)
     else:
         try:
             given = list(start)
         except TypeError:
             raise InputError(f"start must be an int or one int per sequence; got {start!r:.80}") from None
-        bad = [i for i, s in enumerate(given) if not is_int(s)]
+        bad = [i for i, s in enumerate(given) if token_id(s) is None]
         if bad:
             raise InputError(f"start must be an int or one int per sequence; start value {bad[0]} is "
                              f"{given[bad[0]]!r:.40}, not an integer")
-        starts = [int(s) for s in given]
+        starts = [token_id(s) for s in given]
         if len(starts) != len(seqs):
             raise InputError(f"{len(starts)} start values for {len(seqs)} sequences")
     out = []
@@ -98,8 +102,9 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
           batch_size: int = 8, window: int = DEFAULT_WINDOW) -> list[list[float]]:
     """Per-token logprobs by teacher forcing.
 
-    sequences: token-id sequences (any lengths >= 2). start: the first position scored, one int for all or one
-    per sequence, in [1, len - 1]. batch_size and window are ints (window a multiple of 64). Bad input raises
+    sequences: token-id sequences (any lengths >= 2: lists, tuples, 1-D NumPy / JAX integer arrays; any iterable of
+    them). start: the first position scored, one int for all or one per sequence (Python, NumPy or 0-d JAX
+    integers), in [1, len - 1]. batch_size and window are ints (window a multiple of 64). Bad input raises
     `InputError` naming the argument or the sequence, before anything is compiled. Returns, in order, for each
     sequence the list of log p(seq[t] | seq[:t]) for t = start .. len - 1 (full-vocabulary log_softmax of the
     model's logits, fp32).

@@ -111,7 +111,7 @@ def test_plain_token_lists_use_default_params(det, requests):
     ([[1], Request([1], SamplingParams(seed=-1))], {}, jaxgdn.InputError, r"request 1: seed must be an integer"),
     ([Request([1], SamplingParams(stop_token_ids=(999,)))], {}, jaxgdn.InputError, "stop_token_ids"),
     ([Conversation([])], {}, jaxgdn.InputError, "conversation 0 has no messages"),
-    (["abc"], {}, jaxgdn.InputError, "request 0: the prompt must be a sequence of integer token ids"),
+    (["abc"], {}, jaxgdn.InputError, "request 0: the prompt must be a flat sequence of integer token ids; got a string"),
     ([[1.5, 2]], {}, jaxgdn.InputError, "integer token ids"),
     ([Conversation([[1], []])], {}, jaxgdn.InputError, "^conversation 0, message 1 is empty$"),
     ([Conversation([[1], [999]])], {}, jaxgdn.InputError, r"^conversation 0, message 1 holds token ids outside"),
