@@ -41,8 +41,8 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 
 from .cache import PrefixCache
-from .errors import CapacityError, InputError, is_int, token_array
-from .generate import GenerationResult, _check_request, check_model, generate, is_flat_ids, safe_ndim, token_id
+from .errors import CapacityError, InputError, is_flat_ids, is_int, safe_ndim, token_array, token_id
+from .generate import GenerationResult, _check_request, check_model, generate
 from .model import Model
 
 SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wrap around modulo this

@@ -55,6 +55,33 @@ def check_token_ids(ids: np.ndarray, what: str, vocab_size: int | None, allow_em
         raise InputError(f"{what} holds token ids outside [0, {shown}): min {int(ids.min())}, max {int(ids.max())}")
 
 
+def safe_ndim(value) -> int:
+    """np.ndim(value), or -1 for a ragged nesting (NumPy refuses to make one array of it)."""
+    try:
+        return np.ndim(value)
+    except ValueError:
+        return -1
+
+
+def token_id(x) -> int | None:
+    """x as a Python int when it is an integer — a Python or NumPy integer, or a 0-d integer array (NumPy or JAX) —
+    and not a bool; None otherwise."""
+    try:
+        return index_value(x)
+    except TypeError:
+        return None
+
+
+def is_flat_ids(seq) -> bool:
+    """Whether `seq`, given where a list of token-id sequences belongs, is one flat sequence of ids instead: a 1-D
+    array (NumPy or JAX, not of Python objects), or a non-empty list / tuple of integers (0-d integer arrays too)."""
+    if hasattr(seq, "ndim") and hasattr(seq, "dtype"):
+        return seq.ndim == 1 and seq.dtype != object
+    if isinstance(seq, (list, tuple)):
+        return len(seq) > 0 and all(token_id(t) is not None for t in seq)
+    return False
+
+
 def bool_among_ints(x) -> bool:
     """Whether `x`, a (nested) Python sequence rather than an array, holds a bool: NumPy reads [1, True] as the int64
     [1, 1], so a bool would otherwise pass as the integer 1 (arrays: their dtype says it)."""

@@ -26,7 +26,7 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
-from .errors import CapacityError, InputError, index_value, is_int, token_array
+from .errors import CapacityError, InputError, is_flat_ids, is_int, safe_ndim, token_array, token_id
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import AttentionLayerState, at_boundary
 
@@ -133,33 +133,6 @@ def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_id
         step, init, None, length=max_new_tokens)
     return dict(tokens=toks.T, logprobs=lps.T, emitted=emitted.T, stop_hit=stop_hit.T, state=state, snaps=snaps,
                 n_snap=n_snap, top_values=jnp.swapaxes(top[0], 0, 1), top_ids=jnp.swapaxes(top[1], 0, 1))
-
-
-def safe_ndim(value) -> int:
-    """np.ndim(value), or -1 for a ragged nesting (NumPy refuses to make one array of it)."""
-    try:
-        return np.ndim(value)
-    except ValueError:
-        return -1
-
-
-def token_id(x) -> int | None:
-    """x as a Python int when it is an integer — a Python or NumPy integer, or a 0-d integer array (NumPy or JAX) —
-    and not a bool; None otherwise."""
-    try:
-        return index_value(x)
-    except TypeError:
-        return None
-
-
-def is_flat_ids(seq) -> bool:
-    """Whether `seq`, given where a list of token-id sequences belongs, is one flat sequence of ids instead: a 1-D
-    array (NumPy or JAX, not of Python objects), or a non-empty list / tuple of integers (0-d integer arrays too)."""
-    if isinstance(seq, (np.ndarray, jax.Array)):
-        return seq.ndim == 1 and seq.dtype != object
-    if isinstance(seq, (list, tuple)):
-        return len(seq) > 0 and all(token_id(t) is not None for t in seq)
-    return False
 
 
 def check_model(model) -> None:

@@ -31,8 +31,8 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
-from .errors import InputError, is_int, token_array
-from .generate import check_model, is_flat_ids, token_id
+from .errors import InputError, is_flat_ids, is_int, token_array, token_id
+from .generate import check_model
 from .model import Model, jit, prefill_chunk
 
 DEFAULT_WINDOW = 512
