@@ -236,7 +236,7 @@ def _seeds(seed, n: int) -> list[int]:
     """One seed for every request, or one per request, as Python ints in [0, 2**32) (NumPy and 0-d JAX integers
     too); InputError otherwise."""
     out = []
-    for s in _per_request(seed, n, "seeds"):
+    for s in _per_request(seed, n, "seed"):
         value = token_id(s)
         if value is None or not 0 <= value < 2**32:
             raise InputError(f"seed must be an integer in [0, 2**32); got {s!r}")

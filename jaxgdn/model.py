@@ -89,6 +89,10 @@ class Model:
             raise InputError(f"decode_mode must be 'recurrent' or 'replay'; got {self.decode_mode!r}")
         if self.gdn_prefill not in ("chunked", "recurrent"):
             raise InputError(f"gdn_prefill must be 'chunked' or 'recurrent'; got {self.gdn_prefill!r}")
+        # One spelling of each static option (jnp.float32, np.dtype("float32") and "float32" hash differently: equal
+        # models used to differ in their pytree metadata and so compiled every program again)
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "deterministic", bool(self.deterministic))
 
     @property
     def keeps_open_chunk(self) -> bool:

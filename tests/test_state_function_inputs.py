@@ -218,3 +218,12 @@ def test_a_donated_state_is_named(model):
         x.delete()  # what a call with donate_argnums does to the buffers it consumes
     with pytest.raises(jaxgdn.InputError, match="donated to a jitted call"):
         model.decode_step(donated, np.ones((2,), np.int32))
+
+
+def test_equal_models_share_their_pytree_metadata(model):
+    """dtype spelled jnp.float32, np.dtype("float32") or "float32" (and deterministic as a NumPy bool) used to give
+    equal models other pytree metadata (they hash differently), so jit compiled every program again for each."""
+    spellings = [jaxgdn.Model(model.params, model.config, dtype=d, deterministic=det)
+                 for d, det in ((jnp.float32, False), (np.dtype("float32"), np.bool_(False)), ("float32", False))]
+    assert len({jax.tree_util.tree_structure(m) for m in spellings}) == 1
+    assert all(m.dtype == jnp.dtype(jnp.float32) and type(m.deterministic) is bool for m in spellings)
