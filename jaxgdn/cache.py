@@ -33,6 +33,8 @@ from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int,
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
+
+
 def _token_tuple(tokens, what: str) -> tuple[int, ...]:
     """`tokens` (`errors.token_array`'s inputs; `what` names it in errors) as a tuple of Python ints: any
     non-negative integer ids, no vocabulary (a cache knows no model; a float id used to be truncated, silently

@@ -6,9 +6,13 @@ Shapes use the legend in `jaxgdn.shapes`.
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple, Union
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 
 class GDNParams(NamedTuple):
@@ -71,9 +75,6 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
     """Two uint32 sums [2] over one array's bit patterns, each element mixed with its flat index first (so that a
     changed or a moved element changes them). Sums of integers wrap exactly modulo 2**32 in any order: the same
     result on any device, mesh or reduction tree."""
-    import jax.numpy as jnp
-    from jax import lax
-
     x = jnp.ravel(x)
     width = x.dtype.itemsize
     if width not in (1, 2, 4):
@@ -90,16 +91,13 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
 
 def weights_digest(params) -> str:
     """A 16-hex-digit digest of a parameter pytree: its structure, every leaf's shape and dtype, and two position-mixed
-    sums of every leaf's bits (`_leaf_sums`), computed where the weights live and hashed on the host with SHA-256:
-    for the 9B shape's 17.9 GB of bf16 weights on the H200, 2.3 s on first use (compiles included) and 54 ms after
-    (`BENCHMARKS.md`, run 150); `Model.weights_digest` computes it once per model object. Equal weights give equal digests on any
-    device or mesh; any change of one element changes it (a bijection of the element's bits, then an exact sum);
-    changes of several elements collide with probability about 2**-64. Not a cryptographic hash of the weights:
-    it tells checkpoints of one architecture apart (a fine-tune, an RL policy update), not a forger's."""
-    import hashlib
-
-    import numpy as np
-
+    sums of every leaf's bits (`_leaf_sums`), computed where the weights live and hashed on the host with SHA-256
+    (for the 9B shape's 17.9 GB of bf16 weights on the H200: 2.3 s on first use, compiles included, then 54 ms;
+    `BENCHMARKS.md`, run 150). `Model.weights_digest` computes it once per model object. Equal weights give equal
+    digests on any device or mesh; a change of one element always changes it (a bijection of the element's bits,
+    then an exact sum); changes of several elements could cancel in both 32-bit sums, by chance only. Not a
+    cryptographic hash: it tells checkpoints of one architecture apart (a fine-tune, an RL policy update), not a
+    forger's."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         raise TypeError("weights_digest reads the weights' values: call it outside jit / grad")
