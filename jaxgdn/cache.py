@@ -146,6 +146,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
     attn_ids = [i for i, s in enumerate(layers) if isinstance(s, AttentionLayerState)]
     position = np.array(template.position)
     provenance = np.array(template.provenance)
+    origin = np.array(template.origin)
     for b, ck in enumerate(checkpoints):
         if ck is None:
             continue
@@ -171,8 +172,9 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
                                             values=layers[i].values.at[b, :ck.position].set(kv.values))
         position[b] = ck.position
         provenance[b] = ck.provenance
+        origin[b] = 0  # unclaimed: the cache's numerics key vouches for the model that continues it
     return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
-                      provenance=jnp.asarray(provenance, jnp.int32))
+                      provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
 
 
 def _prefix_keys(tokens: Sequence[int], interval: int, upto: int) -> list[tuple[int, bytes]]:
@@ -303,9 +305,9 @@ class PrefixCache:
         return self
 
     def accepts(self, checkpoint: Checkpoint) -> bool:
-        """Whether `insert` would admit `checkpoint` into this cache: on the grid; when deterministic, produced by
-        prefill alone (on the grid); computed with the cache's numerics where both are known; no larger than the byte
-        budget. A malformed checkpoint raises InputError, as in `insert`."""
+        """Whether `insert` would admit `checkpoint` into this cache: on the grid; not MIXED (continued by a model of
+        other numerics than the one that began it); when deterministic, produced by prefill alone (on the grid);
+        computed with the cache's numerics where both are known; no larger than the byte budget. A malformed checkpoint raises InputError, as in `insert`."""
         return self._refusal(_checked(checkpoint, "checkpoint"), self.numerics) is None
 
     def _refusal(self, ck: Checkpoint, numerics: str | None) -> str | None:
@@ -316,6 +318,9 @@ class PrefixCache:
                     f"silently give other bits)")
         if not (ck.position > 0 and ck.position % self.interval == 0):
             return f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
+        if ck.provenance == Provenance.MIXED:
+            return ("this state is MIXED: a model of other numerics continued what another computed, so it is "
+                    "neither model's state (jaxgdn.state.ModelState.origin)")
         if self.deterministic and ck.provenance != Provenance.PREFILL:
             return (f"deterministic cache admits only prefill-produced states (provenance PREFILL); this "
                     f"state is {Provenance(ck.provenance).name}: a decode-produced or off-grid-split GDN "
@@ -439,7 +444,7 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
         chex.assert_equal(cache.nbytes <= cache.max_bytes, True,
                           custom_message=f"the cache holds {cache.nbytes} bytes, over its budget of {cache.max_bytes}")
     vocab = model.config.vocab_size
-    absorbed = [int(p) for p in Provenance if p != Provenance.FRESH]
+    absorbed = [int(p) for p in Provenance if p not in (Provenance.FRESH, Provenance.MIXED)]
     for key, entry in sorted(cache._entries.items(), key=lambda kv: kv[1].last_used):
         ck = entry.checkpoint
         where = f"entry at position {ck.position}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,16 @@ class Model:
         chunked prefill (it replays the open chunk) and the token-by-token prefill. Otherwise only on the grid."""
         return self.keeps_open_chunk or self.gdn_prefill == "recurrent"
 
+    @property
+    def numerics_tag(self) -> int:
+        """A 31-bit tag (>= 1) of what decides this model's state arithmetic apart from its weights and mesh: the
+        config (the architecture and its q/k/v channel layout), deterministic mode, the GDN prefill arithmetic, the
+        dtype and the resolved kernel backend. Every row a model advances records it (`ModelState.origin`), so a
+        row continued by a model of other numerics is seen (`Provenance.MIXED`). The weights and the mesh are the
+        prefix cache's to check (`jaxgdn.cache.numerics_key`): a tag is static, known while tracing."""
+        return _numerics_tag(self.config, self.deterministic, self.gdn_prefill, self.dtype.name,
+                             resolve_backend(self.backend))
+
     @functools.cached_property
     def weights_digest(self) -> str:
         """`jaxgdn.params.weights_digest` of the parameters, computed once per model object (on its first use: the
@@ -149,6 +160,7 @@ class Model:
         tokens, lengths = _check_prefill(self.config, state, tokens, lengths,
                                          self.deterministic and not self.continues_exactly, self.keeps_open_chunk,
                                          self.dtype)
+        _check_origin(state, self.numerics_tag, lengths)
         with mesh_context(self):
             return _prefill_jit(self, state, tokens, lengths)
 
@@ -156,8 +168,15 @@ class Model:
         """Absorb one token per row (`decode_mode`: the recurrent update, or replay). token: int32 [B].
         Returns (state, logits fp32 [B, Vocab])."""
         token = _check_decode(self.config, state, token, self.keeps_open_chunk, self.dtype)
+        _check_origin(state, self.numerics_tag)
         with mesh_context(self):
             return _decode_jit(self, state, token)
+
+
+@functools.lru_cache(maxsize=256)
+def _numerics_tag(config: ModelConfig, deterministic: bool, gdn_prefill: str, dtype: str, backend: str) -> int:
+    text = f"{config!r}|deterministic={deterministic}|gdn_prefill={gdn_prefill}|dtype={dtype}|backend={backend}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") % (2**31 - 1) + 1
 
 
 def mesh_context(model: Model):
@@ -275,7 +294,7 @@ _IN_MODEL_DTYPE = ("conv", "open_qkv", "keys", "values")  # a layer state's arra
 
 
 def _check_state_arrays(state: ModelState, dtype=None):
-    """`position` and `provenance` integer arrays [B], every layer array with those B rows on its leading axis,
+    """`position`, `provenance` and `origin` integer arrays [B], every layer array with those B rows on its leading axis,
     and, given the model's `dtype`, each array in the dtype the model makes it: conv, open-chunk q|k|v, keys and
     values in `dtype`, the rest (the GDN recurrent state, gates and replay caches) fp32. A state of a bf16 model
     given to an fp32 one, or the reverse, used to run with promoted arithmetic and come back in other dtypes.
@@ -283,14 +302,16 @@ def _check_state_arrays(state: ModelState, dtype=None):
     if any(isinstance(x, jax.Array) and _concrete(x) and x.is_deleted() for x in jax.tree.leaves(state)):
         raise InputError("the state's arrays were deleted: it was donated to a jitted call (donate_argnums), which "
                          "consumed it; pass the state that call returned")
-    for name in ("position", "provenance"):
+    for name in ("position", "provenance", "origin"):
         x = getattr(state, name)
         if getattr(x, "ndim", None) != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
             raise InputError(f"the state's {name} must be an integer array [B]; got "
                              f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
     B = state.position.shape[0]
-    if state.provenance.shape != (B,):
-        raise InputError(f"the state's provenance has shape {tuple(state.provenance.shape)}; its position ({B},)")
+    for name in ("provenance", "origin"):
+        if getattr(state, name).shape != (B,):
+            raise InputError(f"the state's {name} has shape {tuple(getattr(state, name).shape)}; its position "
+                             f"({B},)")
     for i, layer in enumerate(state.layers):
         for field, x in zip(layer._fields, layer):
             if x is None:
@@ -378,6 +399,26 @@ def _check_prefill(cfg: ModelConfig, state: ModelState, tokens, lengths, grid_ru
     return tokens, lengths
 
 
+def _check_origin(state: ModelState, tag: int, lengths=None) -> None:
+    """On concrete values: no row this call advances (a decode: every row; a prefill: those with tokens) holds
+    tokens another model's numerics computed (`ModelState.origin` set and not `tag`, this model's
+    `numerics_tag`). The pure functions continue such a row and mark it Provenance.MIXED."""
+    if not (_concrete(state.origin) and _concrete(state.position) and (lengths is None or _concrete(lengths))):
+        return
+    origin, pos = np.asarray(state.origin), np.asarray(state.position)
+    foreign = (pos > 0) & (origin != 0) & (origin != tag)
+    if lengths is not None:
+        foreign &= np.asarray(lengths) > 0
+    if np.any(foreign):
+        row = int(np.argmax(foreign))
+        raise InputError(
+            f"row {row} of the state was computed by a model of other numerics (numerics_tag {int(origin[row])}; "
+            f"this model's is {tag}: another config or q/k/v layout, deterministic mode, GDN prefill, dtype or "
+            "kernel backend); continuing it would give neither model's result. Continue it with the model that "
+            "computed it, restore the row from a prefix cache, or move it between layouts with "
+            "jaxgdn.sharding.convert_layout (the pure functions would continue it and mark it Provenance.MIXED)")
+
+
 def _check_decode(cfg: ModelConfig, state: ModelState, token, open_chunk: bool | None = None, dtype=None):
     token, _ = _check_shapes(cfg, state, token, None, open_chunk, decode=True, dtype=dtype)
     _check_ids(cfg, token, "token")
@@ -402,10 +443,15 @@ def _logits(model: Model, x: jax.Array) -> jax.Array:
     return linear(x, p.lm_head, _det(model), col_groups=cfg.vocab_size).astype(jnp.float32)
 
 
-def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array) -> ModelState:
+def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array, tag: int) -> ModelState:
+    """The state after a call: rows with tokens move on, their provenance the worse of theirs and `taint` (MIXED
+    where a model of other numerics computed the row so far: its origin set and not `tag`), their origin `tag`."""
     touched = lengths > 0
+    foreign = (state.position > 0) & (state.origin != 0) & (state.origin != tag)
+    taint = jnp.where(foreign, Provenance.MIXED, taint).astype(jnp.int32)
     provenance = jnp.where(touched, jnp.maximum(state.provenance, taint), state.provenance)
-    return ModelState(layers=tuple(layers), position=state.position + lengths, provenance=provenance)
+    origin = jnp.where(touched, jnp.int32(tag), state.origin)
+    return ModelState(layers=tuple(layers), position=state.position + lengths, provenance=provenance, origin=origin)
 
 
 def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array | None = None,
@@ -442,7 +488,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
         new_layers.append(ls)
     on_grid = model.continues_exactly | ((state.position % CHUNK) == 0)
     taint = jnp.where(on_grid, Provenance.PREFILL, Provenance.PREFILL_OFF_GRID).astype(jnp.int32)
-    new_state = _advance(state, new_layers, lengths, taint)
+    new_state = _advance(state, new_layers, lengths, taint, model.numerics_tag)
     if last_only:
         x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
     if checkpoint_stride is None:
@@ -489,7 +535,7 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
         x = x + feed_forward(cfg, lp.mlp, rms_norm(x, lp.post_attention_norm, cfg.rms_norm_eps), det)
         new_layers.append(ls)
     taint = jnp.full_like(state.position, Provenance.DECODE)
-    return _advance(state, new_layers, ones, taint), _logits(model, x)
+    return _advance(state, new_layers, ones, taint, model.numerics_tag), _logits(model, x)
 
 
 # XLA may keep bf16 intermediates in fp32 across fused ops ("excess precision"), so a bf16 result's rounding

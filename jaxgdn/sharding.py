@@ -24,7 +24,7 @@ Placement (Megatron-style, split over heads; matrices are [in, out]):
   MLP / MoE  gate / up columns and down rows by intermediate index (every expert split the same way; the router
              and the shared-expert gate replicated).
   vocabulary embed rows and lm_head columns (logits come out split over the vocabulary).
-  norms, positions, provenance: replicated.
+  norms, positions, provenance, origin: replicated.
 An axis the mesh size does not divide is replicated instead (`plan` says what is split): a GDN layer is split
 only when tp | HK (each shard keeps whole key groups; HV = r HK then divides too), else the whole GDN mixer and its
 states are replicated; attention KV heads (and the KV cache) are replicated when tp does not divide HKV while the
@@ -296,7 +296,7 @@ def state_specs(config: ModelConfig | Model, mesh: Mesh | int, replay: bool = Fa
     layers = tuple(_gdn_state_specs(pl, replay) if t == LINEAR
                    else AttentionLayerState(keys=_s(pl.attn_kv, None, None, TP), values=_s(pl.attn_kv, None, None, TP))
                    for t in config.layer_types)
-    return ModelState(layers=layers, position=P(), provenance=P())
+    return ModelState(layers=layers, position=P(), provenance=P(), origin=P())
 
 
 def _is_replay(state: ModelState) -> bool:
@@ -392,8 +392,10 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     Returns x itself when the layouts agree.
 
     InputError when src or dst is neither a Model nor a ModelConfig, when their GDN head shapes differ (two
-    different models), or when x is none of those or does not fit src (a state of another model). What no check
-    can see: which layout x is really in (a state carries none) — pass the model that made it as `src`."""
+    different models), or when x is none of those or does not fit src (a state of another model), and, with `src`
+    a Model, for a state whose rows another model advanced (`ModelState.origin`). The converted state's rows are
+    unclaimed (origin 0): the model that continues them is trusted to be dst. Checkpoints carry no origin: which
+    layout they are in no check can see — pass the model that made them as `src`."""
     from .cache import Checkpoint  # local: the cache module imports nothing from here
     from .state import PrefillCheckpoints
 
@@ -404,6 +406,7 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
                          f"a layout conversion moves a state between two layouts of one model")
     if isinstance(x, ModelState):
         _check_state(src_c, x, "convert_layout")
+        _check_made_by(x, src, "convert_layout", "src")
     elif isinstance(x, (Checkpoint, PrefillCheckpoints)):
         _check_gdn_states(src_c, x.gdn, "convert_layout")
     elif isinstance(x, GDNLayerState):
@@ -416,9 +419,9 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     idx = _relayout_index(src_c, layout_groups(src_c), layout_groups(dst_c))
     if idx is None:
         return x
-    if isinstance(x, ModelState):
+    if isinstance(x, ModelState):  # its rows' origin unclaimed: the caller vouches that `src` computed them
         return x._replace(layers=tuple(_relayout_gdn_state(s, idx) if isinstance(s, GDNLayerState) else s
-                                       for s in x.layers))
+                                       for s in x.layers), origin=jnp.zeros_like(x.origin))
     if isinstance(x, Checkpoint):
         return dataclasses.replace(x, gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn))
     if isinstance(x, PrefillCheckpoints):
@@ -426,6 +429,19 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     if isinstance(x, GDNLayerState):
         return _relayout_gdn_state(x, idx)
     return tuple(_relayout_gdn_state(s, idx) for s in x)
+
+
+def _check_made_by(state: ModelState, model, what: str, name: str) -> None:
+    """`model`, where a Model, is the one whose numerics computed the state's claimed rows (`ModelState.origin`;
+    concrete values only); InputError otherwise, prefixed with `what`, naming the argument `name`."""
+    if not isinstance(model, Model) or isinstance(state.origin, jax.core.Tracer):
+        return
+    origin = np.asarray(state.origin)
+    other = (origin != 0) & (origin != model.numerics_tag)
+    if np.any(other):
+        row = int(np.argmax(other))
+        raise InputError(f"{what}: row {row} of the state was computed by another model than {name} (numerics_tag "
+                         f"{int(origin[row])}, {name}'s {model.numerics_tag}); pass the model that made the state")
 
 
 def _check_state(config: ModelConfig, state, what: str, dtype=None) -> None:
@@ -598,13 +614,15 @@ def shard_state(state: ModelState, mesh: Mesh, config: Model | ModelConfig) -> M
     `config`: the model sharded on `mesh` (`shard_model`), or its config. The state must already be in that model's
     q/k/v layout (a state made by the sharded model, or `convert_layout` of an unsharded one's). InputError for a
     bad mesh, a model placed on another mesh, a config that is neither, a config in another layout than a model
-    sharded on `mesh` has (e.g. the unsharded model's, when the mesh splits the GDN heads), or a state that is not a
-    ModelState of that config."""
+    sharded on `mesh` has (e.g. the unsharded model's, when the mesh splits the GDN heads), a state that is not a
+    ModelState of that config, or, given a Model, one with rows another model advanced (`ModelState.origin`)."""
     check_mesh(mesh, "shard_state")
     _check_model_mesh(config, mesh, "shard_state")
+    model = config
     dtype = config.dtype if isinstance(config, Model) else None  # (a config alone does not say the dtype)
     config = _config_of(config, "shard_state: config")
     _check_state(config, state, "shard_state", dtype)
+    _check_made_by(state, model, "shard_state", "config")
     _check_sharded_layout(config, mesh, "shard_state", "state")
     return place(state, state_specs(config, mesh, _is_replay(state)), mesh)
 

@@ -28,6 +28,9 @@ class Provenance(enum.IntEnum):
     PREFILL = 1
     PREFILL_OFF_GRID = 2  # a prefill call started off the grid: not equal to an unsplit prefill
     DECODE = 3  # a recurrent decode step touched it
+    # a model of other numerics than the one that computed the row so far continued it (`ModelState.origin`): the
+    # result is neither model's state (never cached)
+    MIXED = 4
 
 
 class GDNLayerState(NamedTuple):
@@ -77,6 +80,11 @@ class ModelState(NamedTuple):
     layers: tuple[LayerState, ...]  # one per layer, in layer order
     position: jax.Array  # [B] int32 tokens absorbed
     provenance: jax.Array  # [B] int32 Provenance
+    # [B] int32 `Model.numerics_tag` of the model that last advanced the row; 0 where unclaimed (a fresh row, a row
+    # restored from a cache checkpoint or moved by `jaxgdn.sharding.convert_layout`). A model continuing a row
+    # another model's numerics computed marks it Provenance.MIXED (its `prefill_chunk` / `decode_step` methods
+    # refuse to)
+    origin: jax.Array
 
     @property
     def batch_size(self) -> int:
@@ -142,7 +150,7 @@ def init_state(config: ModelConfig, batch_size: int, capacity: int, dtype=jnp.fl
             shape = (batch_size, capacity, config.num_key_value_heads, config.head_dim)
             layers.append(AttentionLayerState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype)))
     return ModelState(layers=tuple(layers), position=jnp.zeros((batch_size,), jnp.int32),
-                      provenance=jnp.zeros((batch_size,), jnp.int32))
+                      provenance=jnp.zeros((batch_size,), jnp.int32), origin=jnp.zeros((batch_size,), jnp.int32))
 
 
 def checked_rows(rows, batch_size: int):

@@ -171,7 +171,8 @@ def stage_checks(mesh, tol: float):
                  "prefill_logits": float(np.max(np.abs(np.asarray(l1)[valid] - np.asarray(l0)[valid]))),
                  "decode_logits": float(np.max(np.abs(np.asarray(l1d) - np.asarray(l0d)))),
                  "state": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
-                              zip(jax.tree.leaves(S.convert_layout(s1d, sm, model)), jax.tree.leaves(s0d))),
+                              zip(jax.tree.leaves(S.convert_layout(s1d, sm, model).layers),
+                                  jax.tree.leaves(s0d.layers))),
                  "shard_maps_in_prefill": jx.count("shard_map["),
                  "misplaced": S.check_placement(sm.params, S.param_specs(sm.config, mesh))
                  + S.check_placement(s1d, specs)}

@@ -317,7 +317,7 @@ def test_state_leaves_flatten_in_declaration_order(tiny):
     expected = []
     for layer in state.layers:
         expected += [layer.conv, layer.recurrent] if isinstance(layer, GDNLayerState) else [layer.keys, layer.values]
-    expected += [state.position, state.provenance]
+    expected += [state.position, state.provenance, state.origin]
     leaves = jax.tree.leaves(state)
     assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
 

@@ -102,7 +102,7 @@ def _worker() -> dict:
              "init_misplaced": S.check_placement(st, S.state_specs(sm.config, mesh)),
              "prefill_state_misplaced": S.check_placement(s, S.state_specs(sm.config, mesh)),
              "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
-             "prefill_state": tree_diff(S.convert_layout(s, sm, model), ref[0]),
+             "prefill_state": tree_diff(S.convert_layout(s, sm, model).layers, ref[0].layers),
              "logits_spec": str(S.spec_of(lg)),
              # the prefix cache's weights digest computed on the mesh = computed on the host copy of the same weights
              "weights_digest_mesh_invariant": sm.weights_digest == weights_digest(jax.tree.map(np.asarray, sm.params))}
@@ -116,7 +116,7 @@ def _worker() -> dict:
                              "n_devices": len(gdn.recurrent.sharding.device_set)}
         if with_decode:
             s2, lg2 = decode(sm, s, nxt)
-            r.update(decode_logits=diff(lg2, ref[3]), decode_state=tree_diff(S.convert_layout(s2, sm, model), ref[2]),
+            r.update(decode_logits=diff(lg2, ref[3]), decode_state=tree_diff(S.convert_layout(s2, sm, model).layers, ref[2].layers),
                      decode_state_misplaced=S.check_placement(s2, S.state_specs(sm.config, mesh)))
         return r
 
@@ -134,7 +134,7 @@ def _worker() -> dict:
         back = S.convert_layout(s, grouped, model)
         return {"logits_bitwise": bool(np.array_equal(np.asarray(lg), np.asarray(ref[1]))),
                 "state_bitwise": all(np.array_equal(np.asarray(a), np.asarray(b))
-                                     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ref[0]))),
+                                     for a, b in zip(jax.tree.leaves(back.layers), jax.tree.leaves(ref[0].layers))),
                 "back_to_hf_config": S.with_layout(grouped, 1).config == model.config}
 
     if hooks["layout"]:

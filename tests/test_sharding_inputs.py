@@ -26,6 +26,7 @@ from jax.sharding import AxisType
 import jaxgdn
 from jaxgdn import sharding as S
 from jaxgdn.errors import InputError
+from jaxgdn.state import Provenance
 from jaxgdn.state import init_state as plain_init_state
 
 ROOT = Path(__file__).absolute().parent.parent
@@ -188,13 +189,36 @@ def test_convert_layout_refuses_an_attention_layer_among_gdn_states(tiny, state)
 
 
 def test_convert_layout_round_trip(tiny):
-    s, _ = tiny.prefill_chunk(tiny.init_state(1, 64), jnp.arange(1, 6, dtype=jnp.int32)[None])
+    s, _ = tiny.prefill_chunk(tiny.init_state(1, 128), jnp.arange(1, 65, dtype=jnp.int32)[None])
     grouped = S.with_layout(tiny, 2)
     there = S.convert_layout(s, tiny, grouped)
     assert not np.array_equal(there.layers[0].conv, s.layers[0].conv)
     back = S.convert_layout(there, grouped.config, tiny.config)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(s)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back.layers), jax.tree.leaves(s.layers)))
+    assert np.array_equal(back.position, s.position) and np.array_equal(back.provenance, s.provenance)
+    # a converted row is unclaimed (origin 0), so the model it moved to continues it without a MIXED mark
+    assert np.asarray(s.origin).tolist() == [tiny.numerics_tag] and np.asarray(there.origin).tolist() == [0]
+    on, _ = grouped.prefill_chunk(there, jnp.ones((1, 3), jnp.int32))
+    assert np.asarray(on.provenance).tolist() == [Provenance.PREFILL]
+    assert np.asarray(on.origin).tolist() == [grouped.numerics_tag] != [tiny.numerics_tag]
     assert S.convert_layout(s, tiny, tiny) is s
+
+
+def test_shard_state_refuses_a_state_another_model_made(tiny, mesh1):
+    det = tiny.with_deterministic()
+    s, _ = det.prefill_chunk(det.init_state(1, 64), jnp.arange(1, 6, dtype=jnp.int32)[None])
+    with pytest.raises(InputError, match="shard_state: row 0 of the state was computed by another model than config"):
+        S.shard_state(s, mesh1, tiny)
+    assert np.array_equal(S.shard_state(s, mesh1, det).origin, s.origin)
+    assert np.array_equal(S.shard_state(s, mesh1, tiny.config).origin, s.origin)  # a config alone: no tag to check
+
+
+def test_convert_layout_refuses_a_state_another_model_made(tiny):
+    grouped = S.with_layout(tiny, 2)
+    s, _ = grouped.prefill_chunk(grouped.init_state(1, 64), jnp.arange(1, 6, dtype=jnp.int32)[None])
+    with pytest.raises(InputError, match="row 0 of the state was computed by another model than src"):
+        S.convert_layout(s, tiny, grouped)  # src names the wrong model: the state is in grouped's layout
+    assert np.asarray(S.convert_layout(s, grouped, tiny).origin).tolist() == [0]
 
 
 # ---- shard_state / shard_checkpoint ------------------------------------------------------------------------------

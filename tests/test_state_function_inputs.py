@@ -88,7 +88,7 @@ def test_a_state_of_a_model_of_the_other_dtype_is_refused(model, state):
 
 def test_a_state_whose_arrays_disagree_on_the_batch_is_refused(model, state):
     """position [1] over layers of 2 rows passed the batch check (B is position's length) and failed inside JAX."""
-    half = state._replace(position=state.position[:1], provenance=state.provenance[:1])
+    half = state._replace(position=state.position[:1], provenance=state.provenance[:1], origin=state.origin[:1])
     with pytest.raises(jaxgdn.InputError, match=r"layer 0's conv has shape \(2, 3, 128\), not the state's 1 rows"):
         model.prefill_chunk(half, np.ones((1, 4), np.int32))
     with pytest.raises(jaxgdn.InputError, match="position must be an integer array"):
