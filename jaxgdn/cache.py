@@ -59,6 +59,9 @@ class Checkpoint:
     # `numerics_key` of the model that computed it, or None where not known (a checkpoint made by hand without the
     # model): `PrefixCache.insert` refuses one made with other numerics than the cache's states
     numerics: str | None = None
+    # `Model.numerics_tag` of the model that computed the state (`ModelState.origin` of its row; 0: unclaimed). A
+    # cache refuses one of another tag than its states'; a state restored from it carries the tag on
+    origin: int = 0
 
     @property
     def position(self) -> int:
@@ -83,6 +86,9 @@ def _checked(ck, what: str) -> Checkpoint:
                          f"one of {sorted(valid)} (jaxgdn.state.Provenance)")
     if ck.numerics is not None and not isinstance(ck.numerics, str):
         raise InputError(f"{what}'s numerics must be a `numerics_key` string or None; got {ck.numerics!r}")
+    if not is_int(ck.origin) or not 0 <= int(ck.origin) < 2**31:
+        raise InputError(f"{what}'s origin must be a `Model.numerics_tag` (an integer in [1, 2**31)) or 0; got "
+                         f"{ck.origin!r}")
     if not (isinstance(ck.gdn, (tuple, list)) and all(isinstance(g, GDNLayerState) for g in ck.gdn)
             and isinstance(ck.kv, (tuple, list)) and all(isinstance(a, AttentionLayerState) for a in ck.kv)):
         raise InputError(f"{what} must hold a tuple of GDNLayerState (gdn) and of AttentionLayerState (kv)")
@@ -96,11 +102,17 @@ def _checked(ck, what: str) -> Checkpoint:
 
 def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], model=None) -> Checkpoint:
     """The checkpoint of batch row `row` of `state`, whose absorbed tokens are `tokens` (len == its position).
-    `model`: the model that computed the state; its `numerics_key` goes into the checkpoint (a state does not carry
-    it), so that a cache of other numerics refuses it. Without it the checkpoint's numerics are unknown (None)."""
+    `model`: the model that computed the state; its `numerics_key` goes into the checkpoint (a state carries only its
+    `numerics_tag`, `ModelState.origin`), so that a cache of other numerics refuses it; InputError when the row's
+    origin names another model. Without it the checkpoint's numerics are unknown (None). The row's origin goes into
+    the checkpoint either way."""
     if not is_int(row) or not 0 <= row < state.batch_size:
         raise InputError(f"row must be an integer in [0, {state.batch_size}); got {row!r}")
     pos = int(state.position[row])
+    origin = int(state.origin[row])
+    if model is not None and origin not in (0, model.numerics_tag):
+        raise InputError(f"row {row} was computed by another model than `model` (numerics_tag {origin}; the model's "
+                         f"is {model.numerics_tag}): pass the model that computed the state")
     tokens = _token_tuple(tokens, "tokens")
     if len(tokens) != pos:
         raise InputError(f"row {row} is at position {pos} but {len(tokens)} tokens were given")
@@ -109,7 +121,7 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], mo
     kv = tuple(AttentionLayerState(keys=s.keys[row, :pos], values=s.values[row, :pos])
                for s in state.layers if isinstance(s, AttentionLayerState))
     return Checkpoint(tokens=tokens, provenance=int(state.provenance[row]), gdn=gdn, kv=kv,
-                      numerics=None if model is None else numerics_key(model))
+                      numerics=None if model is None else numerics_key(model), origin=origin)
 
 
 def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: Sequence[Sequence[int]],
@@ -118,18 +130,19 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
 
     provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
     up to each checkpoint). kv_state: the state after the call, or any later state of the same rows (the keys
-    and values of a prefix never change). Kept: valid checkpoints at positive multiples of `interval`. numerics:
-    the `numerics_key` of the model that ran the prefill (None: unknown).
+    and values of a prefix never change; its rows' origin is the checkpoints'). Kept: valid checkpoints at positive
+    multiples of `interval`. numerics: the `numerics_key` of the model that ran the prefill (None: unknown).
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
+    origin = np.asarray(kv_state.origin)
     attn = [s for s in kv_state.layers if isinstance(s, AttentionLayerState)]
     for b, j in zip(*np.nonzero(valid & (pos > 0) & (pos % interval == 0))):
         p = int(pos[b, j])
         gdn = tuple(jax.tree.map(lambda x: x[b, j], g) for g in found.gdn)
         kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
         out.append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
-                              gdn=gdn, kv=kv, numerics=numerics))
+                              gdn=gdn, kv=kv, numerics=numerics, origin=int(origin[b])))
     return out
 
 
@@ -137,7 +150,8 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
     """A batched state whose row b continues from checkpoints[b] (a fresh row where None).
 
     `template` is a fresh state of the wanted batch size and capacity (`model.init_state(B, N)`); the result
-    is a new array tree (the caller may donate it).
+    is a new array tree (the caller may donate it). A restored row's origin is its checkpoint's (`Checkpoint.origin`),
+    so a model of other numerics continuing it marks it MIXED.
     """
     if len(checkpoints) != template.batch_size:
         raise InputError(f"{len(checkpoints)} checkpoints for a state of {template.batch_size} rows")
@@ -172,7 +186,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
                                             values=layers[i].values.at[b, :ck.position].set(kv.values))
         position[b] = ck.position
         provenance[b] = ck.provenance
-        origin[b] = 0  # unclaimed: the cache's numerics key vouches for the model that continues it
+        origin[b] = ck.origin
     return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
                       provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
 
@@ -211,7 +225,8 @@ def numerics_key(model) -> str:
     state has the shapes of a "tiny" one), deterministic mode, the GDN prefill arithmetic, the activation dtype, the
     kernel backend (resolved: None is the device's default), the GDN q/k/v channel layout (`jaxgdn.sharding`: a conv
     state's channels follow it) and the mesh a model is placed on (a split projection sums in other pieces). A cache
-    holds states of one kind only (`PrefixCache.bound_to`)."""
+    holds states of one kind only (`PrefixCache.bound_to`). Last, `tag`: the model's `numerics_tag` (a digest of
+    the fields above but the weights and the mesh), which a checkpoint carries as its `origin`."""
     from .sharding import layout_groups, mesh_of  # local: the sharding module imports this one
 
     mesh = mesh_of(model)
@@ -219,16 +234,19 @@ def numerics_key(model) -> str:
     config = hashlib.sha256(repr(model.config).encode()).hexdigest()[:12]  # (a frozen dataclass: a stable repr)
     return (f"config={config}, weights={model.weights_digest}, deterministic={bool(model.deterministic)}, "
             f"gdn_prefill={model.gdn_prefill}, dtype={jnp.dtype(model.dtype).name}, "
-            f"backend={resolve_backend(model.backend)}, qkv_groups={layout_groups(model.config)}, mesh={placed}")
+            f"backend={resolve_backend(model.backend)}, qkv_groups={layout_groups(model.config)}, mesh={placed}, "
+            f"tag={model.numerics_tag}")
+
+
+def _key_fields(key: str) -> dict[str, str]:
+    """A `numerics_key`'s fields, name -> value."""
+    return dict(part.split("=", 1) for part in key.split(", ") if "=" in part)
 
 
 def _key_difference(held: str, other: str) -> str:
     """The fields in which two `numerics_key`s differ, as 'name: held -> other' (the whole keys where they do not
     parse as fields)."""
-    def fields(key):
-        return dict(part.split("=", 1) for part in key.split(", ") if "=" in part)
-
-    a, b = fields(held), fields(other)
+    a, b = _key_fields(held), _key_fields(other)
     changed = [f"{name}: {a.get(name)} -> {b.get(name)}" for name in {**a, **b} if a.get(name) != b.get(name)]
     return "; ".join(changed) if changed else f"{held} -> {other}"
 
@@ -307,7 +325,8 @@ class PrefixCache:
     def accepts(self, checkpoint: Checkpoint) -> bool:
         """Whether `insert` would admit `checkpoint` into this cache: on the grid; not MIXED (continued by a model of
         other numerics than the one that began it); when deterministic, produced by prefill alone (on the grid);
-        computed with the cache's numerics where both are known; no larger than the byte budget. A malformed checkpoint raises InputError, as in `insert`."""
+        computed with the cache's numerics where both are known; no larger than the byte budget. A malformed
+        checkpoint raises InputError, as in `insert`."""
         return self._refusal(_checked(checkpoint, "checkpoint"), self.numerics) is None
 
     def _refusal(self, ck: Checkpoint, numerics: str | None) -> str | None:
@@ -318,6 +337,11 @@ class PrefixCache:
                     f"silently give other bits)")
         if not (ck.position > 0 and ck.position % self.interval == 0):
             return f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
+        tag = _key_fields(numerics).get("tag") if numerics is not None else None
+        if ck.origin and tag is not None and str(ck.origin) != tag:
+            return (f"this checkpoint's state was computed by a model of numerics_tag {ck.origin}; this cache holds "
+                    f"states of numerics_tag {tag} (another config or q/k/v layout, deterministic mode, GDN prefill, "
+                    f"dtype or kernel backend; restored, it would silently give other bits)")
         if ck.provenance == Provenance.MIXED:
             return ("this state is MIXED: a model of other numerics continued what another computed, so it is "
                     "neither model's state (jaxgdn.state.ModelState.origin)")
@@ -425,7 +449,8 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     """Assert the cache's invariants (chex assertions; raises AssertionError naming the entry).
 
     The cache's numerics, where known, the model's (`numerics_key`), and every entry's, where known, the cache's; its
-    bytes within `max_bytes`. Every entry on the grid, stored under its own prefix's key (an entry under another key is
+    bytes within `max_bytes`. Every entry on the grid, computed by a model of the model's `numerics_tag` where its
+    origin is known, stored under its own prefix's key (an entry under another key is
     never found and blocks the insertion of that prefix), its tokens a tuple of the model's token ids, its provenance
     one of a state that absorbed tokens, finite, matching the model's state spec in structure, shape and dtype; in
     deterministic mode every entry prefill-produced; with `recompute=True` every entry bitwise equal to a fresh
@@ -459,6 +484,9 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
         if ck.numerics is not None:
             chex.assert_equal(ck.numerics, numerics_key(model) if cache.numerics is None else cache.numerics,
                               custom_message=f"{where} was computed with other numerics than the cache's")
+        chex.assert_equal(ck.origin in (0, model.numerics_tag), True,
+                          custom_message=f"{where}'s state was computed by a model of numerics_tag {ck.origin}, not "
+                                         f"the model's {model.numerics_tag}")
         chex.assert_tree_all_finite((ck.gdn, ck.kv), custom_message=f"{where} is not finite")
         chex.assert_trees_all_equal_structs(ck.gdn, gdn_spec)
         chex.assert_trees_all_equal_shapes_and_dtypes(ck.gdn, gdn_spec, custom_message=where)

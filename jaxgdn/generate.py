@@ -337,7 +337,7 @@ def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: 
     """Checkpoints at the grid boundaries reached by decode, within emitted tokens (provenance: the final state's,
     DECODE after recurrent decode, PREFILL after replay decode), computed with `numerics` (`numerics_key`)."""
     state = out["state"]
-    provenance = np.asarray(state.provenance)
+    provenance, origin = np.asarray(state.provenance), np.asarray(state.origin)
     attn = [s for s in state.layers if isinstance(s, AttentionLayerState)]
     n_snap = np.asarray(out["n_snap"])
     found = []
@@ -350,5 +350,5 @@ def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: 
             gdn = tuple(jax.tree.map(lambda x: x[i, b], s) for s in out["snaps"])
             kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
             found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(provenance[b]), gdn=gdn, kv=kv,
-                                    numerics=numerics))
+                                    numerics=numerics, origin=int(origin[b])))
     return found

@@ -294,9 +294,9 @@ _IN_MODEL_DTYPE = ("conv", "open_qkv", "keys", "values")  # a layer state's arra
 
 
 def _check_state_arrays(state: ModelState, dtype=None):
-    """`position`, `provenance` and `origin` integer arrays [B], every layer array with those B rows on its leading axis,
-    and, given the model's `dtype`, each array in the dtype the model makes it: conv, open-chunk q|k|v, keys and
-    values in `dtype`, the rest (the GDN recurrent state, gates and replay caches) fp32. A state of a bf16 model
+    """`position`, `provenance` and `origin` integer arrays [B], every layer array with those B rows on its leading
+    axis, and, given the model's `dtype`, each array in the dtype the model makes it: conv, open-chunk q|k|v, keys
+    and values in `dtype`, the rest (the GDN recurrent state, gates and replay caches) fp32. A state of a bf16 model
     given to an fp32 one, or the reverse, used to run with promoted arithmetic and come back in other dtypes.
     Also refused: a state whose arrays were deleted, donated to a jitted call (JAX's error named no argument)."""
     if any(isinstance(x, jax.Array) and _concrete(x) and x.is_deleted() for x in jax.tree.leaves(state)):

@@ -394,8 +394,9 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     InputError when src or dst is neither a Model nor a ModelConfig, when their GDN head shapes differ (two
     different models), or when x is none of those or does not fit src (a state of another model), and, with `src`
     a Model, for a state whose rows another model advanced (`ModelState.origin`). The converted state's rows are
-    unclaimed (origin 0): the model that continues them is trusted to be dst. Checkpoints carry no origin: which
-    layout they are in no check can see — pass the model that made them as `src`."""
+    unclaimed (origin 0): the model that continues them is trusted to be dst. The same for a cache `Checkpoint`
+    (`Checkpoint.origin`); a PrefillCheckpoints or bare GDN states carry no origin: which layout they are in no
+    check can see — pass the model that made them as `src`."""
     from .cache import Checkpoint  # local: the cache module imports nothing from here
     from .state import PrefillCheckpoints
 
@@ -409,6 +410,8 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
         _check_made_by(x, src, "convert_layout", "src")
     elif isinstance(x, (Checkpoint, PrefillCheckpoints)):
         _check_gdn_states(src_c, x.gdn, "convert_layout")
+        if isinstance(x, Checkpoint):
+            _check_checkpoint_made_by(x, src, "convert_layout", "src")
     elif isinstance(x, GDNLayerState):
         _check_gdn_states(src_c, (x,), "convert_layout")
     elif isinstance(x, (tuple, list)):
@@ -422,8 +425,8 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     if isinstance(x, ModelState):  # its rows' origin unclaimed: the caller vouches that `src` computed them
         return x._replace(layers=tuple(_relayout_gdn_state(s, idx) if isinstance(s, GDNLayerState) else s
                                        for s in x.layers), origin=jnp.zeros_like(x.origin))
-    if isinstance(x, Checkpoint):
-        return dataclasses.replace(x, gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn))
+    if isinstance(x, Checkpoint):  # unclaimed (origin 0), as a converted state's rows
+        return dataclasses.replace(x, gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn), origin=0)
     if isinstance(x, PrefillCheckpoints):
         return x._replace(gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn))
     if isinstance(x, GDNLayerState):
@@ -442,6 +445,14 @@ def _check_made_by(state: ModelState, model, what: str, name: str) -> None:
         row = int(np.argmax(other))
         raise InputError(f"{what}: row {row} of the state was computed by another model than {name} (numerics_tag "
                          f"{int(origin[row])}, {name}'s {model.numerics_tag}); pass the model that made the state")
+
+
+def _check_checkpoint_made_by(ck, model, what: str, name: str) -> None:
+    """`model`, where a Model, is the one whose numerics computed the checkpoint (`Checkpoint.origin`, where set);
+    InputError otherwise, prefixed with `what`, naming the argument `name`."""
+    if isinstance(model, Model) and ck.origin not in (0, model.numerics_tag):
+        raise InputError(f"{what}: the checkpoint was computed by another model than {name} (numerics_tag "
+                         f"{ck.origin}, {name}'s {model.numerics_tag}); pass the model that made it")
 
 
 def _check_state(config: ModelConfig, state, what: str, dtype=None) -> None:
@@ -672,16 +683,18 @@ def checkpoint_specs(config: ModelConfig | Model, mesh: Mesh | int, replay: bool
 def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
     """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk).
 
-    `config`, and the checkpoint's q/k/v layout, as `shard_state`'s. InputError for a bad mesh or config, or a
+    `config`, and the checkpoint's q/k/v layout, as `shard_state`'s. InputError for a bad mesh or config, a
     checkpoint that is not a well-formed Checkpoint of that config (one GDN / attention layer state per such layer
-    of the model, of its head shapes)."""
+    of the model, of its head shapes), or, given a Model, one another model computed (`Checkpoint.origin`)."""
     from .cache import _checked  # local: the cache module imports nothing from here
 
     check_mesh(mesh, "shard_checkpoint")
     _check_model_mesh(config, mesh, "shard_checkpoint")
+    model = config
     config = _config_of(config, "shard_checkpoint: config")
     ck = _checked(ck, "shard_checkpoint: ck")
     _check_checkpoint_shapes(config, ck)
+    _check_checkpoint_made_by(ck, model, "shard_checkpoint", "config")
     _check_sharded_layout(config, mesh, "shard_checkpoint", "checkpoint")
     replay = any(s.open_qkv is not None for s in ck.gdn)
     gdn_s, kv_s = checkpoint_specs(config, mesh, replay)
@@ -733,15 +746,19 @@ def normalize_spec(spec: P | None, ndim: int) -> tuple:
 def check_placement(tree, specs) -> list[str]:
     """The leaves of `tree` whose sharding differs from `specs` (a tree of PartitionSpecs: `param_specs`,
     `state_specs`, ...), one line each; a leaf not on a mesh always differs. Empty when every leaf is placed as
-    planned. InputError when `specs` holds anything but PartitionSpecs (and None)."""
+    planned; one line when the tree and the specs differ in their number of leaves or their structure. InputError
+    when `specs` holds anything but PartitionSpecs (and None)."""
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     other = next((s for s in flat_specs if not isinstance(s, P)), None)
     if other is not None:
         raise InputError(f"check_placement: specs must be a tree of PartitionSpecs (e.g. param_specs(config, mesh)); "
                          f"it holds a leaf of type {type(other).__name__}")
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    flat, tree_def = jax.tree_util.tree_flatten_with_path(tree)
     if len(flat) != len(flat_specs):
         return [f"{len(flat)} leaves but {len(flat_specs)} specs"]
+    spec_def = jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P))
+    if tree_def != spec_def:  # as many leaves, in another structure: a pairing by order would mean nothing
+        return [f"the tree's structure {tree_def} differs from the specs' {spec_def}"[:500]]
     bad = []
     for (path, x), want in zip(flat, flat_specs):
         got = spec_of(x)

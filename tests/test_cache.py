@@ -292,7 +292,7 @@ def test_a_cache_holds_one_kind_of_state(tiny):
     # before anything is computed
     for other in (dataclasses.replace(tiny, dtype=jnp.bfloat16), tiny.with_backend("interpret")):
         with pytest.raises(jaxgdn.cache.CheckpointRefused, match="dtype=float32, backend=reference, qkv_groups=1, "
-                           "mesh=none; the model using it has .*(dtype=bfloat16|backend=interpret)"):
+                           r"mesh=none, tag=\d+; the model using it has .*(dtype=bfloat16|backend=interpret)"):
             jaxgdn.generate(other, [prompt], max_new_tokens=4, cache=filled)
 
 
@@ -308,8 +308,16 @@ def test_checkpoints_carry_their_models_numerics(tiny):
     toks = list(range(1, 65))
     state, _ = _prefill(tiny, toks, capacity=128)
     scan = tiny.with_gdn_prefill("recurrent")
-    other = checkpoint_from_state(state, 0, toks, model=scan)  # labelled as made by the token-by-token prefill
-    assert other.numerics == jaxgdn.cache.numerics_key(scan) != key
+    other = checkpoint_from_state(_prefill(scan, toks, capacity=128)[0], 0, toks, model=scan)  # token by token
+    assert other.numerics == jaxgdn.cache.numerics_key(scan) != key and other.origin == scan.numerics_tag
+    with pytest.raises(jaxgdn.InputError, match="row 0 was computed by another model than `model`"):
+        checkpoint_from_state(state, 0, toks, model=scan)  # a tiny state labelled as the token-by-token model's
+    # made without the model, a checkpoint still carries its state's origin, which a cache of another tag refuses
+    unlabelled = checkpoint_from_state(_prefill(scan, toks, capacity=128)[0], 0, toks)
+    assert unlabelled.numerics is None and unlabelled.origin == scan.numerics_tag
+    with pytest.raises(jaxgdn.CheckpointRefused, match=f"numerics_tag {scan.numerics_tag}; this cache holds states "
+                       f"of numerics_tag {tiny.numerics_tag}"):
+        filled.insert(unlabelled)
     with pytest.raises(jaxgdn.CheckpointRefused, match="computed by a model with .*gdn_prefill=recurrent"):
         filled.insert(other)
     skipped = filled.insert(other, skip_refused=True)

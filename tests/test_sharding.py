@@ -116,7 +116,8 @@ def _worker() -> dict:
                              "n_devices": len(gdn.recurrent.sharding.device_set)}
         if with_decode:
             s2, lg2 = decode(sm, s, nxt)
-            r.update(decode_logits=diff(lg2, ref[3]), decode_state=tree_diff(S.convert_layout(s2, sm, model).layers, ref[2].layers),
+            r.update(decode_logits=diff(lg2, ref[3]),
+                     decode_state=tree_diff(S.convert_layout(s2, sm, model).layers, ref[2].layers),
                      decode_state_misplaced=S.check_placement(s2, S.state_specs(sm.config, mesh)))
         return r
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jaxgdn
 from jaxgdn import sharding as S
@@ -213,6 +214,22 @@ def test_shard_state_refuses_a_state_another_model_made(tiny, mesh1):
     assert np.array_equal(S.shard_state(s, mesh1, tiny.config).origin, s.origin)  # a config alone: no tag to check
 
 
+def test_checkpoints_of_another_model_are_refused_and_converted_ones_unclaimed(tiny, mesh1):
+    from jaxgdn.cache import checkpoint_from_state
+
+    grouped, det = S.with_layout(tiny, 2), tiny.with_deterministic()
+    toks = jnp.arange(1, 65, dtype=jnp.int32)[None]
+    ck = checkpoint_from_state(grouped.prefill_chunk(grouped.init_state(1, 64), toks)[0], 0, list(range(1, 65)))
+    assert ck.origin == grouped.numerics_tag
+    with pytest.raises(InputError, match="convert_layout: the checkpoint was computed by another model than src"):
+        S.convert_layout(ck, tiny, grouped)
+    assert S.convert_layout(ck, grouped, tiny).origin == 0  # unclaimed, as a converted state's rows
+    ck_det = checkpoint_from_state(det.prefill_chunk(det.init_state(1, 64), toks)[0], 0, list(range(1, 65)))
+    with pytest.raises(InputError, match="shard_checkpoint: the checkpoint was computed by another model than config"):
+        S.shard_checkpoint(ck_det, mesh1, tiny)
+    assert S.shard_checkpoint(ck_det, mesh1, det).origin == det.numerics_tag
+
+
 def test_convert_layout_refuses_a_state_another_model_made(tiny):
     grouped = S.with_layout(tiny, 2)
     s, _ = grouped.prefill_chunk(grouped.init_state(1, 64), jnp.arange(1, 6, dtype=jnp.int32)[None])
@@ -279,6 +296,17 @@ def test_unshard_model_of_an_unsharded_grouped_model(tiny):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(tiny.params)))
 
 
+def test_check_placement_reports_a_tree_of_another_structure(tiny, mesh1):
+    sm = S.shard_model(tiny, mesh1)
+    state = sm.init_state(1, 64)
+    assert S.check_placement(state, S.state_specs(sm, mesh1)) == []
+    # as many leaves as the specs, in another structure: used to be paired by order and could pass
+    swapped = dict(a=state.position, b=state.provenance)
+    [line] = S.check_placement(swapped, (P(), P()))
+    assert line.startswith("the tree's structure PyTreeDef({'a': *, 'b': *}) differs from the specs' PyTreeDef((*, *))")
+    assert S.check_placement((state.position, state.provenance), (P(), P())) == []
+
+
 def test_check_placement_refuses_specs_that_are_not_partition_specs(tiny, mesh1):
     sm = S.shard_model(tiny, mesh1)
     assert S.check_placement(sm.params, S.param_specs(sm, mesh1)) == []
@@ -296,7 +324,15 @@ def _two_device_cases() -> dict:
     sm2, sm_d0 = S.shard_model(tiny, mesh2), S.shard_model(tiny, on_d0)
     state = tiny.init_state(1, 64)
     ck = _checkpoint(state)
+    absorbed, _ = tiny.prefill_chunk(tiny.init_state(1, 128), jnp.arange(1, 65, dtype=jnp.int32)[None])
+    token = jnp.array([7], jnp.int32)
     cases = {
+        # the unsharded model's state placed by hand (not through shard_state's checks) for the model split over the
+        # GDN heads, whose q/k/v layout differs: its first call used to run ~0.2 off in the logits without a word
+        "hand_placed_unsharded_state": lambda: sm2.decode_step(S.place(absorbed, S.state_specs(sm2, mesh2), mesh2),
+                                                               token),
+        "hand_placed_converted_state": lambda: np.asarray(sm2.decode_step(S.place(
+            S.convert_layout(absorbed, tiny, sm2), S.state_specs(sm2, mesh2), mesh2), token)[0].provenance).tolist(),
         "init_state_other_mesh": lambda: S.init_state(sm_d0, 1, 64, mesh=on_d1),
         "init_state_equal_mesh": lambda: S.check_placement(S.init_state(sm_d0, 1, 64, mesh=S.make_mesh(devices=[d0])),
                                                            S.state_specs(tiny, on_d0)),
@@ -338,6 +374,12 @@ def test_init_state_refuses_another_mesh_than_the_models(two_devices):
 @pytest.mark.parametrize("fn", ["shard_state", "shard_checkpoint"])
 def test_placing_for_a_model_on_another_mesh_is_refused(two_devices, fn):
     assert two_devices[f"{fn}_other_mesh"].startswith(f"InputError: {fn}: the model is placed on another mesh")
+
+
+def test_a_hand_placed_state_of_the_unsharded_layout_is_refused(two_devices):
+    assert two_devices["hand_placed_unsharded_state"].startswith(
+        "InputError: row 0 of the state was computed by a model of other numerics")
+    assert two_devices["hand_placed_converted_state"] == f"ok: {[int(Provenance.DECODE)]!r}"
 
 
 @pytest.mark.parametrize("case", ["shard_state_unsharded_layout", "shard_state_unsharded_config",

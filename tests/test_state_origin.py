@@ -7,6 +7,8 @@ PREFILL, so a deterministic cache admitted a state that neither model's prefill 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,14 +112,37 @@ def test_no_cache_admits_a_mixed_state(preset_models, others, rng):
             cache.insert([ck])
 
 
-def test_restored_rows_are_unclaimed_and_continue_as_prefill(tiny, rng):
-    """A row restored from a cache checkpoint has origin 0: the cache's numerics key vouches for the model that
-    continues it, so it continues as PREFILL."""
+def test_a_restored_row_keeps_its_checkpoints_origin(preset_models, others, rng):
+    """A row restored from a cache checkpoint carries the checkpoint's origin (`Checkpoint.origin`): the model that
+    computed it continues it as PREFILL, another model marks it MIXED; a checkpoint of unknown origin (0) restores
+    an unclaimed row."""
+    tiny, det = preset_models["tiny"], others["deterministic"]
     tokens = np.asarray(random_tokens(rng, (W,)))
     state, _ = prefill(tiny, tiny.init_state(1, 2 * W), tokens[None], np.array([W], np.int32))
     ck = checkpoint_from_state(state, 0, tokens.tolist())
+    assert ck.origin == tiny.numerics_tag
     restored = state_from_checkpoints(tiny.init_state(2, 2 * W), [ck, None])
-    assert np.asarray(restored.origin).tolist() == [0, 0]
+    assert np.asarray(restored.origin).tolist() == [tiny.numerics_tag, 0]
     after, _ = tiny.prefill_chunk(restored, random_tokens(rng, (2, W)))
     assert np.asarray(after.provenance).tolist() == [Provenance.PREFILL, Provenance.PREFILL]
     assert np.asarray(after.origin).tolist() == [tiny.numerics_tag] * 2
+    elsewhere, _ = prefill(det, state_from_checkpoints(det.init_state(1, 2 * W), [ck]), random_tokens(rng, (1, W)))
+    assert np.asarray(elsewhere.provenance).tolist() == [Provenance.MIXED]
+    unknown = dataclasses.replace(ck, origin=0)
+    elsewhere, _ = prefill(det, state_from_checkpoints(det.init_state(1, 2 * W), [unknown]), random_tokens(rng, (1, W)))
+    assert np.asarray(elsewhere.provenance).tolist() == [Provenance.PREFILL]
+
+
+def test_checkpoint_origins_are_checked(tiny, rng):
+    tokens = np.asarray(random_tokens(rng, (W,)))
+    state, _ = prefill(tiny, tiny.init_state(1, 2 * W), tokens[None], np.array([W], np.int32))
+    ck = checkpoint_from_state(state, 0, tokens.tolist(), model=tiny)
+    for bad in (-1, 2**31, 1.5, True, "7"):
+        with pytest.raises(jaxgdn.InputError, match="origin must be a `Model.numerics_tag`"):
+            PrefixCache(interval=W).insert(dataclasses.replace(ck, origin=bad))
+    cache = PrefixCache(interval=W).insert(ck)
+    jaxgdn.check_cache(cache, tiny, recompute=True)
+    planted = dataclasses.replace(cache, _entries={k: dataclasses.replace(e, checkpoint=dataclasses.replace(
+        e.checkpoint, origin=tiny.numerics_tag + 1)) for k, e in cache._entries.items()})
+    with pytest.raises(AssertionError, match="computed by a model of numerics_tag"):
+        jaxgdn.check_cache(planted, tiny)
