@@ -130,7 +130,8 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
 
     provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
     up to each checkpoint). kv_state: the state after the call, or any later state of the same rows (the keys
-    and values of a prefix never change; its rows' origin is the checkpoints'). Kept: valid checkpoints at positive
+    and values of a prefix never change; its rows' origin is the checkpoints', so rows no other model has advanced
+    since). Kept: valid checkpoints at positive
     multiples of `interval`. numerics: the `numerics_key` of the model that ran the prefill (None: unknown).
     """
     out = []
@@ -231,7 +232,7 @@ def numerics_key(model) -> str:
 
     mesh = mesh_of(model)
     placed = "x".join(f"{name}{size}" for name, size in mesh.shape.items()) if mesh is not None else "none"
-    config = hashlib.sha256(repr(model.config).encode()).hexdigest()[:12]  # (a frozen dataclass: a stable repr)
+    config = model.config.digest()[:12]
     return (f"config={config}, weights={model.weights_digest}, deterministic={bool(model.deterministic)}, "
             f"gdn_prefill={model.gdn_prefill}, dtype={jnp.dtype(model.dtype).name}, "
             f"backend={resolve_backend(model.backend)}, qkv_groups={layout_groups(model.config)}, mesh={placed}, "
@@ -248,19 +249,30 @@ def _key_difference(held: str, other: str) -> str:
     parse as fields)."""
     a, b = _key_fields(held), _key_fields(other)
     changed = [f"{name}: {a.get(name)} -> {b.get(name)}" for name in {**a, **b} if a.get(name) != b.get(name)]
+    if len(changed) > 1:  # the tag follows from the other fields: named alone only when nothing else differs
+        changed = [c for c in changed if not c.startswith("tag: ")]
     return "; ".join(changed) if changed else f"{held} -> {other}"
+
+
+def _key_tag(numerics: str | None) -> int:
+    """The `numerics_tag` a `numerics_key` names (0: none, or no key)."""
+    tag = _key_fields(numerics).get("tag", "0") if numerics is not None else "0"
+    return int(tag) if tag.isdigit() else 0
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefixCache:
     """Immutable prefix cache. `interval`: checkpoint grid (a multiple of 64); `max_bytes`: LRU byte budget;
     `numerics`: the `numerics_key` of the model whose states it holds (set by the first `generate` through it, or
-    by the first checkpoint inserted whose numerics are known)."""
+    by the first checkpoint inserted whose numerics are known); `origin`: the `Model.numerics_tag` of the states it
+    holds (0: not yet known; set with `numerics`, or by the first checkpoint admitted whose `origin` is known), so
+    that a cache whose numerics are not yet known still holds states of one kind only."""
 
     interval: int = DEFAULT_INTERVAL
     deterministic: bool = True
     max_bytes: int | None = None
     numerics: str | None = None
+    origin: int = 0
     _entries: Mapping[bytes, _Entry] = dataclasses.field(default_factory=dict, repr=False)
     _clock: int = 0
     _counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # hits, misses, hit_tokens, refused, evictions
@@ -289,6 +301,12 @@ class PrefixCache:
                 raise InputError(f"max_bytes must be >= 0; got {max_bytes}")
         if self.numerics is not None and not isinstance(self.numerics, str):
             raise InputError(f"numerics must be a `numerics_key` string or None; got {self.numerics!r}")
+        if not is_int(self.origin) or not 0 <= int(self.origin) < 2**31:
+            raise InputError(f"origin must be a `Model.numerics_tag` or 0; got {self.origin!r}")
+        origin = int(self.origin) or _key_tag(self.numerics)
+        if self.origin and _key_tag(self.numerics) not in (0, origin):
+            raise InputError(f"origin {self.origin} is not the numerics_tag of `numerics` ({_key_tag(self.numerics)})")
+        object.__setattr__(self, "origin", origin)
         object.__setattr__(self, "interval", interval)
         object.__setattr__(self, "deterministic", bool(self.deterministic))
         object.__setattr__(self, "max_bytes", max_bytes)
@@ -315,7 +333,11 @@ class PrefixCache:
         already holding another kind of state raises `CheckpointRefused`: restoring a state made by other numerics
         (a chunked prefill's into a token-by-token model, say) would silently change the results."""
         if self.numerics is None:
-            return dataclasses.replace(self, numerics=numerics)
+            if self.origin not in (0, _key_tag(numerics)):
+                raise CheckpointRefused(f"this cache holds states of numerics_tag {self.origin} (checkpoints made "
+                                        f"without `model=`); the model using it has numerics_tag "
+                                        f"{_key_tag(numerics)}: use one cache per kind of model")
+            return dataclasses.replace(self, numerics=numerics, origin=_key_tag(numerics))
         if self.numerics != numerics:
             raise CheckpointRefused(f"this cache holds states of a model with {self.numerics}; the model using it has "
                                     f"{numerics} (differing: {_key_difference(self.numerics, numerics)}; use one "
@@ -327,18 +349,19 @@ class PrefixCache:
         other numerics than the one that began it); when deterministic, produced by prefill alone (on the grid);
         computed with the cache's numerics where both are known; no larger than the byte budget. A malformed
         checkpoint raises InputError, as in `insert`."""
-        return self._refusal(_checked(checkpoint, "checkpoint"), self.numerics) is None
+        return self._refusal(_checked(checkpoint, "checkpoint"), self.numerics, self.origin) is None
 
-    def _refusal(self, ck: Checkpoint, numerics: str | None) -> str | None:
-        """Why the admission rule refuses `ck` into a cache of states of `numerics` (None: admitted)."""
+    def _refusal(self, ck: Checkpoint, numerics: str | None, origin: int = 0) -> str | None:
+        """Why the admission rule refuses `ck` into a cache of states of `numerics` and `origin` (their
+        `numerics_tag`; 0 where unknown) (None: admitted)."""
         if ck.numerics is not None and numerics is not None and ck.numerics != numerics:
             return (f"this checkpoint was computed by a model with {ck.numerics}; this cache holds states of a "
                     f"model with {numerics} (differing: {_key_difference(numerics, ck.numerics)}; restored, it would "
                     f"silently give other bits)")
         if not (ck.position > 0 and ck.position % self.interval == 0):
             return f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
-        tag = _key_fields(numerics).get("tag") if numerics is not None else None
-        if ck.origin and tag is not None and str(ck.origin) != tag:
+        tag = origin or _key_tag(numerics) or _key_tag(ck.numerics)
+        if ck.origin and tag and ck.origin != tag:
             return (f"this checkpoint's state was computed by a model of numerics_tag {ck.origin}; this cache holds "
                     f"states of numerics_tag {tag} (another config or q/k/v layout, deterministic mode, GDN prefill, "
                     f"dtype or kernel backend; restored, it would silently give other bits)")
@@ -396,8 +419,9 @@ class PrefixCache:
 
         A checkpoint the admission rule refuses raises `CheckpointRefused` (naming the rule), or with
         `skip_refused=True` is counted in `stats().refused_writes` and left out. So is a checkpoint computed with
-        other numerics than the cache's states (`Checkpoint.numerics`, when both are known); an unbound cache takes
-        the numerics of the first known checkpoint it admits. Least recently used entries are evicted, whole, until
+        other numerics than the cache's states (`Checkpoint.numerics`, when both are known), or of another
+        `numerics_tag` (`Checkpoint.origin` against `PrefixCache.origin`); an unbound cache takes the numerics and
+        the tag of the first checkpoint it admits that knows them. Least recently used entries are evicted, whole, until
         the byte budget holds; a checkpoint larger than the whole budget is refused. A prefix already cached keeps its
         entry (its recency refreshed), unless the new checkpoint's state was produced more exactly (`Provenance`: a
         prefill's replaces a decode-produced one, in a cache that admits both).
@@ -415,15 +439,16 @@ class PrefixCache:
         entries = dict(self._entries)
         clock = self._clock
         h, m, ht, refused, ev = self._counts
-        numerics = self.numerics
+        numerics, origin = self.numerics, self.origin
         for ck in checkpoints:
-            problem = self._refusal(ck, numerics)
+            problem = self._refusal(ck, numerics, origin)
             if problem:
                 if not skip_refused:
                     raise CheckpointRefused(problem)
                 refused += 1
                 continue
             numerics = numerics if ck.numerics is None else ck.numerics
+            origin = origin or _key_tag(numerics) or ck.origin
             key = _prefix_keys(ck.tokens, self.interval, ck.position)[-1][1]
             old = entries.get(key)
             if old is not None and old.checkpoint.tokens != ck.tokens:
@@ -442,7 +467,8 @@ class PrefixCache:
                 total -= e.checkpoint.nbytes
                 del entries[key]
                 ev += 1
-        return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev), numerics=numerics)
+        return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev), numerics=numerics,
+                             origin=origin)
 
 
 def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
@@ -484,7 +510,7 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
         if ck.numerics is not None:
             chex.assert_equal(ck.numerics, numerics_key(model) if cache.numerics is None else cache.numerics,
                               custom_message=f"{where} was computed with other numerics than the cache's")
-        chex.assert_equal(ck.origin in (0, model.numerics_tag), True,
+        chex.assert_equal(ck.origin in (0, model.numerics_tag) and cache.origin in (0, model.numerics_tag), True,
                           custom_message=f"{where}'s state was computed by a model of numerics_tag {ck.origin}, not "
                                          f"the model's {model.numerics_tag}")
         chex.assert_tree_all_finite((ck.gdn, ck.kv), custom_message=f"{where} is not finite")

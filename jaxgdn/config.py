@@ -7,6 +7,7 @@ Built from a Hugging Face `config.json` (`from_hf_config`) or from a preset (`ti
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,23 @@ class ModelConfig:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even and in (0, head_dim]")
 
     # ---- derived sizes -------------------------------------------------------------------------------------
+    def digest(self) -> str:
+        """sha256 (hex) of a canonical text of the fields: every number written as a float (10000 and 10000.0, True
+        and 1, np.int64(256) and 256 are equal fields of equal configs, and give one digest), the rest as their
+        JSON. The same in every process (the prefix cache's `numerics_key`, `Model.numerics_tag`)."""
+        def canonical(x):
+            if isinstance(x, (tuple, list)):
+                return [canonical(y) for y in x]
+            if isinstance(x, str):
+                return x
+            try:
+                return repr(float(x) + 0.0)  # (+ 0.0: -0.0 == 0.0)
+            except (TypeError, ValueError):
+                return repr(x)
+
+        fields = {f.name: canonical(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)

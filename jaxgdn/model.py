@@ -113,7 +113,12 @@ class Model:
         dtype and the resolved kernel backend. Every row a model advances records it (`ModelState.origin`), so a
         row continued by a model of other numerics is seen (`Provenance.MIXED`). The weights and the mesh are the
         prefix cache's to check (`jaxgdn.cache.numerics_key`): a tag is static, known while tracing."""
-        return _numerics_tag(self.config, self.deterministic, self.gdn_prefill, self.dtype.name,
+        return self.numerics_tag_for(self.config)
+
+    def numerics_tag_for(self, config: ModelConfig) -> int:
+        """The `numerics_tag` this model's numerics have with `config` instead of its own (e.g. the same model in
+        another q/k/v layout: `jaxgdn.sharding.convert_layout` moves a state's claim with it)."""
+        return _numerics_tag(config.digest(), self.deterministic, self.gdn_prefill, self.dtype.name,
                              resolve_backend(self.backend))
 
     @functools.cached_property
@@ -174,8 +179,9 @@ class Model:
 
 
 @functools.lru_cache(maxsize=256)
-def _numerics_tag(config: ModelConfig, deterministic: bool, gdn_prefill: str, dtype: str, backend: str) -> int:
-    text = f"{config!r}|deterministic={deterministic}|gdn_prefill={gdn_prefill}|dtype={dtype}|backend={backend}"
+def _numerics_tag(config_digest: str, deterministic: bool, gdn_prefill: str, dtype: str, backend: str) -> int:
+    """`Model.numerics_tag`: from `ModelConfig.digest` (canonical: the same in every process) and the options."""
+    text = f"{config_digest}|deterministic={deterministic}|gdn_prefill={gdn_prefill}|dtype={dtype}|backend={backend}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") % (2**31 - 1) + 1
 
 
@@ -415,7 +421,7 @@ def _check_origin(state: ModelState, tag: int, lengths=None) -> None:
             f"row {row} of the state was computed by a model of other numerics (numerics_tag {int(origin[row])}; "
             f"this model's is {tag}: another config or q/k/v layout, deterministic mode, GDN prefill, dtype or "
             "kernel backend); continuing it would give neither model's result. Continue it with the model that "
-            "computed it, restore the row from a prefix cache, or move it between layouts with "
+            "computed it or recompute it with this one; a state of this model in another q/k/v layout moves with "
             "jaxgdn.sharding.convert_layout (the pure functions would continue it and mark it Provenance.MIXED)")
 
 

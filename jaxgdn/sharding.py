@@ -393,10 +393,12 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
 
     InputError when src or dst is neither a Model nor a ModelConfig, when their GDN head shapes differ (two
     different models), or when x is none of those or does not fit src (a state of another model), and, with `src`
-    a Model, for a state whose rows another model advanced (`ModelState.origin`). The converted state's rows are
-    unclaimed (origin 0): the model that continues them is trusted to be dst. The same for a cache `Checkpoint`
-    (`Checkpoint.origin`); a PrefillCheckpoints or bare GDN states carry no origin: which layout they are in no
-    check can see — pass the model that made them as `src`."""
+    a Model, for a state whose rows another model advanced (`ModelState.origin`). The claim moves with the rows:
+    with `src` a Model, a converted row's origin is `src`'s numerics in dst's layout (`Model.numerics_tag_for`),
+    so a dst that differs from src in more than the layout marks it MIXED (its methods refuse it); with `src` a
+    config, claimed rows become unclaimed (0). The same for a cache `Checkpoint` (`Checkpoint.origin`; its
+    `numerics`, which named src's layout and weights, becomes None); a PrefillCheckpoints or bare GDN states carry
+    no origin: which layout they are in no check can see — pass the model that made them as `src`."""
     from .cache import Checkpoint  # local: the cache module imports nothing from here
     from .state import PrefillCheckpoints
 
@@ -422,11 +424,15 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     idx = _relayout_index(src_c, layout_groups(src_c), layout_groups(dst_c))
     if idx is None:
         return x
-    if isinstance(x, ModelState):  # its rows' origin unclaimed: the caller vouches that `src` computed them
+    # The claim moves with the state: src's numerics in dst's layout (from a config alone, unclaimed: 0)
+    moved = src.numerics_tag_for(dst_c) if isinstance(src, Model) else 0
+    if isinstance(x, ModelState):
         return x._replace(layers=tuple(_relayout_gdn_state(s, idx) if isinstance(s, GDNLayerState) else s
-                                       for s in x.layers), origin=jnp.zeros_like(x.origin))
-    if isinstance(x, Checkpoint):  # unclaimed (origin 0), as a converted state's rows
-        return dataclasses.replace(x, gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn), origin=0)
+                                       for s in x.layers),
+                          origin=jnp.where(x.origin != 0, jnp.int32(moved), x.origin))
+    if isinstance(x, Checkpoint):  # (its numerics_key named src's layout and weights: now unknown)
+        return dataclasses.replace(x, gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn),
+                                   origin=moved if x.origin else 0, numerics=None)
     if isinstance(x, PrefillCheckpoints):
         return x._replace(gdn=tuple(_relayout_gdn_state(s, idx) for s in x.gdn))
     if isinstance(x, GDNLayerState):
@@ -444,7 +450,8 @@ def _check_made_by(state: ModelState, model, what: str, name: str) -> None:
     if np.any(other):
         row = int(np.argmax(other))
         raise InputError(f"{what}: row {row} of the state was computed by another model than {name} (numerics_tag "
-                         f"{int(origin[row])}, {name}'s {model.numerics_tag}); pass the model that made the state")
+                         f"{int(origin[row])}, {name}'s {model.numerics_tag}); "
+                         + _other_layout_hint(model, int(origin[row]), "state"))
 
 
 def _check_checkpoint_made_by(ck, model, what: str, name: str) -> None:
@@ -452,7 +459,19 @@ def _check_checkpoint_made_by(ck, model, what: str, name: str) -> None:
     InputError otherwise, prefixed with `what`, naming the argument `name`."""
     if isinstance(model, Model) and ck.origin not in (0, model.numerics_tag):
         raise InputError(f"{what}: the checkpoint was computed by another model than {name} (numerics_tag "
-                         f"{ck.origin}, {name}'s {model.numerics_tag}); pass the model that made it")
+                         f"{ck.origin}, {name}'s {model.numerics_tag}); " + _other_layout_hint(model, ck.origin, "ck"))
+
+
+def _other_layout_hint(model: Model, origin: int, x: str) -> str:
+    """What to do about `x` (a state or checkpoint) of numerics_tag `origin` given for `model`: where `origin` is
+    `model`'s numerics in another q/k/v layout (the unsharded model's, most often), convert it first."""
+    hk = model.config.linear_num_key_heads
+    for groups in (g for g in range(1, hk + 1) if hk % g == 0):
+        if groups != model.config.gdn_qkv_groups and origin == model.numerics_tag_for(
+                dataclasses.replace(model.config, gdn_qkv_groups=groups)):
+            return (f"it is this model's in the q/k/v layout gdn_qkv_groups={groups}: move it with "
+                    f"convert_layout({x}, <the model in that layout>, model) first")
+    return "pass the model that made it"
 
 
 def _check_state(config: ModelConfig, state, what: str, dtype=None) -> None:

@@ -80,10 +80,10 @@ class ModelState(NamedTuple):
     layers: tuple[LayerState, ...]  # one per layer, in layer order
     position: jax.Array  # [B] int32 tokens absorbed
     provenance: jax.Array  # [B] int32 Provenance
-    # [B] int32 `Model.numerics_tag` of the model that last advanced the row; 0 where unclaimed (a fresh row, a row
-    # restored from a cache checkpoint or moved by `jaxgdn.sharding.convert_layout`). A model continuing a row
-    # another model's numerics computed marks it Provenance.MIXED (its `prefill_chunk` / `decode_step` methods
-    # refuse to)
+    # [B] int32 `Model.numerics_tag` of the model that last advanced the row (restored from a cache checkpoint:
+    # the checkpoint's `origin`); 0 where unclaimed (a fresh row; one moved by `jaxgdn.sharding.convert_layout`
+    # from a config rather than a Model). A model continuing a row another model's numerics computed marks it
+    # Provenance.MIXED (its `prefill_chunk` / `decode_step` methods refuse to)
     origin: jax.Array
 
     @property

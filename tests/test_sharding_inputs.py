@@ -197,11 +197,28 @@ def test_convert_layout_round_trip(tiny):
     back = S.convert_layout(there, grouped.config, tiny.config)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back.layers), jax.tree.leaves(s.layers)))
     assert np.array_equal(back.position, s.position) and np.array_equal(back.provenance, s.provenance)
-    # a converted row is unclaimed (origin 0), so the model it moved to continues it without a MIXED mark
-    assert np.asarray(s.origin).tolist() == [tiny.numerics_tag] and np.asarray(there.origin).tolist() == [0]
+    # the claim moves with the row (tiny's numerics in grouped's layout), so the model it moved to continues it as
+    # PREFILL; converted between bare configs, the row is unclaimed
+    assert np.asarray(s.origin).tolist() == [tiny.numerics_tag] != [grouped.numerics_tag]
+    assert np.asarray(there.origin).tolist() == [grouped.numerics_tag] and np.asarray(back.origin).tolist() == [0]
     on, _ = grouped.prefill_chunk(there, jnp.ones((1, 3), jnp.int32))
     assert np.asarray(on.provenance).tolist() == [Provenance.PREFILL]
-    assert np.asarray(on.origin).tolist() == [grouped.numerics_tag] != [tiny.numerics_tag]
+    assert np.asarray(on.origin).tolist() == [grouped.numerics_tag]
+
+
+def test_convert_layout_keeps_other_numerics_apart(tiny):
+    """A state moved to a model that differs from its own in more than the layout (here also the GDN prefill) is
+    that model's no more than before the move: its methods refuse it, the pure functions mark it MIXED."""
+    from jaxgdn.model import prefill_chunk
+
+    dst = S.with_layout(tiny, 2).with_gdn_prefill("recurrent")
+    s, _ = tiny.prefill_chunk(tiny.init_state(1, 192), jnp.arange(1, 65, dtype=jnp.int32)[None])
+    moved = S.convert_layout(s, tiny, dst)
+    assert np.asarray(moved.origin).tolist() == [tiny.numerics_tag_for(dst.config)] != [dst.numerics_tag]
+    with pytest.raises(InputError, match="row 0 of the state was computed by a model of other numerics"):
+        dst.prefill_chunk(moved, jnp.ones((1, 64), jnp.int32))
+    on, _ = jax.jit(prefill_chunk)(dst, moved, jnp.ones((1, 64), jnp.int32))
+    assert np.asarray(on.provenance).tolist() == [Provenance.MIXED]
     assert S.convert_layout(s, tiny, tiny) is s
 
 
@@ -223,7 +240,9 @@ def test_checkpoints_of_another_model_are_refused_and_converted_ones_unclaimed(t
     assert ck.origin == grouped.numerics_tag
     with pytest.raises(InputError, match="convert_layout: the checkpoint was computed by another model than src"):
         S.convert_layout(ck, tiny, grouped)
-    assert S.convert_layout(ck, grouped, tiny).origin == 0  # unclaimed, as a converted state's rows
+    moved = S.convert_layout(ck, grouped, tiny)  # the claim moves with it; its numerics (grouped's key) go
+    assert moved.origin == tiny.numerics_tag and moved.numerics is None
+    assert S.convert_layout(ck, grouped.config, tiny.config).origin == 0
     ck_det = checkpoint_from_state(det.prefill_chunk(det.init_state(1, 64), toks)[0], 0, list(range(1, 65)))
     with pytest.raises(InputError, match="shard_checkpoint: the checkpoint was computed by another model than config"):
         S.shard_checkpoint(ck_det, mesh1, tiny)
@@ -235,7 +254,7 @@ def test_convert_layout_refuses_a_state_another_model_made(tiny):
     s, _ = grouped.prefill_chunk(grouped.init_state(1, 64), jnp.arange(1, 6, dtype=jnp.int32)[None])
     with pytest.raises(InputError, match="row 0 of the state was computed by another model than src"):
         S.convert_layout(s, tiny, grouped)  # src names the wrong model: the state is in grouped's layout
-    assert np.asarray(S.convert_layout(s, grouped, tiny).origin).tolist() == [0]
+    assert np.asarray(S.convert_layout(s, grouped, tiny).origin).tolist() == [tiny.numerics_tag]
 
 
 # ---- shard_state / shard_checkpoint ------------------------------------------------------------------------------
@@ -331,6 +350,7 @@ def _two_device_cases() -> dict:
         # GDN heads, whose q/k/v layout differs: its first call used to run ~0.2 off in the logits without a word
         "hand_placed_unsharded_state": lambda: sm2.decode_step(S.place(absorbed, S.state_specs(sm2, mesh2), mesh2),
                                                                token),
+        "shard_state_absorbed_unsharded": lambda: S.shard_state(absorbed, mesh2, sm2),
         "hand_placed_converted_state": lambda: np.asarray(sm2.decode_step(S.place(
             S.convert_layout(absorbed, tiny, sm2), S.state_specs(sm2, mesh2), mesh2), token)[0].provenance).tolist(),
         "init_state_other_mesh": lambda: S.init_state(sm_d0, 1, 64, mesh=on_d1),
@@ -374,6 +394,13 @@ def test_init_state_refuses_another_mesh_than_the_models(two_devices):
 @pytest.mark.parametrize("fn", ["shard_state", "shard_checkpoint"])
 def test_placing_for_a_model_on_another_mesh_is_refused(two_devices, fn):
     assert two_devices[f"{fn}_other_mesh"].startswith(f"InputError: {fn}: the model is placed on another mesh")
+
+
+def test_placing_an_unsharded_models_state_for_the_sharded_one_says_to_convert_it(two_devices):
+    assert two_devices["shard_state_absorbed_unsharded"].startswith(
+        "InputError: shard_state: row 0 of the state was computed by another model than config")
+    assert ("it is this model's in the q/k/v layout gdn_qkv_groups=1: move it with convert_layout(state, <the model "
+            "in that layout>, model) first") in two_devices["shard_state_absorbed_unsharded"]
 
 
 def test_a_hand_placed_state_of_the_unsharded_layout_is_refused(two_devices):

@@ -146,3 +146,58 @@ def test_checkpoint_origins_are_checked(tiny, rng):
         e.checkpoint, origin=tiny.numerics_tag + 1)) for k, e in cache._entries.items()})
     with pytest.raises(AssertionError, match="computed by a model of numerics_tag"):
         jaxgdn.check_cache(planted, tiny)
+
+
+def test_a_cache_of_unknown_numerics_holds_one_kind_of_state(preset_models, rng):
+    """Checkpoints made without `model=` still carry their origin: the first one admitted sets the cache's tag
+    (`PrefixCache.origin`), a later one of another tag is refused whatever the order, and a model of another tag
+    cannot use the cache (it used to restore the other model's state and generate other tokens without a word)."""
+    tiny, nxt = preset_models["tiny"], preset_models["tiny-next"]
+    toks = random_tokens(rng, (W,)).tolist()
+    cks = {}
+    for name, m in (("tiny", tiny), ("tiny-next", nxt)):
+        state, _ = prefill(m, m.init_state(1, 2 * W), np.asarray([toks], np.int32), np.array([W], np.int32))
+        cks[name] = checkpoint_from_state(state, 0, toks)
+        assert cks[name].numerics is None and cks[name].origin == m.numerics_tag
+    held = PrefixCache(interval=W).insert(cks["tiny-next"])
+    assert held.origin == nxt.numerics_tag and held.numerics is None
+    with pytest.raises(CheckpointRefused, match=f"numerics_tag {tiny.numerics_tag}; this cache holds states of "
+                       f"numerics_tag {nxt.numerics_tag}"):
+        held.insert(cks["tiny"])
+    for order in (["tiny-next", "tiny"], ["tiny", "tiny-next"]):
+        one = PrefixCache(interval=W).insert([cks[n] for n in order], skip_refused=True)
+        assert len(one) == 1 and one.stats().refused_writes == 1 and one.origin == preset_models[order[0]].numerics_tag
+    with pytest.raises(CheckpointRefused, match=f"this cache holds states of numerics_tag {nxt.numerics_tag}"):
+        jaxgdn.generate(tiny, [toks + [1, 2, 3]], max_new_tokens=2, cache=held)
+    with pytest.raises(jaxgdn.InputError, match="origin .* is not the numerics_tag of `numerics`"):
+        PrefixCache(numerics=jaxgdn.cache.numerics_key(tiny), origin=nxt.numerics_tag)
+
+
+@pytest.mark.parametrize("decode_mode", ["recurrent", "replay"])
+def test_generates_checkpoints_carry_the_models_tag(tiny, decode_mode, rng):
+    model = tiny.with_decode_mode(decode_mode)
+    cache = PrefixCache(interval=W, deterministic=decode_mode == "replay")
+    out = jaxgdn.generate(model, [random_tokens(rng, (W + 10,)).tolist()], max_new_tokens=W, cache=cache)
+    positions = sorted(ck.position for ck in out.cache.checkpoints())
+    assert positions == [W, 2 * W]  # from the prefill, and inside the answer (from decode)
+    assert all(ck.origin == model.numerics_tag for ck in out.cache.checkpoints())
+    assert out.cache.origin == model.numerics_tag
+
+
+def test_numerics_tag_is_the_same_in_every_process_and_for_equal_configs(tiny):
+    """The tag hashes a canonical text of the config (`ModelConfig.digest`): equal configs whose fields differ only
+    in type (10000 and 10000.0, np.int64 and int) give one tag, and another process (another hash seed) the same."""
+    import dataclasses as dc
+    import os
+    import subprocess
+    import sys
+
+    cfg = tiny.config
+    typed = dc.replace(cfg, rope_theta=int(cfg.rope_theta), vocab_size=np.int64(cfg.vocab_size))
+    assert typed == cfg and typed.digest() == cfg.digest() and repr(typed) != repr(cfg)
+    assert dc.replace(cfg, rope_theta=cfg.rope_theta * 2).digest() != cfg.digest()
+    code = "import jaxgdn; print(jaxgdn.tiny_model('tiny').numerics_tag)"
+    env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == tiny.numerics_tag
