@@ -131,8 +131,8 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
     provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
     up to each checkpoint). kv_state: the state after the call, or any later state of the same rows (the keys
     and values of a prefix never change; its rows' origin is the checkpoints', so rows no other model has advanced
-    since). Kept: valid checkpoints at positive
-    multiples of `interval`. numerics: the `numerics_key` of the model that ran the prefill (None: unknown).
+    since). Kept: valid checkpoints at positive multiples of `interval`. numerics: the `numerics_key` of the model
+    that ran the prefill (None: unknown).
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
@@ -421,10 +421,10 @@ class PrefixCache:
         `skip_refused=True` is counted in `stats().refused_writes` and left out. So is a checkpoint computed with
         other numerics than the cache's states (`Checkpoint.numerics`, when both are known), or of another
         `numerics_tag` (`Checkpoint.origin` against `PrefixCache.origin`); an unbound cache takes the numerics and
-        the tag of the first checkpoint it admits that knows them. Least recently used entries are evicted, whole, until
-        the byte budget holds; a checkpoint larger than the whole budget is refused. A prefix already cached keeps its
-        entry (its recency refreshed), unless the new checkpoint's state was produced more exactly (`Provenance`: a
-        prefill's replaces a decode-produced one, in a cache that admits both).
+        the tag of the first checkpoint it admits that knows them. Least recently used entries are evicted, whole,
+        until the byte budget holds; a checkpoint larger than the whole budget is refused. A prefix already cached
+        keeps its entry (its recency refreshed), unless the new checkpoint's state was produced more exactly
+        (`Provenance`: a prefill's replaces a decode-produced one, in a cache that admits both).
 
         A malformed checkpoint — not a `Checkpoint`, tokens that are not a flat sequence of non-negative integer ids,
         attention keys/values not one row per token, an unknown provenance — raises InputError, `skip_refused` or
@@ -476,11 +476,11 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
 
     The cache's numerics, where known, the model's (`numerics_key`), and every entry's, where known, the cache's; its
     bytes within `max_bytes`. Every entry on the grid, computed by a model of the model's `numerics_tag` where its
-    origin is known, stored under its own prefix's key (an entry under another key is
-    never found and blocks the insertion of that prefix), its tokens a tuple of the model's token ids, its provenance
-    one of a state that absorbed tokens, finite, matching the model's state spec in structure, shape and dtype; in
-    deterministic mode every entry prefill-produced; with `recompute=True` every entry bitwise equal to a fresh
-    prefill of its prefix.
+    origin is known (and the cache's tag, where known, the model's), stored under its own prefix's key (an entry
+    under another key is never found and blocks the insertion of that prefix), its tokens a tuple of the model's
+    token ids, its provenance one of a state that absorbed tokens (not MIXED), finite, matching the model's state
+    spec in structure, shape and dtype; in deterministic mode every entry prefill-produced; with `recompute=True`
+    every entry bitwise equal to a fresh prefill of its prefix.
     """
     from .model import _prefill_jit  # local: the model module does not depend on the cache
 

@@ -17,9 +17,11 @@ one tensor at a time).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -290,7 +292,7 @@ def check_tensors(path: Path, tensors, config: ModelConfig) -> None:
     _build(r, config, enumerate(config.layer_types))
     unexpected = sorted(set(tensors) - r.used)
     if config.tie_word_embeddings and "lm_head.weight" in unexpected:
-        unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy
+        unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy (`_untie_a_distinct_head`)
     problems = []
     if r.missing:
         problems.append(f"missing tensor{'s' if len(r.missing) > 1 else ''} {_more(r.missing)}")
@@ -299,6 +301,29 @@ def check_tensors(path: Path, tensors, config: ModelConfig) -> None:
         problems.append(f"unexpected tensors in {path}: {_more(unexpected)}")
     if problems:
         raise CheckpointError(f"{path} does not match its config.json: " + "; ".join(problems))
+
+
+def _untie_a_distinct_head(path: Path, config: ModelConfig) -> ModelConfig:
+    """transformers' rule for tied embeddings: a checkpoint that stores an `lm_head.weight` other than its embedding
+    (another shape or other values) is not tied, whatever config.json says, and its stored head computes the logits.
+    `config` untied (with a warning) in that case; as it is otherwise. Tied checkpoints that store a copy equal to the
+    embedding stay tied. (The two are compared in blocks of rows, read from the memory-mapped files.)"""
+    if not config.tie_word_embeddings:
+        return config
+    tensors = _open_tensors(path)
+    if "lm_head.weight" not in tensors or "model.embed_tokens.weight" not in tensors:
+        return config
+    (hf, hn), (ef, en) = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+    head, embed = hf.get(hn), ef.get(en)
+    same = head.shape == embed.shape and all(
+        np.array_equal(head[i:i + 4096].astype(np.float32), embed[i:i + 4096].astype(np.float32))
+        for i in range(0, embed.shape[0], 4096))
+    if same:
+        return config
+    warnings.warn(f"{path}: config.json ties the word embeddings, but the checkpoint stores an lm_head.weight that "
+                  f"differs from them; as transformers does, it is loaded untied and the stored head computes the "
+                  f"logits", stacklevel=3)
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False, progress: bool | None = None) -> ModelParams:
@@ -324,7 +349,9 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
                     mesh=None, progress: bool | None = None) -> Model:
     """Load a Hugging Face directory (config.json + model.safetensors or a sharded index) into a `Model`.
 
-    dtype: parameter/activation dtype (float32 or bfloat16); A_log and dt_bias always load as fp32.
+    dtype: parameter/activation dtype (float32 or bfloat16); A_log and dt_bias always load as fp32. (Not the
+    config's `dtype`: fp32 unless asked.) A config.json that ties the embeddings over a checkpoint storing another
+    `lm_head.weight` loads untied, with a warning, as transformers does.
     backend: kernel backend (None: Pallas on GPU, pure JAX elsewhere).
     deterministic: batch-invariant numerics (see `Model.deterministic`).
     mesh: a `jax.sharding.Mesh` with a "tp" axis (`jaxgdn.sharding.make_mesh`): parameters placed for tensor
@@ -347,7 +374,7 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
         raise CheckpointError(f"model directory {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
-    config = ModelConfig.from_json_file(path / "config.json")
+    config = _untie_a_distinct_head(path, ModelConfig.from_json_file(path / "config.json"))
     if mesh is not None:
         from .sharding import shard_model
 

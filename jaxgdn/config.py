@@ -169,20 +169,27 @@ class ModelConfig:
         bad = sorted({t for t in layer_types if t not in (LINEAR, FULL)})
         if bad:
             raise CheckpointError(f"{source}: {where}layer_types must be {LINEAR!r} or {FULL!r}; got {bad}")
-        rope = None
         for key in ("rope_parameters", "rope_scaling"):
-            rope = rope or cfg.get(key)
             if cfg.get(key) is not None and not isinstance(cfg[key], dict):
                 raise CheckpointError(f"{source}: {where}{key} must be a JSON object; got {json.dumps(cfg[key]):.80}")
-        rope = rope or {}
-        rope_theta = get("rope_theta", float, None, minimum=0)
+        # transformers' rule (`modeling_rope_utils`): a non-empty rope_scaling takes precedence over rope_parameters
+        # (the Qwen3-Next model card has users add one for long context), its type is "rope_type", else the legacy
+        # "type", else "default"; rope_theta and partial_rotary_factor come from that dict first, the top level next
+        rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        rope = cfg.get(rope_key) or {}
+        rope_type = rope["rope_type"] if "rope_type" in rope else rope.get("type", "default")
+        if rope_type != "default":
+            raise UnsupportedModelError(f"{source}: {where}{rope_key} has rope_type {rope_type!r}: jaxgdn implements "
+                                        f"the default RoPE only (no YaRN, linear, dynamic or llama3 scaling)")
+        rope_theta = _get(rope, "rope_theta", float, source, where + rope_key + ".", None, minimum=0)
         if rope_theta is None:
-            rope_theta = _get(rope, "rope_theta", float, source, where + "rope_parameters.", 10000.0, minimum=0)
-        partial = get("partial_rotary_factor", float, None, minimum=0)
+            rope_theta = get("rope_theta", float, 10000.0, minimum=0)
+        partial = _get(rope, "partial_rotary_factor", float, source, where + rope_key + ".", None, minimum=0)
         if partial is None:
-            partial = _get(rope, "partial_rotary_factor", float, source, where + "rope_parameters.", 0.25, minimum=0)
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise UnsupportedModelError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported")
+            partial = get("partial_rotary_factor", float, 0.25, minimum=0)
+        if get("attention_bias", bool, False):
+            raise UnsupportedModelError(f"{source}: {where}attention_bias is true: jaxgdn's attention projections have "
+                                        f"no biases (Qwen3.5 / Qwen3-Next checkpoints have none)")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # the MLPs and experts are SwiGLU
             raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (jaxgdn's MLPs use silu)")
@@ -215,7 +222,8 @@ class ModelConfig:
             linear_conv_kernel_dim=get("linear_conv_kernel_dim", int, 4, minimum=1),
             intermediate_size=get("intermediate_size", int, 0, minimum=0),
             norm_topk_prob=get("norm_topk_prob", bool, True),
-            decoder_sparse_step=get("decoder_sparse_step", int, 1, minimum=0) or 1,
+            # (0 divides by zero in transformers' MoE layers; a dense model never reads it)
+            decoder_sparse_step=get("decoder_sparse_step", int, 1, minimum=1 if moe else 0) or 1,
             mlp_only_layers=tuple(mlp_only),
         )
         if moe:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import threading
+import warnings
 from pathlib import Path
 
 import chex
@@ -361,3 +362,59 @@ def test_header_entry_with_a_non_string_dtype(tmp_path, tensors, hf_config):
     with pytest.raises(jaxgdn.CheckpointError, match=f"model.safetensors: malformed header entry for tensor "
                                                      f"{esc(name)}"):
         jaxgdn.load_pretrained(path)
+
+
+# ---- what transformers does with the same config.json (helper 55's review against transformers 5.25) ------------
+
+def test_a_tied_config_with_a_distinct_stored_head_loads_untied(tmp_path, tensors, hf_config, reference):
+    """transformers does not tie a stored lm_head.weight that differs from the embedding, and its logits come from
+    it; jaxgdn used to drop it silently and use the embedding (2.66 off the recorded logits on this fixture). The
+    parameters equal the untied fixture's, whose logits test_checkpoint.py compares with transformers'."""
+    assert not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    path = write(tmp_path / "c", tensors, dict(hf_config, tie_word_embeddings=True))
+    with pytest.warns(UserWarning, match="stores an lm_head.weight that differs from them"):
+        loaded = jaxgdn.load_pretrained(path)
+    assert not loaded.config.tie_word_embeddings
+    chex.assert_trees_all_equal(loaded.params, reference.params)
+    assert loaded.config == reference.config
+    # a stored copy equal to the embedding stays tied, without a warning
+    same = dict(tensors, **{"lm_head.weight": tensors["model.embed_tokens.weight"]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tied = jaxgdn.load_pretrained(write(tmp_path / "d", same, dict(hf_config, tie_word_embeddings=True)))
+    assert tied.config.tie_word_embeddings and tied.params.lm_head is None
+
+
+def test_rope_values_inside_rope_parameters_win_over_top_level_ones(hf_config):
+    """transformers reads rope_theta and partial_rotary_factor from rope_parameters first (jaxgdn read the top
+    level first: logits 0.023 and 0.24 off on the fixture)."""
+    inner = hf_config["rope_parameters"]
+    c = ModelConfig.from_hf_config(dict(hf_config, rope_theta=1e6, partial_rotary_factor=0.5))
+    assert (c.rope_theta, c.partial_rotary_factor) == (inner["rope_theta"], inner["partial_rotary_factor"])
+    bare = {k: v for k, v in hf_config.items() if k != "rope_parameters"}
+    c = ModelConfig.from_hf_config(dict(bare, rope_theta=1e6, partial_rotary_factor=0.5))
+    assert (c.rope_theta, c.partial_rotary_factor) == (1e6, 0.5)  # the top level where the dict lacks them
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}},  # legacy "type"
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": {"rope_type": "default"}},
+    {"rope_parameters": {"type": "dynamic", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": None}},
+])
+def test_rope_scaling_is_refused_not_ignored(hf_config, rope):
+    """transformers applies rope_scaling (over rope_parameters) and reads the legacy "type" key; jaxgdn ran plain
+    RoPE for each of these. It implements the default RoPE only, so it refuses them."""
+    with pytest.raises(jaxgdn.UnsupportedModelError, match="rope_type .* jaxgdn implements the default RoPE only"):
+        ModelConfig.from_hf_config(dict(hf_config, **rope))
+
+
+def test_attention_bias_and_a_zero_sparse_step_are_refused(hf_config):
+    with pytest.raises(jaxgdn.UnsupportedModelError, match="attention_bias is true"):
+        ModelConfig.from_hf_config(dict(hf_config, attention_bias=True))
+    assert ModelConfig.from_hf_config(dict(hf_config, attention_bias=False)) == ModelConfig.from_hf_config(hf_config)
+    nxt = json.loads((NEXT / "config.json").read_text())
+    with pytest.raises(jaxgdn.CheckpointError, match="decoder_sparse_step must be >= 1; got 0"):
+        ModelConfig.from_hf_config(dict(nxt, decoder_sparse_step=0))
+    assert ModelConfig.from_hf_config(dict(hf_config, decoder_sparse_step=0)).decoder_sparse_step == 1  # dense
