@@ -360,7 +360,7 @@ class PrefixCache:
                     f"silently give other bits)")
         if not (ck.position > 0 and ck.position % self.interval == 0):
             return f"position {ck.position} is not on the cache grid (a positive multiple of {self.interval})"
-        tag = origin or _key_tag(numerics) or _key_tag(ck.numerics)
+        tag = origin or _key_tag(ck.numerics)  # (`origin` is the tag of `numerics` wherever that is known)
         if ck.origin and tag and ck.origin != tag:
             return (f"this checkpoint's state was computed by a model of numerics_tag {ck.origin}; this cache holds "
                     f"states of numerics_tag {tag} (another config or q/k/v layout, deterministic mode, GDN prefill, "

@@ -413,7 +413,7 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     elif isinstance(x, (Checkpoint, PrefillCheckpoints)):
         _check_gdn_states(src_c, x.gdn, "convert_layout")
         if isinstance(x, Checkpoint):
-            _check_checkpoint_made_by(x, src, "convert_layout", "src")
+            _check_made_by(x, src, "convert_layout", "src")
     elif isinstance(x, GDNLayerState):
         _check_gdn_states(src_c, (x,), "convert_layout")
     elif isinstance(x, (tuple, list)):
@@ -440,26 +440,20 @@ def convert_layout(x, src: Model | ModelConfig, dst: Model | ModelConfig):
     return tuple(_relayout_gdn_state(s, idx) for s in x)
 
 
-def _check_made_by(state: ModelState, model, what: str, name: str) -> None:
-    """`model`, where a Model, is the one whose numerics computed the state's claimed rows (`ModelState.origin`;
-    concrete values only); InputError otherwise, prefixed with `what`, naming the argument `name`."""
-    if not isinstance(model, Model) or isinstance(state.origin, jax.core.Tracer):
+def _check_made_by(x, model, what: str, name: str) -> None:
+    """`model`, where a Model, is the one whose numerics computed `x`, a ModelState (its claimed rows,
+    `ModelState.origin`; concrete values only) or a cache Checkpoint (`Checkpoint.origin`, where set); InputError
+    otherwise, prefixed with `what`, naming the argument `name`."""
+    if not isinstance(model, Model) or isinstance(x.origin, jax.core.Tracer):
         return
-    origin = np.asarray(state.origin)
+    origin = np.atleast_1d(np.asarray(x.origin))
     other = (origin != 0) & (origin != model.numerics_tag)
     if np.any(other):
         row = int(np.argmax(other))
-        raise InputError(f"{what}: row {row} of the state was computed by another model than {name} (numerics_tag "
+        subject, arg = (f"row {row} of the state", "state") if isinstance(x, ModelState) else ("the checkpoint", "ck")
+        raise InputError(f"{what}: {subject} was computed by another model than {name} (numerics_tag "
                          f"{int(origin[row])}, {name}'s {model.numerics_tag}); "
-                         + _other_layout_hint(model, int(origin[row]), "state"))
-
-
-def _check_checkpoint_made_by(ck, model, what: str, name: str) -> None:
-    """`model`, where a Model, is the one whose numerics computed the checkpoint (`Checkpoint.origin`, where set);
-    InputError otherwise, prefixed with `what`, naming the argument `name`."""
-    if isinstance(model, Model) and ck.origin not in (0, model.numerics_tag):
-        raise InputError(f"{what}: the checkpoint was computed by another model than {name} (numerics_tag "
-                         f"{ck.origin}, {name}'s {model.numerics_tag}); " + _other_layout_hint(model, ck.origin, "ck"))
+                         + _other_layout_hint(model, int(origin[row]), arg))
 
 
 def _other_layout_hint(model: Model, origin: int, x: str) -> str:
@@ -713,7 +707,7 @@ def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
     config = _config_of(config, "shard_checkpoint: config")
     ck = _checked(ck, "shard_checkpoint: ck")
     _check_checkpoint_shapes(config, ck)
-    _check_checkpoint_made_by(ck, model, "shard_checkpoint", "config")
+    _check_made_by(ck, model, "shard_checkpoint", "config")
     _check_sharded_layout(config, mesh, "shard_checkpoint", "checkpoint")
     replay = any(s.open_qkv is not None for s in ck.gdn)
     gdn_s, kv_s = checkpoint_specs(config, mesh, replay)
