@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fla", action="store_true")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if skip - {"checks", "hlo", "timing"}:
+        ap.error(f"--skip: unknown sections {sorted(skip - {'checks', 'hlo', 'timing'})}")
     log(jax.devices()[0].device_kind, jax.__version__, datetime.datetime.now(datetime.timezone.utc).isoformat())
     for name, fn in (("checks", checks), ("hlo", hlo), ("timing", lambda: timing(not args.no_fla))):
         if name in skip:

@@ -872,11 +872,11 @@ def _recurrence_kernel(cfg: dict, K: int, V: int, wk_dtype, interpret: bool) -> 
         f"128; got states_t={cfg['states_t']!r}, w and kd in {jnp.dtype(wk_dtype).name}, K={K}, V={V}"))
 
 
-def _segments(cfg: dict, B: int, HV: int, V: int, nt: int, interpret: bool) -> int:
+def _segments(cfg: dict, B: int, HV: int, V: int, nt: int, interpret: bool, sms: int | None = None) -> int:
     """The Mosaic GPU recurrence's segment count (config `recurrence_segments`, DEFAULT_CONFIG's notes). An explicit
     count must divide the chunks into segments of at least `segment_window` chunks. "auto": 1 in interpret mode,
     else doubled while twice the programs still fit the GPU's SMs and the chunks split into segments of at least
-    four windows."""
+    four windows. sms: the GPU's SM count (default: the device's, 132 when it does not say)."""
     seg, win = cfg["recurrence_segments"], cfg["segment_window"]
     if seg != "auto":
         if nt % seg or nt // seg < win:
@@ -885,7 +885,8 @@ def _segments(cfg: dict, B: int, HV: int, V: int, nt: int, interpret: bool) -> i
         return seg
     if interpret:
         return 1
-    sms = getattr(jax.devices()[0], "core_count", 132)
+    if sms is None:
+        sms = getattr(jax.devices()[0], "core_count", None) or 132
     programs = (V // 64) * HV * B
     p = 1
     while 2 * p * programs <= sms and nt % (2 * p) == 0 and nt // (2 * p) >= 4 * win:

@@ -146,3 +146,20 @@ def test_bad_segment_configs_are_refused(config, match):
     d, _ = case("forget")
     with pytest.raises(ValueError, match=match):
         prefill(d, **config)
+
+
+def test_auto_segments_fill_idle_sms_only():
+    """recurrence_segments="auto" (`chunk._segments`, H200: 132 SMs): 2 segments for the 64 programs of B = 1, HV = 32
+    (issue 3's B = 1 shapes), 4 for HV = 16, none where the grid already fills the GPU (B = 8) or the segments would
+    be shorter than four windows; 1 in interpret mode; an explicit count as given."""
+    from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG, _segments
+
+    auto = dict(DEFAULT_CONFIG, recurrence_segments="auto", segment_window=4)
+    assert _segments(auto, 1, 32, 128, 512, False, sms=132) == 2
+    assert _segments(auto, 1, 16, 128, 512, False, sms=132) == 4
+    assert _segments(auto, 8, 32, 128, 64, False, sms=132) == 1
+    assert _segments(auto, 1, 32, 128, 24, False, sms=132) == 1  # 12-chunk segments: fewer than four windows
+    assert _segments(auto, 1, 32, 128, 32, False, sms=132) == 2
+    assert _segments(auto, 1, 16, 128, 36, False, sms=132) == 2  # 36 = 4 * 9: 9-chunk segments at 4 are too short
+    assert _segments(auto, 1, 32, 128, 512, True, sms=132) == 1
+    assert _segments(dict(auto, recurrence_segments=4), 8, 32, 128, 64, False, sms=132) == 4
