@@ -17,7 +17,8 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
    On a Hopper GPU the same recurrence runs by default as a Pallas Mosaic GPU kernel (`recurrence_mgpu.py`, config
-   `recurrence`: the same bits, in less time).
+   `recurrence`: the same bits, in less time), which can also run its chunks in speculative segments on grids that
+   leave SMs idle (config `recurrence_segments`: the same bits again, `recurrence_mgpu.segmented_recurrence`).
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
    Config `output="mosaic"` runs it as a Pallas Mosaic GPU kernel instead (`output_mgpu.py`: the same bits on the
@@ -879,7 +880,7 @@ def _segments(cfg: dict, B: int, HV: int, V: int, nt: int, interpret: bool, sms:
     four windows. sms: the GPU's SM count (default: the device's, 132 when it does not say)."""
     seg, win = cfg["recurrence_segments"], cfg["segment_window"]
     if seg != "auto":
-        if nt % seg or nt // seg < win:
+        if seg > 1 and (nt % seg or nt // seg < win):
             raise ValueError(f"recurrence_segments={seg}: the {nt} chunks of this call do not split into {seg} "
                              f"segments of at least segment_window={win} chunks")
         return seg

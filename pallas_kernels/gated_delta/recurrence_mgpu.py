@@ -21,6 +21,10 @@ converting w and kd in shared memory between its own dots; or two (`_kernel_ws`)
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
 
+Segments (`segmented_recurrence`, chunk config `recurrence_segments`): on a grid that leaves SMs idle (B = 1: 64
+programs on 132 SMs), the chunks are cut into segments run at once, all but the first from a zero state, and each
+boundary is then checked bit for bit and recomputed only where the check fails: the same outputs, whatever the gates.
+
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
 runs 126-130): every element is the same products summed over the same axis in the same k order by TF32 wgmma
 instructions in both, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in

@@ -163,3 +163,4 @@ def test_auto_segments_fill_idle_sms_only():
     assert _segments(auto, 1, 16, 128, 36, False, sms=132) == 2  # 36 = 4 * 9: 9-chunk segments at 4 are too short
     assert _segments(auto, 1, 32, 128, 512, True, sms=132) == 1
     assert _segments(dict(auto, recurrence_segments=4), 8, 32, 128, 64, False, sms=132) == 4
+    assert _segments(dict(auto, recurrence_segments=1), 1, 32, 128, 3, False, sms=132) == 1  # (any chunk count)
