@@ -59,8 +59,8 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
             nvb: int, interpret: bool):
     """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs, the
     Triton recurrence's layouts: w, kd fp16 [B, HV, Tp, K] (as the prep stores them), u fp32 [B, HV, Tp, V], gc fp32
-    [B, HV, Tp], S0 fp32 [B, HV, K, V]; outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final S^T
-    [B, HV, V, K].
+    [B, HV, Tp], S0 fp32 [P, B, HV, K, V] (one per segment); outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp]
+    and the final S^T [P, B, HV, V, K].
 
     Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in fp16 and are
     converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its buffer: kd(c)
