@@ -33,7 +33,6 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
-    ("gpu_segments.py", "--skip", "checks,timeing", "unknown sections ['timeing']"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
     r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)

@@ -17,8 +17,7 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    block S [K, BV] on chip:
    writes S at the start of every chunk (h) and v_new = u - w S, then S = exp(gc_last) S + kd^T v_new.
    On a Hopper GPU the same recurrence runs by default as a Pallas Mosaic GPU kernel (`recurrence_mgpu.py`, config
-   `recurrence`: the same bits, in less time), which can also run its chunks in speculative segments on grids that
-   leave SMs idle (config `recurrence_segments`: the same bits again, `recurrence_mgpu.segmented_recurrence`).
+   `recurrence`: the same bits, in less time).
 3. `_out_kernel`, grid (NT, HV, B, V // BVO), fully parallel: o = qg h + Aqk v_new with qg = scale q exp(gc) and the
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
    Config `output="mosaic"` runs it as a Pallas Mosaic GPU kernel instead (`output_mgpu.py`: the same bits on the
@@ -169,13 +168,6 @@ from .wy import CHUNK
 # transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
 # alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
-# recurrence_segments: the Mosaic GPU recurrence cut into that many segments run at once, all but the first from a
-# zero state, each then checked bit for bit at its start and recomputed only where the check fails
-# (`recurrence_mgpu.segmented_recurrence`: the same bits whatever it finds). 1 (default: one segment, not yet measured
-# on the H200), or "auto": on a grid of programs ((V // 64) HV B) that leaves at least half of the GPU's SMs idle,
-# the largest power of two that fits the SMs and divides the chunks into segments of at least 4 windows
-# (`_segments`); 1 in interpret mode and with the Triton recurrence (an int there other than 1 is refused). segment_window: the chunks each check carries the true state
-# through (default 4).
 # output: which kernel runs the split design's output kernel: "triton" (default: `_out_kernel`), "mosaic" (the same
 # arithmetic as a Pallas Mosaic GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel,
 # `key_norms`, so that their row sums add in Triton's order) or "auto" ("mosaic" on a Hopper GPU where it applies:
@@ -206,8 +198,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", recurrence_segments=1, segment_window=4, output="triton",
-    output_order="h_acc",
+    recurrence="auto", recurrence_ws="u", output="triton", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -501,12 +492,6 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton' or 'mosaic'")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
-    seg = cfg["recurrence_segments"]
-    if not (seg == "auto" or (isinstance(seg, int) and not isinstance(seg, bool) and seg >= 1)):
-        raise ValueError(f"recurrence_segments={seg!r}: expected 'auto' or a positive int")
-    win = cfg["segment_window"]
-    if not (isinstance(win, int) and not isinstance(win, bool) and win >= 1):
-        raise ValueError(f"segment_window={win!r}: expected a positive int")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
@@ -752,12 +737,8 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
         h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
-                                             segments=_segments(cfg, B, HV, V, nt, interpret),
-                                             window=cfg["segment_window"], interpret=interpret)
+                                             interpret=interpret)
     else:
-        if cfg["recurrence_segments"] not in ("auto", 1):
-            raise ValueError(f"recurrence_segments={cfg['recurrence_segments']!r} needs the Mosaic GPU recurrence "
-                             f"(config recurrence); this call runs the Triton one")
         h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
     if cfg.get("stop_after") == "state":
         return h, vn, final
@@ -871,28 +852,6 @@ def _recurrence_kernel(cfg: dict, K: int, V: int, wk_dtype, interpret: bool) -> 
     return _triton_or_mosaic("recurrence", cfg["recurrence"], fits, interpret, lambda: (
         f"needs states_t=True, w and kd stored in fp16 (wk_dtype), V a multiple of 64 and K a multiple of 32 up to "
         f"128; got states_t={cfg['states_t']!r}, w and kd in {jnp.dtype(wk_dtype).name}, K={K}, V={V}"))
-
-
-def _segments(cfg: dict, B: int, HV: int, V: int, nt: int, interpret: bool, sms: int | None = None) -> int:
-    """The Mosaic GPU recurrence's segment count (config `recurrence_segments`, DEFAULT_CONFIG's notes). An explicit
-    count must divide the chunks into segments of at least `segment_window` chunks. "auto": 1 in interpret mode,
-    else doubled while twice the programs still fit the GPU's SMs and the chunks split into segments of at least
-    four windows. sms: the GPU's SM count (default: the device's, 132 when it does not say)."""
-    seg, win = cfg["recurrence_segments"], cfg["segment_window"]
-    if seg != "auto":
-        if seg > 1 and (nt % seg or nt // seg < win):
-            raise ValueError(f"recurrence_segments={seg}: the {nt} chunks of this call do not split into {seg} "
-                             f"segments of at least segment_window={win} chunks")
-        return seg
-    if interpret:
-        return 1
-    if sms is None:
-        sms = getattr(jax.devices()[0], "core_count", None) or 132
-    programs = (V // 64) * HV * B
-    p = 1
-    while 2 * p * programs <= sms and nt % (2 * p) == 0 and nt // (2 * p) >= 4 * win:
-        p *= 2
-    return p
 
 
 def _triton_or_mosaic(key: str, choice: str, fits: bool, interpret: bool, why_not) -> str:

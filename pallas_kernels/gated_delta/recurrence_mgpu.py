@@ -21,10 +21,6 @@ converting w and kd in shared memory between its own dots; or two (`_kernel_ws`)
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
 
-Segments (`segmented_recurrence`, chunk config `recurrence_segments`): on a grid that leaves SMs idle (B = 1: 64
-programs on 132 SMs), the chunks are cut into segments run at once, all but the first from a zero state, and each
-boundary is then checked bit for bit and recomputed only where the check fails: the same outputs, whatever the gates.
-
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
 runs 126-130): every element is the same products summed over the same axis in the same k order by TF32 wgmma
 instructions in both, only with the operands' roles swapped (run 74 had found a swapped dot giving the same bits in
@@ -55,26 +51,24 @@ def _tf32_rna(x):
 
 
 def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
-            w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int, first: int,
-            nvb: int, interpret: bool):
+            w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int,
+            interpret: bool):
     """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs, the
     Triton recurrence's layouts: w, kd fp16 [B, HV, Tp, K] (as the prep stores them), u fp32 [B, HV, Tp, V], gc fp32
-    [B, HV, Tp], S0 fp32 [P, B, HV, K, V] (one per segment); outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp]
-    and the final S^T [P, B, HV, V, K].
+    [B, HV, Tp], S0 fp32 [B, HV, K, V]; outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final S^T
+    [B, HV, V, K].
 
     Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in fp16 and are
     converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its buffer: kd(c)
-    during the first dot of c, w(c + 1) during the second (w(0) before the loop).
-
-    Segments (`_launch`): the program runs the nt chunks from `first` + seg * nt on (c below counts from there),
-    from S0[seg], and stores its final state at [seg]."""
+    during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    seg, cols, hv, b, c0 = _program(bv, nvb, first, nt)
+    j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
+    cols = pl.ds(j * bv, bv)
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
 
     def rows(c):
-        return pl.ds((c0 + c) * CHUNK, CHUNK)
+        return pl.ds(c * CHUNK, CHUNK)
 
     def load_w(c):
         plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c), :], w16_s, w_bar)
@@ -95,7 +89,7 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
         plgpu.barrier_wait(kd_bar)
         kd_s[...] = kd16_s.T[...].astype(jnp.float32)
 
-    plgpu.copy_gmem_to_smem(s0_gmem.at[seg, b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
+    plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
     load_w(0)
     load_kd(0)
     load_u_gc(0)
@@ -110,7 +104,7 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
         h_s[...] = s
         sa_s[...] = _tf32_rna(s)
         plgpu.commit_smem()  # (also w(c)'s conversion, every read of w's staging buffer and, at c = 0, of S0)
-        plgpu.copy_smem_to_gmem(h_s, h_gmem.at[b, hv, c0 + c, cols, :])
+        plgpu.copy_smem_to_gmem(h_s, h_gmem.at[b, hv, c, cols, :])
 
         load_w(lax.select(more, c + 1, c))  # (the last chunk loads its own again: every dot's conversion waits)
 
@@ -143,15 +137,7 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
 
         return _decayed_plus(kv_dot, s, decay, interpret)
 
-    _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[seg, b, hv, cols, :])
-
-
-def _program(bv: int, nvb: int, first: int, nt: int):
-    """This program's (segment, V-block columns, value head, row, first chunk): grid axis "j" counts the nvb V
-    blocks of segment 0, then those of segment 1, ...; segment seg runs chunks first + seg * nt on."""
-    j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
-    seg = j // nvb
-    return seg, pl.ds((j % nvb) * bv, bv), hv, b, first + seg * nt
+    _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[b, hv, cols, :])
 
 
 def _decayed_plus(kv_dot, s, decay, interpret: bool):
@@ -178,7 +164,7 @@ def _store_final(s_final, h_s, dst):
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
                w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut, nt: int, bv: int,
-               first: int, nvb: int, interpret: bool):
+               interpret: bool):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -191,8 +177,9 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
     alternates between two slots, so that gc(c + 1) can land while the consumer has yet to read gc(c))."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    seg, cols, hv, b, c0 = _program(bv, nvb, first, nt)
+    j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
+    cols = pl.ds(j * bv, bv)
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
     w_ready, kd_ready = ready.at[0], ready.at[1]
     w_free, kd_free = free.at[0], free.at[1]
@@ -201,7 +188,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
         u_ready, u_free = ready.at[2], free.at[2]
 
     def rows(c):
-        return pl.ds((c0 + c) * CHUNK, CHUNK)
+        return pl.ds(c * CHUNK, CHUNK)
 
     def load_u_gc(c):
         plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
@@ -265,7 +252,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
 
     @pl.when(wg == 0)
     def _consumer():
-        plgpu.copy_gmem_to_smem(s0_gmem.at[seg, b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
+        plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
         if not ut:
             load_u_gc(0)
         plgpu.barrier_wait(s0_bar)
@@ -277,7 +264,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
             h_s[...] = s
             sa_s[...] = _tf32_rna(s)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(h_s, h_gmem.at[b, hv, c0 + c, cols, :])
+            plgpu.copy_smem_to_gmem(h_s, h_gmem.at[b, hv, c, cols, :])
             plgpu.barrier_wait(w_ready)
 
             def ws_dot(acc):
@@ -318,7 +305,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
             plgpu.barrier_arrive(kd_free)
             return s_next
 
-        _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[seg, b, hv, cols, :])
+        _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[b, hv, cols, :])
 
 
 def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
@@ -328,101 +315,21 @@ def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
 
 
 def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool | str = "u",
-                          segments: int = 1, window: int = 4, interpret: bool = False):
+                          interpret: bool = False):
     """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
     and kd [B, HV, Tp, K] in fp16 as the prep stores them on the GPU, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
     initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K]
-    (the state at each chunk start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V].
-    `warp_specialised`: the kernel's form (module docstring), False, True or "u" (default); the same bits.
-    `segments` > 1 (NT a multiple of it, NT / segments >= `window` >= 1): the speculative segmented recurrence
-    (`segmented_recurrence`); the same bits, in less time where the grid leaves SMs idle and the gates forget."""
-    return segmented_recurrence(w, u, kd, gc, initial_state, bv=bv, warp_specialised=warp_specialised,
-                                segments=segments, window=window, interpret=interpret)[:3]
+    (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V].
+    `warp_specialised`: the kernel's form (module docstring), False, True or "u" (default); the same bits."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-
-def segmented_recurrence(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool | str = "u",
-                         segments: int = 1, window: int = 4, interpret: bool = False):
-    """`state_recurrence_mgpu`'s (h, v_new^T, final state), plus a bool [segments - 1]: whether the check at each
-    segment boundary found the speculative states there (below).
-
-    With segments = P > 1 the NT chunks are cut into P segments of L = NT / P, and one launch runs them all at once
-    (P times the programs: on a grid that leaves SMs idle, B = 1, about the time of one segment). Segment 0 starts
-    from the initial state; the others start from zero, speculatively. Then, boundary by boundary (c0 = p L), the
-    true state at c0 (segment p - 1's final state, now known to be exact) is carried through the next `window`
-    chunks, whose h and v_new it rewrites in place. If the state it reaches equals, bit for bit, the speculative one
-    at c0 + window, the two recurrences are one from there on (each chunk is a function of the state at its start
-    and its own inputs, computed by the same instructions), so the rest of the segment, and its final state, were
-    already right. If not, the rest of the segment is computed again from the true state, in place. Either way
-    every output is bitwise the unsegmented recurrence's: the check decides only what is recomputed.
-
-    When does the check pass? When the initial state's part of the state has fallen below the rounding of the rest
-    within the window: gates that forget (a chunk's decay exp(gc_last) far below 1) or keys that overwrite it. With
-    the sweep's gates (`scripts/gpu_kernels.make_prefill`) it passes within one or two chunks; with g = 0 and a small
-    beta it never does, and the segmented recurrence then costs one segment, plus the window and the recomputed rest
-    in sequence: about the unsegmented time, plus one launch."""
     B, HV, tp, K = w.shape
     V = u.shape[-1]
     _check_shapes(tp, K, V, bv)
     if w.dtype != jnp.float16 or kd.dtype != jnp.float16:  # (fp32 staging buffers would not fit shared memory)
         raise ValueError(f"state_recurrence_mgpu: w and kd must be fp16 (the prep's GPU storage, `chunk._wk_dtype`); "
                          f"got {w.dtype}, {kd.dtype}")
-    if warp_specialised not in (False, True, "u"):
-        raise ValueError(f"state_recurrence_mgpu: warp_specialised is False, True or 'u', not {warp_specialised!r}")
     nt = tp // CHUNK
-    P = segments
-    if not (isinstance(P, int) and P >= 1 and nt % P == 0 and isinstance(window, int)
-            and (P == 1 or 1 <= window <= nt // P)):
-        raise ValueError(f"state_recurrence_mgpu: segments ({segments!r}) must be a positive int dividing the number "
-                         f"of chunks ({nt}), and window ({window!r}) an int from 1 to the chunks per segment")
-    f32 = jnp.float32
-    launch = functools.partial(_launch, w, u.astype(f32), kd, gc.astype(f32), bv=bv,
-                               warp_specialised=warp_specialised, interpret=interpret)
-    s0 = initial_state.astype(f32)
-    if P == 1:
-        h, vn_t, s_t = launch(s0[None], first=0, nt=nt)
-        return h, vn_t, jnp.swapaxes(s_t[0], -1, -2), jnp.zeros((0,), bool)
-    L = nt // P
-    h, vn_t, finals = launch(jnp.concatenate([s0[None], jnp.zeros((P - 1,) + s0.shape, f32)]), first=0, nt=L)
-    state_t = finals[0]  # S^T at the end of segment 0: exact (it started from the initial state)
-    passed = []
-    for p in range(1, P):
-        c0 = p * L
-        spec = finals[p] if window == L else h[:, :, c0 + window]  # the speculative S^T at c0 + window
-        h, vn_t, s_w = launch(jnp.swapaxes(state_t, -1, -2)[None], first=c0, nt=window, into=(h, vn_t))
-        s_w = s_w[0]
-        same = jnp.all(_bits(s_w) == _bits(spec))
-        if window == L:
-            end = s_w
-        else:
-            def rest(carry, c0=c0, s_w=s_w):
-                h, vn_t, _, n = carry
-                h, vn_t, s_r = launch(jnp.swapaxes(s_w, -1, -2)[None], first=c0 + window, nt=L - window,
-                                      into=(h, vn_t))
-                return h, vn_t, s_r[0], n + 1
-
-            # (a loop of zero or one trips rather than a cond: XLA keeps a while loop's buffers in place)
-            h, vn_t, end, _ = lax.while_loop(lambda carry, same=same: carry[3] < jnp.where(same, 0, 1), rest,
-                                             (h, vn_t, finals[p], jnp.int32(0)))
-        state_t = end
-        passed.append(same)
-    return h, vn_t, jnp.swapaxes(state_t, -1, -2), jnp.stack(passed)
-
-
-def _bits(x):
-    """fp32 as its int32 bits: equality of these is bitwise (-0.0 is not 0.0, a NaN equals its own bits)."""
-    return lax.bitcast_convert_type(x, jnp.int32)
-
-
-def _launch(w, u, kd, gc, s0s, *, first: int, nt: int, bv: int, warp_specialised, interpret: bool, into=None):
-    """One launch of the kernel: for each of the P = len(s0s) segments, the nt chunks from `first` + seg * nt on,
-    from S0 = s0s[seg] ([P, B, HV, K, V]). Returns (h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp], S^T at each
-    segment's end [P, B, HV, V, K]). With `into` = (h, v_new^T), those are written in place (the kernel takes them
-    as refs: only its chunks change); else they are new arrays, and chunks outside the segments are undefined."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    B, HV, tp, K = w.shape
-    V = u.shape[-1]
-    P = s0s.shape[0]
     f32 = jnp.float32
 
     def smem(*shape, dtype=f32):  # swizzled as the wgmma takes its operands (128-byte rows; narrower at tiny K)
@@ -431,6 +338,8 @@ def _launch(w, u, kd, gc, s0s, *, first: int, nt: int, bv: int, warp_specialised
                                                     plgpu.SwizzleTransform(swizzle)))
 
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    if warp_specialised not in (False, True, "u"):
+        raise ValueError(f"state_recurrence_mgpu: warp_specialised is False, True or 'u', not {warp_specialised!r}")
     body, extra, gc_shape = _kernel, [], (CHUNK,)
     if warp_specialised:
         body = _kernel_ws
@@ -440,20 +349,16 @@ def _launch(w, u, kd, gc, s0s, *, first: int, nt: int, bv: int, warp_specialised
             extra.append(smem(bv, CHUNK))
             gc_shape = (2, CHUNK)
         params.update(num_threads=2, thread_name="wg")
-    states = [jax.ShapeDtypeStruct((B, HV, tp // CHUNK, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32)]
-    finals = jax.ShapeDtypeStruct((P, B, HV, V, K), f32)
-    kernel = functools.partial(
-        plgpu.kernel, functools.partial(body, nt=nt, bv=bv, first=first, nvb=V // bv, interpret=interpret),
+    h, vn_t, s_t = plgpu.kernel(
+        functools.partial(body, nt=nt, bv=bv, interpret=interpret),
+        out_type=[jax.ShapeDtypeStruct((B, HV, nt, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32),
+                  jax.ShapeDtypeStruct((B, HV, V, K), f32)],
         scratch_types=[smem(CHUNK, K, dtype=w.dtype), smem(CHUNK, K), smem(CHUNK, K, dtype=w.dtype), smem(K, CHUNK),
                        smem(CHUNK, bv), plgpu.SMEM(gc_shape, f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
                        smem(bv, CHUNK), plgpu.Barrier(num_barriers=5), *extra],
-        grid=(P * (V // bv), HV, B),
+        grid=(V // bv, HV, B),
         grid_names=("j", "h", "b"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **params,
-    )
-    if into is None:
-        return tuple(kernel(out_type=[*states, finals])(w, u, kd, gc, s0s))
-    h_ref, vn_ref = jax.new_ref(into[0]), jax.new_ref(into[1])  # (the kernel's refs h_gmem, vn_gmem: in place)
-    [s_t] = kernel(out_type=[finals])(w, u, kd, gc, s0s, h_ref, vn_ref)
-    return jax.freeze(h_ref), jax.freeze(vn_ref), s_t
+    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32))
+    return h, vn_t, jnp.swapaxes(s_t, -1, -2)
