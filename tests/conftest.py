@@ -65,7 +65,11 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-import jax
+from tests.xla_threads import ensure_xla_cpu_threads
+
+ensure_xla_cpu_threads()  # before JAX starts: Mosaic GPU's interpret mode needs >= 3 pool threads (tests/xla_threads.py)
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

@@ -7,12 +7,15 @@ a chunk start against a call that ends there). Whether its bits equal the Triton
 TF32 first, so they agree within the tolerance below, not bit for bit.
 
 Tolerance: relative (max-norm) error <= 2e-3 (TF32 operands: 2^-11 relative rounding of S and v_new per chunk).
+The warp-specialised forms run their two warpgroups as threads in the interpreter, which needs at least 3 XLA:CPU
+pool threads (`tests/xla_threads.py`, checked below).
 Shapes: K = 32, V = 64 (the kernel's V block is 64), two or three chunks.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu
 from tests.gdn_oracle import random_gdn_inputs
+from tests.xla_threads import xla_cpu_pool_threads
 
 K, V, HK, HV = 32, 64, 1, 2
 TOL = 2e-3
@@ -184,3 +188,12 @@ def test_bad_recurrence_configs_are_refused(case, config, match):
     with pytest.raises(ValueError, match=match):
         chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), interpret=True,
                                       config=config)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts the pool's threads in /proc")
+def test_the_interpreter_has_the_xla_cpu_threads_its_warpgroups_need():
+    """The warp-specialised forms above run in Mosaic GPU's interpreter as two threads whose callbacks share XLA:CPU's
+    pool; with fewer than 3 pool threads they can deadlock (`tests/xla_threads.py`). conftest.py sets PJRT_NPROC
+    before JAX starts; this checks that it took effect in this process."""
+    jnp.ones(3).block_until_ready()  # (the CPU backend exists)
+    assert xla_cpu_pool_threads() >= 3
