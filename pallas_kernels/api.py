@@ -1,5 +1,10 @@
 """Kernel entry points the model calls. Each routes through `backend.resolve_backend` to the pure-JAX
-reference or to the Pallas kernel (compiled, or interpreted on CPU). Shapes: see `gated_delta.reference`."""
+reference or to the Pallas kernel (compiled, or interpreted on CPU). Shapes: see `gated_delta.reference`.
+
+The gated delta rule, attention and matmul entry points check their arguments before any kernel runs, on shapes,
+dtypes and Python values only, and raise `jaxgdn.InputError` (a ValueError) naming the bad one; every entry point
+that takes a `backend` raises it for an unknown one too. On the Pallas backends ("pallas", "interpret") the GDN head
+sizes K and V must be powers of two >= 16, what the kernels need (the "reference" backend takes any)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .backend import resolve_backend
+from .backend import BACKENDS, resolve_backend
 from .gated_delta import reference as _ref
 
 TP_AXIS = "tp"  # the tensor-parallel mesh axis (`jaxgdn.sharding`): heads are split over it
@@ -40,6 +45,14 @@ def _input_error(message: str) -> Exception:
     from jaxgdn.errors import InputError
 
     return InputError(message)
+
+
+def _backend(backend) -> str:
+    """`resolve_backend(backend)`, with an unknown backend an InputError (resolve_backend's is a plain ValueError)."""
+    try:
+        return resolve_backend(backend)
+    except (TypeError, ValueError):  # TypeError: an unhashable or otherwise odd value
+        raise _input_error(f"unknown kernel backend {backend!r}; expected one of {BACKENDS} or None") from None
 
 
 def _array(name: str, x, kind: str = "floating"):
@@ -129,9 +142,22 @@ def _checked_state(name: str, x, want: tuple, what: str = "[B,HV,K,V]"):
     return x
 
 
-def _checked_heads(q, k, v, lead: str):
-    """q, k [*lead, HK, K] and v [*lead, HV, V] (lead "B,T" or "B"), HV a multiple of HK: returns the lead shape and
-    (HK, K, HV, V)."""
+def _checked_head_sizes(K: int, V: int, backend: str):
+    """On the Pallas backends the GDN head sizes K and V must be powers of two >= 16: the rule every Pallas GDN
+    kernel checks (`gated_delta.chunk._check_pow2`, which the replay kernels call too, and the same test in
+    `gated_delta.scan` and `gated_delta.recurrent`), refused here before any of them runs. The reference backend
+    takes any size."""
+    if backend == "reference":
+        return
+    for name, n in (("K", K), ("V", V)):
+        if n < 16 or n & (n - 1):
+            raise _input_error(f"{name}={n}: the head sizes K and V must be powers of two >= 16 on the Pallas "
+                               f"backends (backend {backend!r}); the 'reference' backend takes any size")
+
+
+def _checked_heads(q, k, v, lead: str, backend: str):
+    """q, k [*lead, HK, K] and v [*lead, HV, V] (lead "B,T" or "B"), HV a multiple of HK, K and V sizes the
+    backend's kernels run (`_checked_head_sizes`): returns the lead shape and (HK, K, HV, V)."""
     n = len(lead.split(",")) + 2
     for name, x in (("q", q), ("k", k), ("v", v)):
         _array(name, x)
@@ -145,6 +171,7 @@ def _checked_heads(q, k, v, lead: str):
     HK, K, HV, V = q.shape[-2], q.shape[-1], v.shape[-2], v.shape[-1]
     if HK < 1 or HV % HK:
         raise _input_error(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    _checked_head_sizes(K, V, backend)
     return tuple(q.shape[:n - 2]), (HK, K, HV, V)
 
 
@@ -157,7 +184,7 @@ def _checked_gates(g, beta, want: tuple, what: str, g_name: str = "g", beta_name
 def _checked_prefill(q, k, v, g, beta, kw: dict, backend: str, stride_multiple: int) -> dict:
     """The prefill rules' arguments checked; returns kw with lengths as int32, the flag as a bool and the stride as
     a Python int."""
-    (B, T), (HK, K, HV, V) = _checked_heads(q, k, v, "B,T")
+    (B, T), (HK, K, HV, V) = _checked_heads(q, k, v, "B,T", backend)
     _checked_gates(g, beta, (B, T, HV), "[B,T,HV]")
     if kw["initial_state"] is not None:
         _checked_state("initial_state", kw["initial_state"], (B, HV, K, V))
@@ -198,8 +225,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
     q, k, v, g and beta have floating dtypes; scale: None (K^-0.5) or a finite number; initial_state: None (zeros)
     or fp32 [B,HV,K,V]; lengths: None or integers [B] (tokens t >= lengths[b] are padding; a length below 0 counts
-    as 0, above T as T); checkpoint_stride: None or a positive multiple of 64; use_qk_l2norm: a bool. Bad arguments
-    raise `jaxgdn.InputError` (a ValueError) naming them. T = 0 or B = 0: nothing runs, the state comes back as is.
+    as 0, above T as T); checkpoint_stride: None or a positive multiple of 64; use_qk_l2norm: a bool; backend: None,
+    "reference", "pallas" or "interpret". On the Pallas backends K and V must be powers of two >= 16 (the reference
+    takes any). Bad arguments raise `jaxgdn.InputError` (a ValueError) naming them. T = 0 or B = 0: nothing runs,
+    the state comes back as is.
 
     Returns (o [B,T,HV,V] in v.dtype, final_state fp32 [B,HV,K,V]), plus checkpoints fp32 [B,T//stride,HV,K,V]
     when `checkpoint_stride` is given. o at padded positions: zeros on the Pallas backends, not specified on the
@@ -234,7 +263,7 @@ def _prefill(q, k, v, g, beta, kw: dict, backend: str | None, reference, kernel_
     `gated_delta`, function; imported on first use) called directly, or per shard in `shard_map` under a
     tensor-parallel mesh (heads split; each shard runs the kernel on its heads). The arguments are checked first
     (InputError), and a call of no tokens or no rows returns the state as it is without running anything."""
-    backend = resolve_backend(backend)
+    backend = _backend(backend)
     kw = _checked_prefill(q, k, v, g, beta, kw, backend, stride_multiple)
     if v.shape[0] == 0 or v.shape[1] == 0:
         return _empty_prefill(q, v, kw)
@@ -264,12 +293,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state, scale=None, u
     dt_bias ([HV]) given, the raw `a` and `b` from which the gates are computed in fp32.
 
     q, k, v, g, beta, A_log and dt_bias have floating dtypes; initial_state: fp32 [B,HV,K,V], or None (zeros);
-    scale: None (K^-0.5) or a finite number; use_qk_l2norm: a bool. Bad arguments raise `jaxgdn.InputError`.
+    scale: None (K^-0.5) or a finite number; use_qk_l2norm: a bool; on the Pallas backends K and V powers of two
+    >= 16. Bad arguments raise `jaxgdn.InputError`.
 
     Returns (o [B,HV,V] in v.dtype, new_state fp32 [B,HV,K,V]).
     """
-    backend = resolve_backend(backend)
-    (B,), (HK, K, HV, V) = _checked_heads(q, k, v, "B")
+    backend = _backend(backend)
+    (B,), (HK, K, HV, V) = _checked_heads(q, k, v, "B", backend)
     fused = A_log is not None
     if fused != (dt_bias is not None):
         raise _input_error("A_log and dt_bias go together (both given: g and beta are the raw a and b)")
@@ -356,7 +386,7 @@ def matmul_invariant(x, w, *, backend: str | None = None, row_groups: int | None
     output head; its rows, the vocabulary, are then the `col_groups`). Shapes that do not fit, or a non-bool
     `w_transposed`, raise `jaxgdn.InputError`.
     """
-    backend = resolve_backend(backend)
+    backend = _backend(backend)
     w_transposed = _flag("w_transposed", w_transposed)
     for name, a in (("x", x), ("w", w)):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
@@ -476,7 +506,7 @@ def cache_attention(q, keys, values, pos, *, decode: bool, backend: str | None =
     """
     from . import attention as _att  # the submodule (the package exports no name `attention`)
 
-    backend = resolve_backend(backend)
+    backend = _backend(backend)
     pos, decode = _checked_attention(q, keys, values, pos, decode)
     if backend == "reference":
         return _att.attention_reference(q, keys, values, pos)
@@ -495,7 +525,7 @@ def attention_invariant(q, keys, values, pos, *, decode: bool, backend: str | No
     the kernel runs per shard when the mesh splits both the query and the KV heads, else the reference path runs.
     Arguments checked as `cache_attention`'s (`jaxgdn.InputError`).
     """
-    backend = resolve_backend(backend)
+    backend = _backend(backend)
     pos, decode = _checked_attention(q, keys, values, pos, decode)
     if backend == "reference":
         return _attention_tiled(q, keys, values, pos, decode)
@@ -536,14 +566,14 @@ def replay_step_matches_prefill(K: int, V: int, backend: str | None = None) -> b
     on the GPU only for the head sizes the H200 checks cover, `REPLAY_STEP_VERIFIED_HEADS` (Qwen3.5's and
     Qwen3-Next's GDN heads are 128 x 128). Where it is False the model runs a one-token call through the chunked
     kernel instead (`jaxgdn/layers/gdn.py`)."""
-    return resolve_backend(backend) != "pallas" or (K, V) in REPLAY_STEP_VERIFIED_HEADS
+    return _backend(backend) != "pallas" or (K, V) in REPLAY_STEP_VERIFIED_HEADS
 
 
 def _checked_replay(q, k, v, g, beta, state, lengths, scale, use_qk_l2norm, backend: str, caches=None):
     """The open chunk q, k [B,64,HK,K], v [B,64,HV,V], g, beta [B,64,HV]; the fp32 boundary state [B,HV,K,V]; the
     fp32 caches x_cache [B,HV,64,64] and vn_cache [B,HV,64,V] when given; lengths integers [B]. Returns (B, HV, V,
     lengths as int32, scale, use_qk_l2norm as a bool)."""
-    (B, T), (HK, K, HV, V) = _checked_heads(q, k, v, "B,T")
+    (B, T), (HK, K, HV, V) = _checked_heads(q, k, v, "B,T", backend)
     if T != _ref.CHUNK:
         raise _input_error(f"q, k and v must hold the open chunk of {_ref.CHUNK} tokens ([B,{_ref.CHUNK},H,D]); got "
                            f"T={T}")
@@ -572,10 +602,11 @@ def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, sc
     caches). On the reference backend the step runs the reference chunked rule over the open chunk and the caches
     pass through unused. The output row and states are bitwise what the same backend's chunked prefill computes
     (on the GPU: checked for bf16 q, k, v and the heads `replay_step_matches_prefill` names; `gated_delta/replay.py`).
-    q, k, v, g, beta have floating dtypes, lengths an integer one (Python lists taken); scale and use_qk_l2norm as
-    `chunk_gated_delta_rule`'s. Bad arguments raise `jaxgdn.InputError` naming them.
+    q, k, v, g, beta have floating dtypes, lengths an integer one (Python lists taken); scale, use_qk_l2norm and
+    (on the Pallas backends) K and V as `chunk_gated_delta_rule`'s. Bad arguments raise `jaxgdn.InputError` naming
+    them.
     """
-    backend = resolve_backend(backend)
+    backend = _backend(backend)
     B, HV, V, lengths, scale, use_qk_l2norm = _checked_replay(q, k, v, g, beta, state, lengths, scale, use_qk_l2norm,
                                                               backend, caches=(x_cache, vn_cache))
     if B == 0:
@@ -598,19 +629,59 @@ def chunk_replay_step(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, sc
                       (h,) * 4)
 
 
+def _checked_packed(qkv, gates, state, x_cache, vn_cache, lengths, heads, groups, backend: str):
+    """`chunk_replay_step_packed`'s buffers and sizes checked as `_checked_replay` checks the separate arrays' (the
+    scale and flag are the caller's to check): heads four integers >= 1 (HV a multiple of HK; K and V as the backend
+    needs), groups an integer >= 1 dividing HK and HV, qkv floating [B,64,2*HK*K+HV*V], gates floating [B,64,2,HV],
+    the fp32 state [B,HV,K,V] and caches [B,HV,64,64], [B,HV,64,V], lengths integers [B]. Returns (heads as
+    `open_chunk.Heads`, groups as an int, lengths as int32)."""
+    from .gated_delta import open_chunk as oc
+
+    try:
+        items = None if isinstance(heads, (str, bytes)) else tuple(heads)
+    except TypeError:
+        items = None
+    if items is None or len(items) != 4:
+        raise _input_error(f"heads must be (HK, K, HV, V), four integers; got {heads!r}")
+    HK, K, HV, V = (_count(f"heads[{i}] ({n})", items[i], 1) for i, n in enumerate(("HK", "K", "HV", "V")))
+    if HV % HK:
+        raise _input_error(f"heads: value heads ({HV}) must be a multiple of key heads ({HK})")
+    _checked_head_sizes(K, V, backend)
+    groups = _count("groups", groups, 1)
+    if HK % groups or HV % groups:
+        raise _input_error(f"groups ({groups}) must divide the key heads ({HK}) and the value heads ({HV})")
+    C = 2 * HK * K + HV * V
+    _array("qkv", qkv)
+    if qkv.ndim != 3 or tuple(qkv.shape[1:]) != (_ref.CHUNK, C):
+        raise _input_error(f"qkv must be [B,{_ref.CHUNK},2*HK*K+HV*V]=[B,{_ref.CHUNK},{C}] for heads "
+                           f"{(HK, K, HV, V)}; got {tuple(qkv.shape)}")
+    B = qkv.shape[0]
+    _array("gates", gates)
+    _shape("gates", gates, (B, _ref.CHUNK, 2, HV), f"[B,{_ref.CHUNK},2,HV]")
+    _checked_state("state", state, (B, HV, K, V))
+    _checked_state("x_cache", x_cache, (B, HV, _ref.CHUNK, _ref.CHUNK), "[B,HV,64,64]")
+    _checked_state("vn_cache", vn_cache, (B, HV, _ref.CHUNK, V), "[B,HV,64,V]")
+    lengths = _int_array("lengths", lengths)
+    _shape("lengths", lengths, (B,), "[B]")
+    return oc.Heads(HK, K, HV, V), groups, jnp.asarray(lengths, jnp.int32)
+
+
 def chunk_replay_step_packed(qkv, gates, state, x_cache, vn_cache, lengths, *, heads, groups: int, scale=None,
                              use_qk_l2norm=True, backend: str | None = None):
     """`chunk_replay_step` on the open chunk as a model keeps it: qkv [B,64,2·HK·K + HV·V] in `groups` groups of
     [q_g | k_g | v_g] and gates [B,64,2,HV] (g, beta; fp32); heads = (HK, K, HV, V). The Pallas kernels read the
     buffers in place (`gated_delta/open_chunk.py`; no q / k / v copies). Returns (o, state, x_cache, vn_cache) as
     `chunk_replay_step` does, then (qkv, gates) with the rows whose chunk completed (lengths == 64) zeroed — in place
-    on the Pallas backends when the caller donates them."""
+    on the Pallas backends when the caller donates them.
+
+    heads: four integers >= 1 (HV a multiple of HK); groups: an integer >= 1 dividing HK and HV; qkv and gates have
+    floating dtypes; state, caches, lengths, scale, use_qk_l2norm and (on the Pallas backends) K and V as
+    `chunk_replay_step`'s. Bad arguments raise `jaxgdn.InputError` naming them, before any kernel runs."""
     from .gated_delta import open_chunk as oc
 
-    backend = resolve_backend(backend)
-    heads = oc.Heads(*heads)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+    backend = _backend(backend)
+    heads, groups, lengths = _checked_packed(qkv, gates, state, x_cache, vn_cache, lengths, heads, groups, backend)
+    kw = dict(scale=_checked_scale(scale, backend), use_qk_l2norm=_flag("use_qk_l2norm", use_qk_l2norm))
 
     def split_then_step():  # q, k, v sliced out (copies), then the step on separate arrays
         q, k, v = oc.split_packed(qkv, heads, groups)
@@ -640,7 +711,7 @@ def chunk_replay_prime(q, k, v, g, beta, state, lengths, *, scale=None, use_qk_l
     """The caches of `chunk_replay_step` for open chunks a prefill left: lengths[b] (0..63) tokens of q, k, v, g, beta
     ([B,64,...]) after the boundary `state` (fp32 [B,HV,K,V]). Returns (x_cache, vn_cache); zeros on the reference
     backend. Arguments checked as `chunk_replay_step`'s (`jaxgdn.InputError`)."""
-    backend = resolve_backend(backend)
+    backend = _backend(backend)
     B, HV, V, lengths, scale, use_qk_l2norm = _checked_replay(q, k, v, g, beta, state, lengths, scale, use_qk_l2norm,
                                                               backend)
     if backend == "reference" or B == 0:

@@ -285,3 +285,142 @@ def test_matmul_refuses_bad_shapes(backend):
         pk.matmul_invariant(x, w.T, w_transposed="True", backend=backend)
     with pytest.raises(InputError, match="row_groups must be an integer"):
         pk.matmul_invariant(x, w, row_groups="4", backend=backend)
+
+
+def _packed_args(b=B, hk=HK, k_dim=K, hv=HV, v_dim=V):
+    """The packed open chunk (qkv [B,64,2 HK K + HV V], gates [B,64,2,HV]), the boundary state and the caches."""
+    r = np.random.default_rng(5)
+    qkv = jnp.asarray(r.standard_normal((b, C, 2 * hk * k_dim + hv * v_dim)), jnp.float32)
+    gates = jnp.asarray(r.random((b, C, 2, hv)), jnp.float32)
+    state = jnp.zeros((b, hv, k_dim, v_dim), jnp.float32)
+    x_cache, vn_cache = pk.replay_caches(b, hv, v_dim)
+    return qkv, gates, state, x_cache, vn_cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_step_refuses_bad_input(backend):
+    """`chunk_replay_step_packed` checked almost nothing: float lengths were truncated, use_qk_l2norm="False" read as
+    True on the interpreter (`bool("False")`), a qkv one column short a TypeError (reference) or a plain ValueError
+    (interpreter), malformed heads or groups a TypeError from `Heads(*heads)` or the reshape. Now as
+    `chunk_replay_step`: InputError naming the argument, before any kernel compiles."""
+    qkv, gates, s0, xc, vc = _packed_args()
+    lengths = jnp.array([3, 64])
+    base = dict(qkv=qkv, gates=gates, state=s0, x_cache=xc, vn_cache=vc, lengths=lengths, heads=(HK, K, HV, V),
+                groups=1)
+    cases = [
+        (dict(lengths=np.array([1.5, 2.0])), "lengths must have an integer dtype"),
+        (dict(lengths=[3.0, 4]), "lengths must have an integer dtype"),
+        (dict(lengths=jnp.array([True, False])), "lengths must have an integer dtype"),
+        (dict(lengths=[3, 4, 5]), r"lengths must be \[B\]=\(2,\)"),
+        (dict(use_qk_l2norm="False"), "use_qk_l2norm must be a bool"),
+        (dict(use_qk_l2norm=1), "use_qk_l2norm must be a bool"),
+        (dict(scale="0.5"), "scale must be a real number"),
+        (dict(scale=float("inf")), "scale must be finite"),
+        (dict(qkv=qkv[:, :, :-1]), r"qkv must be \[B,64,2\*HK\*K\+HV\*V\]=\[B,64,128\]"),
+        (dict(qkv=qkv[:, :63]), r"qkv must be \[B,64,"),
+        (dict(qkv=qkv[0]), r"qkv must be \[B,64,"),
+        (dict(qkv=qkv.astype(jnp.int32)), "qkv must have a floating dtype"),
+        (dict(qkv=np.asarray(qkv).tolist()), "qkv must be an array"),
+        (dict(gates=gates[:, :, :1]), r"gates must be \[B,64,2,HV\]=\(2, 64, 2, 4\)"),
+        (dict(gates=gates[:1]), r"gates must be \[B,64,2,HV\]"),
+        (dict(gates=gates.astype(jnp.int32)), "gates must have a floating dtype"),
+        (dict(heads=(HK, K, HV)), r"heads must be \(HK, K, HV, V\), four integers"),
+        (dict(heads=16), r"heads must be \(HK, K, HV, V\), four integers"),
+        (dict(heads="2416"), r"heads must be \(HK, K, HV, V\), four integers"),
+        (dict(heads=(HK, 16.0, HV, V)), r"heads\[1\] \(K\) must be an integer"),
+        (dict(heads=(HK, K, "4", V)), r"heads\[2\] \(HV\) must be an integer"),
+        (dict(heads=(0, K, HV, V)), r"heads\[0\] \(HK\) must be >= 1"),
+        (dict(heads=(3, K, HV, V)), r"value heads \(4\) must be a multiple of key heads \(3\)"),
+        (dict(groups="1"), "groups must be an integer"),
+        (dict(groups=True), "groups must be an integer"),
+        (dict(groups=0), "groups must be >= 1"),
+        (dict(groups=4), r"groups \(4\) must divide the key heads \(2\) and the value heads \(4\)"),
+        (dict(state=s0.astype(jnp.bfloat16)), "state must be fp32"),
+        (dict(state=s0[:, :2]), r"state must be fp32 \[B,HV,K,V\]"),
+        (dict(x_cache=xc[:, :2]), r"x_cache must be fp32 \[B,HV,64,64\]"),
+        (dict(vn_cache=vc.astype(jnp.bfloat16)), "vn_cache must be fp32"),
+    ]
+    for change, match in cases:
+        with pytest.raises(InputError, match=match):
+            pk.chunk_replay_step_packed(**{**base, **change}, backend=backend)
+
+
+def _every_entry_point(backend):
+    """Each public function of `pallas_kernels.api` that takes `backend`, called on valid tiny input."""
+    gdn, step, chunk = _gdn(), _step_args(), _chunk_args()
+    s0 = _state()
+    xc, vc = pk.replay_caches(B, HV, V)
+    q, keys, values, pos = _attention_args()
+    return {
+        "chunk_gated_delta_rule": lambda: pk.chunk_gated_delta_rule(*gdn, backend=backend),
+        "fused_recurrent_gated_delta_rule": lambda: pk.fused_recurrent_gated_delta_rule(*gdn, backend=backend),
+        "recurrent_gated_delta_rule": lambda: pk.recurrent_gated_delta_rule(*step, initial_state=s0,
+                                                                            backend=backend),
+        "matmul_invariant": lambda: pk.matmul_invariant(jnp.ones((3, 32)), jnp.ones((32, 16)), backend=backend),
+        "cache_attention": lambda: pk.cache_attention(q, keys, values, pos, decode=False, backend=backend),
+        "attention_invariant": lambda: pk.attention_invariant(q, keys, values, pos, decode=False, backend=backend),
+        "replay_step_matches_prefill": lambda: pk.replay_step_matches_prefill(K, V, backend=backend),
+        "chunk_replay_step": lambda: pk.chunk_replay_step(*chunk, s0, xc, vc, [3, 4], backend=backend),
+        "chunk_replay_step_packed": lambda: pk.chunk_replay_step_packed(*_packed_args(), [3, 4],
+                                                                        heads=(HK, K, HV, V), groups=1,
+                                                                        backend=backend),
+        "chunk_replay_prime": lambda: pk.chunk_replay_prime(*chunk, s0, [3, 4], backend=backend),
+    }
+
+
+@pytest.mark.parametrize("backend", ["gpu", "Pallas", "", 1, ["reference"]])
+def test_unknown_backend_is_an_input_error(backend):
+    """`backend="gpu"` raised resolve_backend's builtin ValueError from every entry point: `except
+    jaxgdn.InputError` missed it. Now an InputError (still a ValueError) naming the backend and the choices."""
+    for name, call in _every_entry_point(backend).items():
+        with pytest.raises(InputError, match=r"unknown kernel backend .*expected one of \('reference', 'pallas', "
+                                             r"'interpret'\) or None") as err:
+            call()
+        assert isinstance(err.value, ValueError), name
+
+
+def _heads_of(k_dim, v_dim, t):
+    r = np.random.default_rng(6)
+    q, k = (jnp.asarray(r.standard_normal((B, t, HK, k_dim)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(r.standard_normal((B, t, HV, v_dim)), jnp.float32)
+    g = jnp.asarray(-r.random((B, t, HV)), jnp.float32)
+    beta = jnp.asarray(r.random((B, t, HV)), jnp.float32)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("k_dim,v_dim,bad", [(24, 16, "K=24"), (16, 8, "V=8"), (16, 48, "V=48"), (8, 16, "K=8")])
+def test_pallas_backends_refuse_head_sizes_the_kernels_cannot_run(k_dim, v_dim, bad):
+    """K or V not a power of two >= 16 passed the API's checks on the Pallas backends, then failed inside the
+    kernels with a builtin ValueError (`chunk._check_pow2`, and the same test in scan.py, recurrent.py, replay.py).
+    Now an InputError up front, from every GDN entry point on "interpret" (and "pallas": the same check)."""
+    match = bad + r": the head sizes K and V must be powers of two >= 16 on the Pallas backends"
+    prefill, chunk = _heads_of(k_dim, v_dim, T), _heads_of(k_dim, v_dim, C)
+    step = tuple(x[:, 0] for x in prefill)
+    s0 = jnp.zeros((B, HV, k_dim, v_dim), jnp.float32)
+    xc, vc = pk.replay_caches(B, HV, v_dim)
+    calls = [
+        lambda: pk.chunk_gated_delta_rule(*prefill, backend="interpret"),
+        lambda: pk.fused_recurrent_gated_delta_rule(*prefill, backend="interpret"),
+        lambda: pk.chunk_gated_delta_rule(*_heads_of(k_dim, v_dim, 0), backend="interpret"),  # T = 0 too
+        lambda: pk.recurrent_gated_delta_rule(*step, initial_state=s0, backend="interpret"),
+        lambda: pk.chunk_replay_step(*chunk, s0, xc, vc, [3, 4], backend="interpret"),
+        lambda: pk.chunk_replay_prime(*chunk, s0, [3, 4], backend="interpret"),
+        lambda: pk.chunk_replay_step_packed(*_packed_args(k_dim=k_dim, v_dim=v_dim), [3, 4],
+                                            heads=(HK, k_dim, HV, v_dim), groups=1, backend="interpret"),
+        lambda: pk.recurrent_gated_delta_rule(*step, initial_state=s0, backend="pallas"),
+    ]
+    for call in calls:
+        with pytest.raises(InputError, match=match):
+            call()
+
+
+def test_reference_backend_takes_any_head_size():
+    """The rule is the Pallas kernels'; the reference backend keeps running K = 24, V = 8."""
+    prefill = _heads_of(24, 8, T)
+    s0 = jnp.zeros((B, HV, 24, 8), jnp.float32)
+    o, s = pk.recurrent_gated_delta_rule(*(x[:, 0] for x in prefill), initial_state=s0, backend="reference")
+    assert o.shape == (B, HV, 8) and s.shape == (B, HV, 24, 8)
+    o, s = pk.chunk_gated_delta_rule(*prefill, initial_state=s0, backend="reference")
+    assert o.shape == (B, T, HV, 8) and np.isfinite(np.asarray(o)).all()
+    xc, vc = pk.chunk_replay_prime(*_heads_of(24, 8, C), s0, [3, 4], backend="reference")
+    assert xc.shape == (B, HV, C, C) and vc.shape == (B, HV, C, 8)
