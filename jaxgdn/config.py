@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, UnsupportedModelError, is_int
+from .errors import CheckpointError, InputError, UnsupportedModelError, is_int
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -58,19 +58,27 @@ class ModelConfig:
         sizes = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
+        counts = sizes + ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size", "decoder_sparse_step", "gdn_qkv_groups")
+        for name in counts:
+            if not is_int(getattr(self, name)):
+                raise InputError(f"{name} must be an integer; got {getattr(self, name)!r}")
         for name in sizes:  # before any division by them
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive; got {getattr(self, name)!r}")
+                raise InputError(f"{name} must be positive; got {getattr(self, name)!r}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise InputError(f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, num_experts = "
+                             f"{self.num_experts}]")
         if any(t not in (LINEAR, FULL) for t in self.layer_types):
-            raise ValueError(f"layer_types must be {LINEAR!r} or {FULL!r}; got {self.layer_types}")
+            raise InputError(f"layer_types must be {LINEAR!r} or {FULL!r}; got {self.layer_types}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+            raise InputError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.gdn_qkv_groups < 1 or self.linear_num_key_heads % self.gdn_qkv_groups:
-            raise ValueError(f"gdn_qkv_groups ({self.gdn_qkv_groups}) must divide linear_num_key_heads")
+            raise InputError(f"gdn_qkv_groups ({self.gdn_qkv_groups}) must divide linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise InputError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary dim {self.rotary_dim} must be even and in (0, head_dim]")
+            raise InputError(f"rotary dim {self.rotary_dim} must be even and in (0, head_dim]")
 
     # ---- derived sizes -------------------------------------------------------------------------------------
     def digest(self) -> str:

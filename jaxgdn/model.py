@@ -31,6 +31,7 @@ from pallas_kernels import CHUNK, resolve_backend
 
 from .config import LINEAR, ModelConfig
 from .errors import CapacityError, InputError, bool_among_ints, index_value
+from .init import random_params
 from .layers.attention import attention
 from .layers.gdn import gdn_decode, gdn_prefill
 from .layers.linear import linear
@@ -46,7 +47,7 @@ MODEL_DTYPES = STATE_DTYPES
 
 def check_model_options(dtype, backend) -> None:
     """A model's activation dtype is float32 or bfloat16 (the two the tests and the GPU checks cover) and its kernel
-    backend one `pallas_kernels.backend` knows, or None; raised at construction (before any weights are read by
+    backend one `pallas_kernels.backend` knows ("pallas" only where JAX has a GPU), or None; raised at construction (before any weights are read by
     `load_pretrained`), not at the first call."""
     check_state_dtype(dtype)
     if backend is not None:
@@ -54,6 +55,49 @@ def check_model_options(dtype, backend) -> None:
             resolve_backend(backend)  # the one place that knows the backends
         except ValueError as e:
             raise InputError(str(e)) from None
+        if backend == "pallas" and jax.default_backend() != "gpu":
+            raise InputError(f"backend 'pallas' compiles the kernels for a GPU, and JAX has none here (default "
+                             f"backend: {jax.default_backend()}); use 'interpret' (the same kernels, interpreted), "
+                             f"'reference' (pure JAX) or None (the device's default)")
+
+
+@functools.lru_cache(maxsize=16)
+def _param_shapes(config: ModelConfig):
+    """(the parameter tree's structure, [(path, shape)]) that `config` needs (`init.random_params`'s, shapes only:
+    nothing is allocated)."""
+    spec = jax.eval_shape(lambda: random_params(config, jax.random.key(0)))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(spec)
+    return treedef, tuple((jax.tree_util.keystr(path), tuple(x.shape)) for path, x in leaves)
+
+
+def _check_params(params, config) -> None:
+    """InputError unless `config` is a ModelConfig and `params` a ModelParams of the structure and shapes it needs:
+    the layers compute with the parameters' shapes and kinds (a dense or MoE MLP, a tied head) while the checks and
+    the numerics tag follow the config, so a mismatch would run and compute something else under the config's name.
+    Trees that are not parameters — leaves that are not arrays (a sharding spec), or None where the config needs an
+    array (a tree_map's placeholders) — are not checked."""
+    if not isinstance(config, ModelConfig):
+        raise InputError(f"config must be a jaxgdn.ModelConfig; got {type(config).__name__}")
+    if not isinstance(params, ModelParams):
+        raise InputError(f"params must be a jaxgdn ModelParams (jaxgdn.init.random_params, load_pretrained); got "
+                         f"{type(params).__name__}")
+    keystr = jax.tree_util.keystr
+    items, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
+    want_def, want = _param_shapes(config)
+    need = {path for path, _ in want}
+    nones = {keystr(path) for path, x in items if x is None}
+    if not all(x is None or (hasattr(x, "shape") and hasattr(x, "dtype")) for _, x in items) or nones & need - {".lm_head"}:
+        return
+    leaves = [(keystr(path), x) for path, x in items if x is not None]
+    got = {path for path, _ in leaves}
+    if got != need:
+        diff = [("missing params" if d in need else "unexpected params") + d for d in sorted(got ^ need)]
+        raise InputError(f"params do not hold the parameters the config needs (a dense or MoE MLP, a tied or stored "
+                         f"head, the layer kinds): {', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}")
+    shapes = dict(want)
+    for path, x in leaves:
+        if tuple(x.shape) != shapes[path]:
+            raise InputError(f"params{path} has shape {tuple(x.shape)}; the config needs {shapes[path]}")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
@@ -84,6 +128,7 @@ class Model:
 
     def __post_init__(self):
         check_model_options(self.dtype, self.backend)
+        _check_params(self.params, self.config)
         if not isinstance(self.deterministic, (bool, np.bool_)):
             raise InputError(f"deterministic must be True or False; got {self.deterministic!r}")
         if self.decode_mode not in ("recurrent", "replay"):

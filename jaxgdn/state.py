@@ -14,7 +14,7 @@ from pallas_kernels import CHUNK, replay_caches
 from pallas_kernels.attention import DEFAULT_CONFIG as _ATTENTION_CONFIG
 
 from .config import LINEAR, ModelConfig
-from .errors import InputError, bool_among_ints, index_value
+from .errors import CapacityError, InputError, bool_among_ints, index_value
 
 ATTENTION_KEY_BLOCK = _ATTENTION_CONFIG["bk"]  # KV capacities are rounded up to it (`init_state`)
 
@@ -99,14 +99,21 @@ class ModelState(NamedTuple):
         return 0
 
 
+MAX_CAPACITY = 2**31 - CHUNK  # KV positions per row: they are int32 (`jaxgdn.generate.MAX_ROW_TOKENS` too)
+
+
 def checked_sizes(batch_size, capacity) -> tuple[int, int]:
-    """A state's batch_size and capacity as Python ints (hashable), each an integer >= 1; InputError otherwise."""
+    """A state's batch_size and capacity as Python ints (hashable), each an integer >= 1, the capacity at most
+    `MAX_CAPACITY` (CapacityError beyond); InputError otherwise."""
     try:
         batch_size, capacity = index_value(batch_size), index_value(capacity)
     except TypeError:
         raise InputError(f"batch_size and capacity must be integers; got {batch_size!r}, {capacity!r}") from None
     if batch_size < 1 or capacity < 1:
         raise InputError(f"batch_size and capacity must be >= 1; got {batch_size}, {capacity}")
+    if capacity > MAX_CAPACITY:
+        raise CapacityError(f"capacity {capacity} is past the {MAX_CAPACITY} KV positions a row can hold (positions "
+                            f"are int32)")
     return batch_size, capacity
 
 

@@ -341,6 +341,8 @@ def test_errors_are_jaxgdn_errors():
     (dict(dtype=jnp.float16), "dtype must be float32 or bfloat16"),
     (dict(dtype="not a dtype"), "dtype must be float32 or bfloat16"),
     (dict(backend="cuda"), "unknown kernel backend 'cuda'"),
+    # (CPU only, as this suite is: was accepted, then a plain ValueError from inside Pallas at the first call)
+    (dict(backend="pallas"), "backend 'pallas' compiles the kernels for a GPU, and JAX has none here"),
 ])
 def test_bad_model_options_are_rejected_before_loading(kw, match):
     """dtype and backend are checked before any file is read (the directory here does not even exist) and on every

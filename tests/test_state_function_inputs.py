@@ -227,3 +227,56 @@ def test_equal_models_share_their_pytree_metadata(model):
                  for d, det in ((jnp.float32, False), (np.dtype("float32"), np.bool_(False)), ("float32", False))]
     assert len({jax.tree_util.tree_structure(m) for m in spellings}) == 1
     assert all(m.dtype == jnp.dtype(jnp.float32) and type(m.deterministic) is bool for m in spellings)
+
+
+def test_init_state_refuses_capacities_past_int32_positions(model):
+    """A capacity past the int32 positions is a CapacityError naming it (was: accepted, and a bare out-of-memory
+    error from XLA for large ones); the largest allowed one is accepted (shapes only: nothing is allocated)."""
+    from jaxgdn.errors import CapacityError
+    from jaxgdn.state import MAX_CAPACITY
+
+    for capacity in (2**31, MAX_CAPACITY + 1, 2**40):
+        with pytest.raises(CapacityError, match=f"capacity {capacity} is past"):
+            model.init_state(1, capacity)
+    state = jax.eval_shape(lambda: model.init_state(1, MAX_CAPACITY))
+    assert state.capacity == MAX_CAPACITY
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(num_experts_per_tok=8), r"num_experts_per_tok \(8\) must lie in \[1, num_experts = 4\]"),
+    (dict(num_experts_per_tok=0), r"num_experts_per_tok \(0\) must lie in"),
+    (dict(vocab_size=256.0), "vocab_size must be an integer; got 256.0"),
+    (dict(linear_num_key_heads=True), "linear_num_key_heads must be an integer"),
+])
+def test_model_config_refuses_what_fails_at_the_first_call(change, match):
+    """ModelConfig (exported) checks what only the Hugging Face loader checked: more experts per token than experts
+    (was: JAX's top_k error at the first call) and sizes that are not integers (a float vocab_size was accepted)."""
+    import dataclasses
+
+    with pytest.raises(jaxgdn.InputError, match=match):
+        dataclasses.replace(jaxgdn.tiny_qwen3_next(), **change)
+
+
+def test_a_model_refuses_parameters_its_config_does_not_describe():
+    """Model(params, config) checks the parameters against the config (shapes and kinds, from
+    `init.random_params`'s shapes; nothing is allocated). Were accepted: a config of a larger vocabulary (ids past
+    the embedding then read as its last row), tiny's dense weights under tiny-next's MoE config (which ran the dense
+    MLP under tiny-next's numerics tag, and so continued tiny-next's states), None for either argument."""
+    import dataclasses
+
+    tiny, nxt = jaxgdn.tiny_model("tiny"), jaxgdn.tiny_model("tiny-next")
+    cases = [
+        (tiny.params, dataclasses.replace(tiny.config, vocab_size=512), r"params.embed has shape \(256, 64\); the "
+                                                                        r"config needs \(512, 64\)"),
+        (tiny.params, nxt.config, "missing params.layers.0..mlp.router"),
+        (nxt.params, tiny.config, "unexpected params.layers.0..mlp.router"),
+        (tiny.params, dataclasses.replace(tiny.config, tie_word_embeddings=True), "unexpected params.lm_head"),
+        (None, tiny.config, "params must be a jaxgdn ModelParams"),
+        (tiny.params, None, "config must be a jaxgdn.ModelConfig"),
+    ]
+    for params, config, match in cases:
+        with pytest.raises(jaxgdn.InputError, match=match):
+            jaxgdn.Model(params, config)
+    # trees that are not parameters (a tree_map's placeholders, sharding specs) still unflatten into a Model
+    assert jax.tree.map(lambda x: None, tiny).config == tiny.config
+    assert jax.tree.map(lambda x: jax.sharding.PartitionSpec(), tiny).config == tiny.config
