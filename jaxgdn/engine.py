@@ -21,8 +21,8 @@ wave t the t-th turns (they need the previous answers). Inside a wave, requests 
 first such request, so it finds that prefix cached. Each batch is one `generate(..., cache=cache)` call and the
 returned `.cache` is carried to the next, so the cache spans all batches, waves and `run` calls.
 
-Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket`,
-and its row count is padded to a power of two (repeating its first request; the copies' results are dropped), so
+Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket`
+(but no further than takes its longest prompt to `max_length`), and its row count is padded to a power of two (repeating its first request; the copies' results are dropped), so
 a stream of similar batches reuses a few compiled programs. Rows get exactly what they asked for: sampling
 draws from the request's seed and the token position, never the batch slot, so a row that generates beyond its
 own `max_new_tokens` is simply cut back (and its finish reason recomputed).
@@ -329,7 +329,10 @@ class Engine:
         if self.pad_batches:
             rows += [batch[0]] * (min(_pow2(len(batch)), _pow2(self.max_batch)) - len(batch))
         new = max(j.params.max_new_tokens for j in batch)
-        new = -(-new // self.decode_bucket) * self.decode_bucket
+        rounded = -(-new // self.decode_bucket) * self.decode_bucket
+        # the rounding never takes the batch's longest prompt past max_length (its rows only run what they ask for)
+        limit = self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
+        new = max(new, min(rounded, limit - max(len(j.prompt) for j in batch)))
         p = batch[0].params
         t0 = time.perf_counter()
         out = generate(self.model, [j.prompt for j in rows], max_new_tokens=new, temperature=p.temperature,

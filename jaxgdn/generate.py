@@ -28,10 +28,14 @@ from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
 from .errors import CapacityError, InputError, is_flat_ids, is_int, safe_ndim, token_array, token_id
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
-from .state import AttentionLayerState, at_boundary
+from .state import MAX_CAPACITY, AttentionLayerState, at_boundary
 
-MAX_ROW_TOKENS = 2**31 - CHUNK  # prompt + max_new_tokens per row: positions are int32 (CapacityError beyond)
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest temperature (sampling divides fp32 logits by it)
+MAX_ROW_TOKENS = MAX_CAPACITY  # prompt + max_new_tokens per row: positions are int32 (CapacityError beyond)
+# The largest temperature. Sampling divides fp32 logits by it; past ~1 / float32's smallest normal (8.5e37) XLA's
+# reciprocal of it flushes to zero, and well before that logits / temperature leave the normal range, so that
+# top_k / top_p would see ties where the logits differ (top_k=1 would sample uniformly). 1e30 keeps logits of 1e-8
+# and up apart, and is far above any temperature that means something.
+MAX_TEMPERATURE = 1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +210,9 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
             t, p = float(t), float(p)
         except (TypeError, ValueError):
             raise InputError(f"invalid sampling parameters: temperature={t!r}, top_p={p!r} (numbers)") from None
-        if not 0 <= t <= FLOAT32_MAX:  # also rejects NaN, and inf: logits / inf are all 0, top_k / top_p lost
-            raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0 and finite in float32; 0 is "
-                             f"greedy)")
+        if not 0 <= t <= MAX_TEMPERATURE:  # also rejects NaN and inf (logits / inf are all 0)
+            raise InputError(f"invalid sampling parameters: temperature={t} (must lie in [0, {MAX_TEMPERATURE:g}]; 0 "
+                             f"is greedy)")
         if not 0 < p <= 1:
             raise InputError(f"invalid sampling parameters: top_p={p} (must lie in (0, 1])")
     if top_k is not None and not (is_int(top_k) and 1 <= top_k <= V):
@@ -253,7 +257,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
     prompts: a list (any iterable: a generator is read once) of token-id sequences — lists, tuples, 1-D NumPy / JAX
     integer arrays — or a 2-D integer array, one row per prompt. temperature, top_p, seed: one value for all requests
-    or one per request (top_k is shared: it is a compile-time size). stop_token_ids: a sequence of ids shared by all
+    or one per request (top_k is shared: it is a compile-time size). A request's samples depend only on its prompt,
+    seed and parameters, so equal prompts with equal seeds (the default seed is 0 for all) give equal completions:
+    pass one seed per request (`seed=[0, 1, ...]`) for k different samples of one prompt. stop_token_ids: a sequence of ids shared by all
     requests, or one sequence per request. return_top_logprobs=k also returns, per generated token, the k most likely
     tokens and their logprobs. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
     `CapacityError` when a prompt + max_new_tokens passes `MAX_ROW_TOKENS`) before anything compiles. Returns a

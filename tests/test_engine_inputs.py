@@ -198,11 +198,40 @@ def test_engine_takes_numpy_integer_options(model, greedy):
     assert type(engine.max_batch) is int and type(engine.decode_bucket) is int and type(engine.max_length) is int
 
 
-@pytest.mark.parametrize("temperature", [float("inf"), 1e300, [0.5, float("inf")]])
+@pytest.mark.parametrize("temperature", [float("inf"), 1e300, [0.5, float("inf")], 8e37, 1.0001e30])
 def test_generate_refuses_an_infinite_temperature(model, temperature):
     """Was: accepted; fp32 logits / inf are all 0, so top_k / top_p kept every token (temperature=inf with top_k=1
-    sampled uniformly instead of greedily; 1e300 is inf in fp32)."""
-    with pytest.raises(jaxgdn.InputError, match="must be >= 0 and finite in float32"):
+    sampled uniformly instead of greedily; 1e300 is inf in fp32). So did temperatures from ~8e37 up to float32's
+    largest value (XLA's fp32 reciprocal of them flushes to zero); the bound is now 1e30."""
+    with pytest.raises(jaxgdn.InputError, match=r"must lie in \[0, 1e\+30\]"):
         jaxgdn.generate(model, PROMPTS, max_new_tokens=NEW, temperature=temperature, top_k=1)
-    with pytest.raises(jaxgdn.InputError, match="^request 0: .*finite"):
+    with pytest.raises(jaxgdn.InputError, match=r"^request 0: .*must lie in \[0, 1e\+30\]"):
         Engine(model, progress=False).run([Request([1, 2], SamplingParams(temperature=np.inf))])
+
+
+def test_the_largest_temperature_keeps_top_k_1_greedy(model, greedy):
+    """At the largest temperature allowed, top_k=1 still samples the greedy tokens (at 8e37 and above it did not)."""
+    out = jaxgdn.generate(model, PROMPTS, max_new_tokens=NEW, temperature=1e30, top_k=1, seed=1)
+    assert _tokens(out) == _tokens(greedy)
+
+
+def test_decode_bucket_rounding_stops_at_max_length(model, greedy, monkeypatch):
+    """A batch's max_new_tokens rounded up to decode_bucket never takes its longest prompt past max_length. Was:
+    Engine(max_length=16, decode_bucket=512) ran 512 decode steps for requests of at most 5 + 4 tokens (and with
+    decode_bucket=2**20, allowed, a million: a run that looked hung)."""
+    import jaxgdn.engine as engine_module
+
+    asked = []
+    real = engine_module.generate
+    monkeypatch.setattr(engine_module, "generate",
+                        lambda *a, **kw: (asked.append(kw["max_new_tokens"]), real(*a, **kw))[1])
+    engine = Engine(model, max_length=16, decode_bucket=512, use_cache=False, progress=False,
+                    default_params=SamplingParams(max_new_tokens=NEW))
+    out = engine.run(PROMPTS)
+    assert asked == [16 - len(PROMPTS[0])]  # the longest prompt (5 tokens) reaches max_length, no further
+    assert [r.tokens for r in out.results] == _tokens(greedy)
+    asked.clear()
+    engine = Engine(model, max_length=16, decode_bucket=8, use_cache=False, progress=False,
+                    default_params=SamplingParams(max_new_tokens=NEW))
+    engine.run(PROMPTS)
+    assert asked == [8]  # within the limit, the rounding is as before
