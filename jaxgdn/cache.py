@@ -44,7 +44,9 @@ def _token_tuple(tokens, what: str) -> tuple[int, ...]:
 
 
 class CheckpointRefused(JaxGDNError):
-    """A deterministic cache was asked to store a state that is not prefill-produced (the admission rule)."""
+    """A prefix cache refused a state: `insert` of a checkpoint its rules do not admit (off its grid, MIXED, in
+    deterministic mode not prefill-produced), larger than its whole budget, or computed by other numerics than the states it holds; and
+    `bound_to` (so `generate`, `score` and the `Engine`) given a cache of another kind of model's states."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -152,8 +154,17 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
 
     `template` is a fresh state of the wanted batch size and capacity (`model.init_state(B, N)`); the result
     is a new array tree (the caller may donate it). A restored row's origin is its checkpoint's (`Checkpoint.origin`),
-    so a model of other numerics continuing it marks it MIXED.
+    so a model of other numerics continuing it marks it MIXED. checkpoints: any iterable (read once). InputError
+    when the template is not a state or a checkpoint's layers differ from the template's in count, shape or dtype.
     """
+    if not isinstance(template, ModelState):
+        raise InputError(f"template must be a ModelState (model.init_state(batch_size, capacity)); got "
+                         f"{type(template).__name__}")
+    try:
+        checkpoints = list(checkpoints)
+    except TypeError:
+        raise InputError(f"checkpoints must be a sequence of Checkpoint or None; got {type(checkpoints).__name__}") \
+            from None
     if len(checkpoints) != template.batch_size:
         raise InputError(f"{len(checkpoints)} checkpoints for a state of {template.batch_size} rows")
     layers = list(template.layers)
@@ -179,6 +190,15 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
                 raise InputError(f"checkpoint {b} carries {', '.join(extra)} (replay decode's open chunk, at position "
                                  f"{ck.position}, off the 64-token grid) that this state's model does not keep: "
                                  f"restore it into a state of a replay-mode model")
+        rows = [(f"GDN layer {i}'s {name}", getattr(layers[i], name), row) for i, g in zip(gdn_ids, ck.gdn)
+                for name, row in g._asdict().items() if row is not None]
+        rows += [(f"attention layer {i}'s {name}", getattr(layers[i], name)[:, :ck.position], getattr(kv, name))
+                 for i, kv in zip(attn_ids, ck.kv) for name in ("keys", "values")]
+        for what, leaf, row in rows:
+            if tuple(row.shape) != tuple(leaf.shape[1:]) or row.dtype != leaf.dtype:
+                raise InputError(f"checkpoint {b}'s {what} is {row.dtype}{list(row.shape)}; the state holds "
+                                 f"{leaf.dtype}{list(leaf.shape[1:])} per row (a checkpoint of a model of other shapes "
+                                 f"or dtype)")
         for i, g in zip(gdn_ids, ck.gdn):  # the leaves a grid checkpoint does not keep stay the template's zeros
             layers[i] = layers[i]._replace(**{name: getattr(layers[i], name).at[b].set(row)
                                               for name, row in g._asdict().items() if row is not None})
@@ -266,7 +286,11 @@ class PrefixCache:
     `numerics`: the `numerics_key` of the model whose states it holds (set by the first `generate` through it, or
     by the first checkpoint inserted whose numerics are known); `origin`: the `Model.numerics_tag` of the states it
     holds (0: not yet known; set with `numerics`, or by the first checkpoint admitted whose `origin` is known), so
-    that a cache whose numerics are not yet known still holds states of one kind only."""
+    that a cache whose numerics are not yet known still holds states of one kind only.
+
+    Each checkpoint holds its own copy of its prefix's attention keys and values (entries are independent, evicted
+    whole), so the checkpoints of one prompt of n intervals hold about n²/2 intervals of KV; `generate` builds them
+    all before `insert` applies `max_bytes`."""
 
     interval: int = DEFAULT_INTERVAL
     deterministic: bool = True
@@ -480,10 +504,17 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     under another key is never found and blocks the insertion of that prefix), its tokens a tuple of the model's
     token ids, its provenance one of a state that absorbed tokens (not MIXED), finite, matching the model's state
     spec in structure, shape and dtype; in deterministic mode every entry prefill-produced; with `recompute=True`
-    every entry bitwise equal to a fresh prefill of its prefix.
+    every entry bitwise equal to a fresh prefill of its prefix. InputError when `cache` is not a PrefixCache or
+    `model` not a Model (before any assertion).
     """
-    from .model import _prefill_jit  # local: the model module does not depend on the cache
+    from .model import Model, _prefill_jit  # local: the model module does not depend on the cache
 
+    if not isinstance(cache, PrefixCache):
+        raise InputError(f"check_cache(cache, model): cache must be a jaxgdn.PrefixCache (the first argument); got "
+                         f"{type(cache).__name__}")
+    if not isinstance(model, Model):
+        raise InputError(f"check_cache(cache, model): model must be a jaxgdn.Model (the second argument); got "
+                         f"{type(model).__name__}")
     spec = jax.eval_shape(lambda: model.init_state(1, 1))
     gdn_spec = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), at_boundary(s))
                      for s in spec.layers if isinstance(s, GDNLayerState))  # entries lie on the grid

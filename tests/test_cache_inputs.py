@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jaxgdn
+import jaxgdn.init
 from jaxgdn.cache import (
     Checkpoint,
     PrefixCache,
@@ -228,6 +229,38 @@ def test_checkpoint_from_state_and_restore_check_their_arguments(setup):
     with pytest.raises(jaxgdn.InputError, match=r"checkpoints\[0\] must be a jaxgdn.cache.Checkpoint or None"):
         state_from_checkpoints(model.init_state(1, 256), ["not a checkpoint"])
     assert isinstance(cks[0], Checkpoint)
+
+
+def test_restore_checks_the_template_and_each_checkpoints_shapes(setup):
+    """state_from_checkpoints: a template that is not a state, and a checkpoint of other head counts or another dtype
+    than the template's, are InputErrors naming them (were: an AttributeError; JAX's "Incompatible types for
+    broadcasting"; a silent cast of the fp32 KV rows to bf16); a generator of checkpoints reads as its list (was: a
+    TypeError)."""
+    model, _, _, cks = setup
+    with pytest.raises(jaxgdn.InputError, match="template must be a ModelState"):
+        state_from_checkpoints(None, [cks[0]])
+    with pytest.raises(jaxgdn.InputError, match="checkpoints must be a sequence"):
+        state_from_checkpoints(model.init_state(1, 256), 3)
+    restored = state_from_checkpoints(model.init_state(1, 256), (c for c in [cks[1]]))
+    chex.assert_trees_all_equal(restored, state_from_checkpoints(model.init_state(1, 256), [cks[1]]))
+    wider = dataclasses.replace(model.config, num_key_value_heads=4)
+    other = jaxgdn.Model(jaxgdn.init.random_params(wider, jax.random.key(0)), wider)
+    with pytest.raises(jaxgdn.InputError, match=r"checkpoint 0's attention layer \d+'s keys is float32\[64, 2, 16\]; "
+                                                r"the state holds float32\[64, 4, 16\]"):
+        state_from_checkpoints(other.init_state(1, 256), [cks[0]])
+    bf16 = jaxgdn.tiny_model("tiny", seed=3, deterministic=True, dtype=jnp.bfloat16)
+    with pytest.raises(jaxgdn.InputError, match="holds bfloat16"):
+        state_from_checkpoints(bf16.init_state(1, 256), [cks[0]])
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda m, c: (m, c), "cache must be a jaxgdn.PrefixCache"),  # arguments swapped
+    (lambda m, c: (c, None), "model must be a jaxgdn.Model"),
+])
+def test_check_cache_names_a_wrong_argument(setup, full, args, match):
+    """check_cache's arguments are checked before any assertion (was: an AttributeError from inside it)."""
+    with pytest.raises(jaxgdn.InputError, match=match):
+        jaxgdn.check_cache(*args(setup[0], full))
 
 
 # ---- check_cache -------------------------------------------------------------------------------------------
