@@ -374,7 +374,9 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
         raise CheckpointError(f"model directory {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
-    config = _untie_a_distinct_head(path, ModelConfig.from_json_file(path / "config.json"))
+    config = ModelConfig.from_json_file(path / "config.json")
+    check_tensors(path, _open_tensors(path), config)  # headers only, before the head below reads two tensors
+    config = _untie_a_distinct_head(path, config)
     if mesh is not None:
         from .sharding import shard_model
 

@@ -385,6 +385,18 @@ def test_a_tied_config_with_a_distinct_stored_head_loads_untied(tmp_path, tensor
     assert tied.config.tie_word_embeddings and tied.params.lm_head is None
 
 
+def test_a_damaged_tied_checkpoint_is_refused_before_its_head_is_read(tmp_path, tensors, hf_config):
+    """The header check comes before the tied-head comparison, which reads two whole tensors: a tied config.json with
+    a distinct stored head and a missing tensor is refused without the "loaded untied" warning (was: the warning,
+    after reading both tensors, then the CheckpointError)."""
+    damaged = {k: v for k, v in tensors.items() if k != "model.layers.0.input_layernorm.weight"}
+    path = write(tmp_path / "c", damaged, dict(hf_config, tie_word_embeddings=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(jaxgdn.CheckpointError, match="model.layers.0.input_layernorm.weight"):
+            jaxgdn.load_pretrained(path)
+
+
 def test_rope_values_inside_rope_parameters_win_over_top_level_ones(hf_config):
     """transformers reads rope_theta and partial_rotary_factor from rope_parameters first (jaxgdn read the top
     level first: logits 0.023 and 0.24 off on the fixture)."""
