@@ -14,7 +14,9 @@ class CheckpointError(JaxGDNError):
 
 
 class UnsupportedModelError(CheckpointError):
-    """config.json names a model_type jaxgdn does not implement."""
+    """config.json describes a model jaxgdn does not implement: another model_type, or a feature of the supported
+    ones it lacks (RoPE scaling, attention bias, an activation other than silu, quantisation, a classification head;
+    the message names it)."""
 
 
 class InputError(JaxGDNError, ValueError):
