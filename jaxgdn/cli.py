@@ -197,9 +197,14 @@ def _add_prompt_args(p: argparse.ArgumentParser, required: bool = True, what: st
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:
-    parts = [x for x in text.replace(",", " ").split()]
+    """Integers separated by commas (spaces allowed around them, or instead of them); an empty field ("1,,2", "",
+    a trailing comma) is an InputError rather than silently dropped."""
+    fields = [f.split() for f in text.split(",")]
+    if any(not f for f in fields):
+        hint = " (--no-stop turns the stop tokens off)" if flag == "--stop-token-ids" else ""
+        raise InputError(f"{flag} must be integers separated by commas, without empty fields; got {text!r}{hint}")
     try:
-        return [int(x) for x in parts]
+        return [int(x) for f in fields for x in f]
     except ValueError:
         raise InputError(f"{flag} must be integers separated by commas; got {text!r}") from None
 

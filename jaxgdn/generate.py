@@ -147,7 +147,11 @@ def check_model(model) -> None:
 
 def _prompt_list(prompts):
     """Prompts as something with a length: a generator (any iterable without one) is read once into a list; a string,
-    None and arrays are left to `_check_request`; anything that is not iterable is refused."""
+    None and arrays are left to `_check_request`; anything that is not iterable is refused, and so are sets and
+    dicts (no order to return the results in)."""
+    if isinstance(prompts, (set, frozenset, dict)):
+        raise InputError(f"prompts must be an ordered sequence of token-id sequences (a list); got a "
+                         f"{type(prompts).__name__}, whose order the results could not follow")
     if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__len__"):
         return prompts
     try:

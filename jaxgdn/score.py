@@ -64,6 +64,9 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
                       "list)")
     if is_flat_ids(sequences):
         raise flat
+    if isinstance(sequences, (set, frozenset, dict)):
+        raise InputError(f"sequences must be an ordered sequence of token-id sequences (a list); got a "
+                         f"{type(sequences).__name__}, whose order the results could not follow")
     try:
         items = list(sequences)
     except TypeError:

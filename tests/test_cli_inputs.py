@@ -200,3 +200,19 @@ def test_perplexity_overflows_to_inf():
     assert cli._perplexity(-1.0) == pytest.approx(2.718281828459045)
     assert cli._perplexity(0.0) == 1.0
     assert cli._perplexity(-800.0) == float("inf")
+
+
+@pytest.mark.parametrize("text, flag, match", [
+    ("1,,2", "--tokens", "without empty fields; got '1,,2'"),
+    ("1,2,", "--tokens", "without empty fields"),
+    ("", "--stop-token-ids", "without empty fields; got '' (--no-stop turns the stop tokens off)"),
+    ("1,x", "--tokens", "must be integers separated by commas; got '1,x'"),
+])
+def test_id_lists_with_empty_fields_are_refused(text, flag, match):
+    """`--tokens 1,,2` read as [1, 2] and `--stop-token-ids ""` silently meant no stop tokens; both are errors now.
+    Spaces around or instead of commas still read as separators."""
+    from jaxgdn.errors import InputError
+
+    with pytest.raises(InputError, match=re.escape(match)):
+        cli._parse_ids(text, flag)
+    assert cli._parse_ids(" 1, 2  3 ", "--tokens") == [1, 2, 3]

@@ -235,3 +235,15 @@ def test_decode_bucket_rounding_stops_at_max_length(model, greedy, monkeypatch):
                     default_params=SamplingParams(max_new_tokens=NEW))
     engine.run(PROMPTS)
     assert asked == [8]  # within the limit, the rounding is as before
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: jaxgdn.generate(m, {(1, 2), (3, 4)}, max_new_tokens=NEW),
+    lambda m: jaxgdn.generate(m, {(1, 2): 0}, max_new_tokens=NEW),
+    lambda m: jaxgdn.score(m, frozenset({(1, 2, 3), (4, 5, 6)})),
+])
+def test_unordered_prompts_are_refused(model, call):
+    """Results come back in prompt order, which a set or a dict does not have (a set of prompts ran, its results in
+    an arbitrary order; a dict's keys were read as prompts)."""
+    with pytest.raises(jaxgdn.InputError, match="ordered sequence of token-id sequences"):
+        call(model)
