@@ -190,15 +190,16 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
                 raise InputError(f"checkpoint {b} carries {', '.join(extra)} (replay decode's open chunk, at position "
                                  f"{ck.position}, off the 64-token grid) that this state's model does not keep: "
                                  f"restore it into a state of a replay-mode model")
-        rows = [(f"GDN layer {i}'s {name}", getattr(layers[i], name), row) for i, g in zip(gdn_ids, ck.gdn)
+        rows = [(f"GDN layer {i}'s {name}", getattr(layers[i], name), row, 1) for i, g in zip(gdn_ids, ck.gdn)
                 for name, row in g._asdict().items() if row is not None]
-        rows += [(f"attention layer {i}'s {name}", getattr(layers[i], name)[:, :ck.position], getattr(kv, name))
+        rows += [(f"attention layer {i}'s {name}", getattr(layers[i], name), getattr(kv, name), 2)
                  for i, kv in zip(attn_ids, ck.kv) for name in ("keys", "values")]
-        for what, leaf, row in rows:
-            if tuple(row.shape) != tuple(leaf.shape[1:]) or row.dtype != leaf.dtype:
+        for what, leaf, row, lead in rows:  # (shapes only: a KV row's first axis is the checkpoint's positions)
+            want = (ck.position,) * (lead - 1) + tuple(leaf.shape[lead:])
+            if tuple(row.shape) != want or row.dtype != leaf.dtype:
                 raise InputError(f"checkpoint {b}'s {what} is {row.dtype}{list(row.shape)}; the state holds "
-                                 f"{leaf.dtype}{list(leaf.shape[1:])} per row (a checkpoint of a model of other shapes "
-                                 f"or dtype)")
+                                 f"{leaf.dtype}{list(want)} per row (a checkpoint of a model of other shapes or "
+                                 f"dtype)")
         for i, g in zip(gdn_ids, ck.gdn):  # the leaves a grid checkpoint does not keep stay the template's zeros
             layers[i] = layers[i]._replace(**{name: getattr(layers[i], name).at[b].set(row)
                                               for name, row in g._asdict().items() if row is not None})

@@ -55,6 +55,9 @@ class ModelConfig:
     gdn_qkv_groups: int = 1
 
     def __post_init__(self):
+        for name in ("layer_types", "mlp_only_layers"):  # hashable (a config is static under jit): lists as tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         sizes = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
@@ -66,6 +69,8 @@ class ModelConfig:
         for name in sizes:  # before any division by them
             if not getattr(self, name) > 0:
                 raise InputError(f"{name} must be positive; got {getattr(self, name)!r}")
+        if self.num_experts and self.decoder_sparse_step < 1:
+            raise InputError(f"decoder_sparse_step must be >= 1 with experts; got {self.decoder_sparse_step}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise InputError(f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in [1, num_experts = "
                              f"{self.num_experts}]")

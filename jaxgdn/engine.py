@@ -22,7 +22,7 @@ first such request, so it finds that prefix cached. Each batch is one `generate(
 returned `.cache` is carried to the next, so the cache spans all batches, waves and `run` calls.
 
 Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket`
-(but no further than takes its longest prompt to `max_length`), and its row count is padded to a power of two (repeating its first request; the copies' results are dropped), so
+(but no further than `max_length`), and its row count is padded to a power of two (repeating its first request; the copies' results are dropped), so
 a stream of similar batches reuses a few compiled programs. Rows get exactly what they asked for: sampling
 draws from the request's seed and the token position, never the batch slot, so a row that generates beyond its
 own `max_new_tokens` is simply cut back (and its finish reason recomputed).
@@ -330,9 +330,10 @@ class Engine:
             rows += [batch[0]] * (min(_pow2(len(batch)), _pow2(self.max_batch)) - len(batch))
         new = max(j.params.max_new_tokens for j in batch)
         rounded = -(-new // self.decode_bucket) * self.decode_bucket
-        # the rounding never takes the batch's longest prompt past max_length (its rows only run what they ask for)
+        # the rounding never runs more steps than max_length (nor fewer than a row asks for); capped at max_length
+        # itself rather than at what the longest prompt leaves, so that the steps stay a few values (each compiles)
         limit = self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
-        new = max(new, min(rounded, limit - max(len(j.prompt) for j in batch)))
+        new = max(new, min(rounded, limit))
         p = batch[0].params
         t0 = time.perf_counter()
         out = generate(self.model, [j.prompt for j in rows], max_new_tokens=new, temperature=p.temperature,

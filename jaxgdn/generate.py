@@ -33,8 +33,8 @@ from .state import MAX_CAPACITY, AttentionLayerState, at_boundary
 MAX_ROW_TOKENS = MAX_CAPACITY  # prompt + max_new_tokens per row: positions are int32 (CapacityError beyond)
 # The largest temperature. Sampling divides fp32 logits by it; past ~1 / float32's smallest normal (8.5e37) XLA's
 # reciprocal of it flushes to zero, and well before that logits / temperature leave the normal range, so that
-# top_k / top_p would see ties where the logits differ (top_k=1 would sample uniformly). 1e30 keeps logits of 1e-8
-# and up apart, and is far above any temperature that means something.
+# top_k / top_p would see ties where the logits differ (top_k=1 would sample uniformly). At 1e30 logits of
+# magnitude ~1.2e-8 and up stay normal, and 1e30 is far above any temperature that means something.
 MAX_TEMPERATURE = 1e30
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,7 +25,10 @@ def random_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale:
     c = config
     D = c.hidden_size
     normal = lambda k, shape, s=scale: (jax.random.normal(k, shape) * s).astype(dtype)  # noqa: E731
-    keys = iter(jax.random.split(key, 4 + 16 * c.num_layers))
+    # 16 keys per layer were too few for a GDN layer with an MoE MLP (17): more follow from a folded key, so that
+    # models that fit the first 4 + 16 per layer (the tiny presets) keep their weights
+    keys = itertools.chain(jax.random.split(key, 4 + 16 * c.num_layers),
+                           jax.random.split(jax.random.fold_in(key, 1), 4 + 16 * c.num_layers))
     layers = []
     for i, kind in enumerate(c.layer_types):
         if kind == LINEAR:

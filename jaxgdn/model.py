@@ -47,7 +47,8 @@ MODEL_DTYPES = STATE_DTYPES
 
 def check_model_options(dtype, backend) -> None:
     """A model's activation dtype is float32 or bfloat16 (the two the tests and the GPU checks cover) and its kernel
-    backend one `pallas_kernels.backend` knows ("pallas" only where JAX has a GPU), or None; raised at construction (before any weights are read by
+    backend one `pallas_kernels.backend` knows ("pallas" only where JAX has a GPU: a model built on a CPU host to
+    export for a GPU is not supported), or None; raised at construction (before any weights are read by
     `load_pretrained`), not at the first call."""
     check_state_dtype(dtype)
     if backend is not None:
@@ -74,8 +75,11 @@ def _check_params(params, config) -> None:
     """InputError unless `config` is a ModelConfig and `params` a ModelParams of the structure and shapes it needs:
     the layers compute with the parameters' shapes and kinds (a dense or MoE MLP, a tied head) while the checks and
     the numerics tag follow the config, so a mismatch would run and compute something else under the config's name.
-    Trees that are not parameters — leaves that are not arrays (a sharding spec), or None where the config needs an
-    array (a tree_map's placeholders) — are not checked."""
+    The leaves must have the full shapes, neither split nor stacked (to vmap over models, stack their ModelParams and
+    build the Model inside). Trees that are not parameters — leaves that are not arrays (a
+    sharding spec), None where the config needs an array (a tree_map's placeholders), tracers (a Model inside jit,
+    vmap or shard_map, whose leaves may be per-shard or stacked: it was checked where it was built) — are not
+    checked."""
     if not isinstance(config, ModelConfig):
         raise InputError(f"config must be a jaxgdn.ModelConfig; got {type(config).__name__}")
     if not isinstance(params, ModelParams):
@@ -86,7 +90,8 @@ def _check_params(params, config) -> None:
     want_def, want = _param_shapes(config)
     need = {path for path, _ in want}
     nones = {keystr(path) for path, x in items if x is None}
-    if not all(x is None or (hasattr(x, "shape") and hasattr(x, "dtype")) for _, x in items) or nones & need - {".lm_head"}:
+    arrays = all(x is None or (hasattr(x, "shape") and hasattr(x, "dtype")) for _, x in items)
+    if not arrays or nones & need - {".lm_head"} or any(isinstance(x, jax.core.Tracer) for _, x in items):
         return
     leaves = [(keystr(path), x) for path, x in items if x is not None]
     got = {path for path, _ in leaves}

@@ -277,6 +277,26 @@ def test_a_model_refuses_parameters_its_config_does_not_describe():
     for params, config, match in cases:
         with pytest.raises(jaxgdn.InputError, match=match):
             jaxgdn.Model(params, config)
-    # trees that are not parameters (a tree_map's placeholders, sharding specs) still unflatten into a Model
+    # trees that are not parameters (a tree_map's placeholders, sharding specs, stacked tracers) still make a Model
     assert jax.tree.map(lambda x: None, tiny).config == tiny.config
     assert jax.tree.map(lambda x: jax.sharding.PartitionSpec(), tiny).config == tiny.config
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), tiny.params, tiny.params)  # (a Model of them is refused)
+    embed_sums = jax.vmap(lambda p: jaxgdn.Model(p, tiny.config).params.embed.sum())(stacked)
+    assert embed_sums.shape == (2,)
+
+
+def test_a_qwen3_next_of_many_layers_builds():
+    """A Qwen3-Next layout of 48 layers (36 GDN, 12 attention, every MLP a mixture of experts, as the 80B model has)
+    at tiny sizes: its parameters' shapes (`init.random_params`) and the Model. Was: StopIteration from
+    random_params, which drew 16 keys per layer where a GDN layer with experts takes 17 — and, through the
+    parameter check that uses it, from `Model` and `load_pretrained` for any such checkpoint."""
+    import dataclasses
+
+    from jaxgdn.config import FULL, LINEAR
+    from jaxgdn.init import random_params
+
+    config = dataclasses.replace(jaxgdn.tiny_qwen3_next(),
+                                 layer_types=tuple(FULL if i % 4 == 3 else LINEAR for i in range(48)))
+    params = jax.eval_shape(lambda: random_params(config, jax.random.key(0)))
+    model = jaxgdn.Model(params, config)
+    assert len(model.params.layers) == 48 and model.config.num_layers == 48
