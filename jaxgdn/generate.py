@@ -215,8 +215,8 @@ def _check_request(model: Model, prompts, max_new_tokens, temperature, top_k, to
         except (TypeError, ValueError):
             raise InputError(f"invalid sampling parameters: temperature={t!r}, top_p={p!r} (numbers)") from None
         if not 0 <= t <= MAX_TEMPERATURE:  # also rejects NaN and inf (logits / inf are all 0)
-            raise InputError(f"invalid sampling parameters: temperature={t} (must lie in [0, {MAX_TEMPERATURE:g}]; 0 "
-                             f"is greedy)")
+            raise InputError(f"invalid sampling parameters: temperature={t} (must be >= 0 and at most "
+                             f"{MAX_TEMPERATURE:g}; 0 is greedy)")
         if not 0 < p <= 1:
             raise InputError(f"invalid sampling parameters: top_p={p} (must lie in (0, 1])")
     if top_k is not None and not (is_int(top_k) and 1 <= top_k <= V):
