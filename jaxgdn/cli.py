@@ -198,7 +198,10 @@ def _add_prompt_args(p: argparse.ArgumentParser, required: bool = True, what: st
 
 def _parse_ids(text: str, flag: str) -> list[int]:
     """Integers separated by commas (spaces allowed around them, or instead of them); an empty field ("1,,2", "",
-    a trailing comma) is an InputError rather than silently dropped."""
+    a trailing comma) is an InputError rather than silently dropped. An empty text is no ids (the caller's check names
+    it: "empty prompt"), except for --stop-token-ids, where it silently meant no stop tokens."""
+    if not text.strip() and flag != "--stop-token-ids":
+        return []
     fields = [f.split() for f in text.split(",")]
     if any(not f for f in fields):
         hint = " (--no-stop turns the stop tokens off)" if flag == "--stop-token-ids" else ""

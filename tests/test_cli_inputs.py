@@ -216,3 +216,4 @@ def test_id_lists_with_empty_fields_are_refused(text, flag, match):
     with pytest.raises(InputError, match=re.escape(match)):
         cli._parse_ids(text, flag)
     assert cli._parse_ids(" 1, 2  3 ", "--tokens") == [1, 2, 3]
+    assert cli._parse_ids(" ", "--tokens") == []  # no ids: the caller names it ("empty prompt", test_cli.py)
