@@ -45,8 +45,9 @@ def _token_tuple(tokens, what: str) -> tuple[int, ...]:
 
 class CheckpointRefused(JaxGDNError):
     """A prefix cache refused a state: `insert` of a checkpoint its rules do not admit (off its grid, MIXED, in
-    deterministic mode not prefill-produced), larger than its whole budget, or computed by other numerics than the states it holds; and
-    `bound_to` (so `generate`, `score` and the `Engine`) given a cache of another kind of model's states."""
+    deterministic mode not prefill-produced), larger than its whole budget, or computed by other numerics than the
+    states it holds; and `bound_to` (so `generate`, `score` and the `Engine`) given a cache of another kind of
+    model's states."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -21,11 +21,11 @@ wave t the t-th turns (they need the previous answers). Inside a wave, requests 
 first such request, so it finds that prefix cached. Each batch is one `generate(..., cache=cache)` call and the
 returned `.cache` is carried to the next, so the cache spans all batches, waves and `run` calls.
 
-Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket`
-(but no further than `max_length`), and its row count is padded to a power of two (repeating its first request; the copies' results are dropped), so
-a stream of similar batches reuses a few compiled programs. Rows get exactly what they asked for: sampling
-draws from the request's seed and the token position, never the batch slot, so a row that generates beyond its
-own `max_new_tokens` is simply cut back (and its finish reason recomputed).
+Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket` (but no
+further than `max_length`), and its row count is padded to a power of two (repeating its first request; the copies'
+results are dropped), so a stream of similar batches reuses a few compiled programs. Rows get exactly what they asked
+for: sampling draws from the request's seed and the token position, never the batch slot, so a row that generates
+beyond its own `max_new_tokens` is simply cut back (and its finish reason recomputed).
 
 Stats: prompt tokens = cache hit tokens (restored from the cache) + prefill tokens (recomputed by prefill);
 generated tokens; wall time, time inside `generate`, and — when `generate` reports it (`Generations.timings`)
@@ -246,6 +246,11 @@ class Engine:
         self.decode_bucket = int(decode_bucket)
         self.default_params = default_params
 
+    @property
+    def row_limit(self) -> int:
+        """Prompt + generated tokens per row: `max_length`, or `DEFAULT_MAX_LENGTH` when it is None."""
+        return self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
+
     # ---- validation ----------------------------------------------------------------------------------------
     def _normalise(self, items: Iterable[Item]) -> list[Request | Conversation]:
         if isinstance(items, (Request, Conversation)):
@@ -262,7 +267,7 @@ class Engine:
         if is_flat_ids(items):
             raise InputError("run takes a list of requests (got one flat sequence of ids: wrap it in a list)")
         V = self.model.config.vocab_size
-        limit = self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
+        limit = self.row_limit
         out = []
         for i, it in enumerate(items):
             if not isinstance(it, (Request, Conversation)):
@@ -332,7 +337,7 @@ class Engine:
         rounded = -(-new // self.decode_bucket) * self.decode_bucket
         # the rounding never runs more steps than max_length (nor fewer than a row asks for); capped at max_length
         # itself rather than at what the longest prompt leaves, so that the steps stay a few values (each compiles)
-        limit = self.max_length if self.max_length is not None else DEFAULT_MAX_LENGTH
+        limit = self.row_limit
         new = max(new, min(rounded, limit))
         p = batch[0].params
         t0 = time.perf_counter()

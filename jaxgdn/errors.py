@@ -27,6 +27,14 @@ class CapacityError(InputError):
     """The KV cache of a state has no room for the tokens asked for."""
 
 
+def refuse_unordered(items, what: str) -> None:
+    """InputError when `items` (prompts, sequences: `what`) is a set or a dict: results come back in their order,
+    which those do not have."""
+    if isinstance(items, (set, frozenset, dict)):
+        raise InputError(f"{what} must be an ordered sequence of token-id sequences (a list); got a "
+                         f"{type(items).__name__}, whose order the results could not follow")
+
+
 def is_int(x) -> bool:
     """A Python or NumPy integer (not a bool)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

@@ -26,7 +26,8 @@ from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
-from .errors import CapacityError, InputError, is_flat_ids, is_int, safe_ndim, token_array, token_id
+from .errors import (CapacityError, InputError, is_flat_ids, is_int, refuse_unordered, safe_ndim, token_array,
+                     token_id)
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import MAX_CAPACITY, AttentionLayerState, at_boundary
 
@@ -149,9 +150,7 @@ def _prompt_list(prompts):
     """Prompts as something with a length: a generator (any iterable without one) is read once into a list; a string,
     None and arrays are left to `_check_request`; anything that is not iterable is refused, and so are sets and
     dicts (no order to return the results in)."""
-    if isinstance(prompts, (set, frozenset, dict)):
-        raise InputError(f"prompts must be an ordered sequence of token-id sequences (a list); got a "
-                         f"{type(prompts).__name__}, whose order the results could not follow")
+    refuse_unordered(prompts, "prompts")
     if prompts is None or isinstance(prompts, (str, bytes)) or hasattr(prompts, "__len__"):
         return prompts
     try:
@@ -261,11 +260,11 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
     prompts: a list (any iterable: a generator is read once) of token-id sequences — lists, tuples, 1-D NumPy / JAX
     integer arrays — or a 2-D integer array, one row per prompt. temperature, top_p, seed: one value for all requests
-    or one per request (top_k is shared: it is a compile-time size). A request's samples depend only on its prompt,
-    seed and parameters, so equal prompts with equal seeds (the default seed is 0 for all) give equal completions:
-    pass one seed per request (`seed=[0, 1, ...]`) for k different samples of one prompt. stop_token_ids: a sequence of ids shared by all
-    requests, or one sequence per request. return_top_logprobs=k also returns, per generated token, the k most likely
-    tokens and their logprobs. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
+    or one per request (top_k is shared: it is a compile-time size). A request's samples depend only on its prompt, seed
+    and parameters, so equal prompts with equal seeds (the default seed is 0 for all) give equal completions: pass one
+    seed per request (`seed=[0, 1, ...]`) for k different samples of one prompt. stop_token_ids: a sequence of ids
+    shared by all requests, or one sequence per request. return_top_logprobs=k also returns, per generated token, the
+    k most likely tokens and their logprobs. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
     `CapacityError` when a prompt + max_new_tokens passes `MAX_ROW_TOKENS`) before anything compiles. Returns a
     `Generations` list with one `GenerationResult` per prompt, in order, `.cache` (the new prefix cache when `cache`
     was given) and `.timings`.

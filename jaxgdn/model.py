@@ -63,12 +63,10 @@ def check_model_options(dtype, backend) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _param_shapes(config: ModelConfig):
-    """(the parameter tree's structure, [(path, shape)]) that `config` needs (`init.random_params`'s, shapes only:
-    nothing is allocated)."""
+def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Path -> shape of every parameter `config` needs (`init.random_params`'s, shapes only: nothing is allocated)."""
     spec = jax.eval_shape(lambda: random_params(config, jax.random.key(0)))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(spec)
-    return treedef, tuple((jax.tree_util.keystr(path), tuple(x.shape)) for path, x in leaves)
+    return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(spec)[0]}
 
 
 def _check_params(params, config) -> None:
@@ -76,19 +74,18 @@ def _check_params(params, config) -> None:
     the layers compute with the parameters' shapes and kinds (a dense or MoE MLP, a tied head) while the checks and
     the numerics tag follow the config, so a mismatch would run and compute something else under the config's name.
     The leaves must have the full shapes, neither split nor stacked (to vmap over models, stack their ModelParams and
-    build the Model inside). Trees that are not parameters — leaves that are not arrays (a
-    sharding spec), None where the config needs an array (a tree_map's placeholders), tracers (a Model inside jit,
-    vmap or shard_map, whose leaves may be per-shard or stacked: it was checked where it was built) — are not
-    checked."""
+    build the Model inside). Trees that are not parameters — leaves that are not arrays (a sharding spec), None where
+    the config needs an array (a tree_map's placeholders), tracers (a Model inside jit, vmap or shard_map, whose
+    leaves may be per-shard or stacked: it was checked where it was built) — are not checked."""
     if not isinstance(config, ModelConfig):
         raise InputError(f"config must be a jaxgdn.ModelConfig; got {type(config).__name__}")
     if not isinstance(params, ModelParams):
         raise InputError(f"params must be a jaxgdn ModelParams (jaxgdn.init.random_params, load_pretrained); got "
                          f"{type(params).__name__}")
     keystr = jax.tree_util.keystr
-    items, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
-    want_def, want = _param_shapes(config)
-    need = {path for path, _ in want}
+    items = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)[0]
+    shapes = _param_shapes(config)
+    need = set(shapes)
     nones = {keystr(path) for path, x in items if x is None}
     arrays = all(x is None or (hasattr(x, "shape") and hasattr(x, "dtype")) for _, x in items)
     if not arrays or nones & need - {".lm_head"} or any(isinstance(x, jax.core.Tracer) for _, x in items):
@@ -99,7 +96,6 @@ def _check_params(params, config) -> None:
         diff = [("missing params" if d in need else "unexpected params") + d for d in sorted(got ^ need)]
         raise InputError(f"params do not hold the parameters the config needs (a dense or MoE MLP, a tied or stored "
                          f"head, the layer kinds): {', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}")
-    shapes = dict(want)
     for path, x in leaves:
         if tuple(x.shape) != shapes[path]:
             raise InputError(f"params{path} has shape {tuple(x.shape)}; the config needs {shapes[path]}")

@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
-from .errors import InputError, is_flat_ids, is_int, token_array, token_id
+from .errors import InputError, is_flat_ids, is_int, refuse_unordered, token_array, token_id
 from .generate import check_model
 from .model import Model, jit, prefill_chunk
 
@@ -64,9 +64,7 @@ def check_sequences(model: Model, sequences, start) -> tuple[list[list[int]], li
                       "list)")
     if is_flat_ids(sequences):
         raise flat
-    if isinstance(sequences, (set, frozenset, dict)):
-        raise InputError(f"sequences must be an ordered sequence of token-id sequences (a list); got a "
-                         f"{type(sequences).__name__}, whose order the results could not follow")
+    refuse_unordered(sequences, "sequences")
     try:
         items = list(sequences)
     except TypeError:

@@ -4,6 +4,8 @@ silently misused value. No test compiles the model: every refusal comes before i
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,8 +253,6 @@ def test_init_state_refuses_capacities_past_int32_positions(model):
 def test_model_config_refuses_what_fails_at_the_first_call(change, match):
     """ModelConfig (exported) checks what only the Hugging Face loader checked: more experts per token than experts
     (was: JAX's top_k error at the first call) and sizes that are not integers (a float vocab_size was accepted)."""
-    import dataclasses
-
     with pytest.raises(jaxgdn.InputError, match=match):
         dataclasses.replace(jaxgdn.tiny_qwen3_next(), **change)
 
@@ -262,8 +262,6 @@ def test_a_model_refuses_parameters_its_config_does_not_describe():
     `init.random_params`'s shapes; nothing is allocated). Were accepted: a config of a larger vocabulary (ids past
     the embedding then read as its last row), tiny's dense weights under tiny-next's MoE config (which ran the dense
     MLP under tiny-next's numerics tag, and so continued tiny-next's states), None for either argument."""
-    import dataclasses
-
     tiny, nxt = jaxgdn.tiny_model("tiny"), jaxgdn.tiny_model("tiny-next")
     cases = [
         (tiny.params, dataclasses.replace(tiny.config, vocab_size=512), r"params.embed has shape \(256, 64\); the "
@@ -290,8 +288,6 @@ def test_a_qwen3_next_of_many_layers_builds():
     at tiny sizes: its parameters' shapes (`init.random_params`) and the Model. Was: StopIteration from
     random_params, which drew 16 keys per layer where a GDN layer with experts takes 17 — and, through the
     parameter check that uses it, from `Model` and `load_pretrained` for any such checkpoint."""
-    import dataclasses
-
     from jaxgdn.config import FULL, LINEAR
     from jaxgdn.init import random_params
 
