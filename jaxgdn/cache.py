@@ -50,15 +50,32 @@ class CheckpointRefused(JaxGDNError):
     model's states."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+KVBlock = tuple[AttentionLayerState, ...]  # consecutive rows of a prefix's attention keys and values, per attention
+# layer [L, HKV, Dh] (L rows, the same for every layer of the block)
+
+
+def _tree_bytes(tree) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Checkpoint:
-    """The state of one sequence after `tokens` (position = len(tokens)). Leaves carry no batch axis."""
+    """The state of one sequence after `tokens` (position = len(tokens)). Leaves carry no batch axis.
+
+    The attention keys and values of the prefix are held as consecutive blocks (`kv_blocks`) so that the
+    checkpoints of one sequence share the blocks of their common prefix (the same arrays) instead of each holding a
+    copy: the checkpoints `generate` makes of a prompt of n cache intervals hold n intervals of keys and values, not
+    n²/2. `kv` is the whole prefix's (the blocks concatenated: a new array unless there is one block).
+
+    Build it with `kv=` (the whole prefix's keys and values: one block) or `kv_blocks=`; where both are given, `kv`
+    replaces the blocks (so that `dataclasses.replace(ck, kv=...)` replaces the keys and values)."""
 
     tokens: tuple[int, ...]
     provenance: int  # Provenance of the state that produced it
     gdn: tuple[GDNLayerState, ...]  # per GDN layer: conv [KC-1, C], recurrent fp32 [HV, K, V] (on the grid:
     # `state.at_boundary`, no open-chunk buffers; elsewhere, in replay mode, with them)
-    kv: tuple[AttentionLayerState, ...]  # per attention layer: keys, values [P, HKV, Dh]
+    kv_blocks: tuple[KVBlock, ...]  # the prefix's keys and values in consecutive blocks of rows (their rows add up
+    # to the position), possibly shared with other checkpoints of the same sequence
     # `numerics_key` of the model that computed it, or None where not known (a checkpoint made by hand without the
     # model): `PrefixCache.insert` refuses one made with other numerics than the cache's states
     numerics: str | None = None
@@ -66,13 +83,38 @@ class Checkpoint:
     # cache refuses one of another tag than its states'; a state restored from it carries the tag on
     origin: int = 0
 
+    def __init__(self, tokens, provenance, gdn, kv=None, numerics=None, origin=0, *, kv_blocks=None):
+        if kv is not None:
+            kv_blocks = (tuple(kv),) if isinstance(kv, (tuple, list)) else kv  # (a bad kv: `_checked` names it)
+        elif kv_blocks is None:
+            raise InputError("Checkpoint needs its prefix's attention keys and values: kv= (per attention layer) or "
+                             "kv_blocks= (consecutive blocks of them)")
+        else:
+            kv_blocks = tuple(tuple(b) if isinstance(b, list) else b for b in kv_blocks) \
+                if isinstance(kv_blocks, (tuple, list)) else kv_blocks
+        for name, value in (("tokens", tokens), ("provenance", provenance), ("gdn", gdn), ("kv_blocks", kv_blocks),
+                            ("numerics", numerics), ("origin", origin)):
+            object.__setattr__(self, name, value)
+
     @property
     def position(self) -> int:
         return len(self.tokens)
 
     @property
+    def kv(self) -> tuple[AttentionLayerState, ...]:
+        """Per attention layer, the keys and values of the whole prefix [P, HKV, Dh]."""
+        if len(self.kv_blocks) == 1:
+            return self.kv_blocks[0]
+        if not self.kv_blocks:
+            return ()
+        return tuple(AttentionLayerState(*(jnp.concatenate([getattr(b[i], name) for b in self.kv_blocks])
+                                           for name in ("keys", "values")))
+                     for i in range(len(self.kv_blocks[0])))
+
+    @property
     def nbytes(self) -> int:
-        return sum(int(x.nbytes) for x in jax.tree.leaves((self.gdn, self.kv)))
+        """The bytes of this checkpoint alone (blocks shared with others counted in full)."""
+        return _tree_bytes((self.gdn, self.kv_blocks))
 
 
 def _checked(ck, what: str) -> Checkpoint:
@@ -92,14 +134,28 @@ def _checked(ck, what: str) -> Checkpoint:
     if not is_int(ck.origin) or not 0 <= int(ck.origin) < 2**31:
         raise InputError(f"{what}'s origin must be a `Model.numerics_tag` (an integer in [1, 2**31)) or 0; got "
                          f"{ck.origin!r}")
+    blocks = ck.kv_blocks
     if not (isinstance(ck.gdn, (tuple, list)) and all(isinstance(g, GDNLayerState) for g in ck.gdn)
-            and isinstance(ck.kv, (tuple, list)) and all(isinstance(a, AttentionLayerState) for a in ck.kv)):
-        raise InputError(f"{what} must hold a tuple of GDNLayerState (gdn) and of AttentionLayerState (kv)")
-    for a in ck.kv:
-        for name, x in a._asdict().items():
-            if np.ndim(x) < 1 or np.shape(x)[0] != len(tokens):
-                raise InputError(f"{what}: attention {name} of shape {np.shape(x)} for {len(tokens)} tokens (one row "
-                                 f"per token expected: tokens and states of different prefixes)")
+            and isinstance(blocks, tuple) and blocks
+            and all(isinstance(b, tuple) and all(isinstance(a, AttentionLayerState) for a in b) for b in blocks)):
+        raise InputError(f"{what} must hold a tuple of GDNLayerState (gdn) and of AttentionLayerState (kv; kv_blocks: "
+                         f"a non-empty tuple of such tuples)")
+    if len({len(b) for b in blocks}) != 1:
+        raise InputError(f"{what}'s kv_blocks hold {[len(b) for b in blocks]} attention layers (every block holds "
+                         f"one state per attention layer)")
+    rows = []
+    for b in blocks:
+        lengths = {np.shape(x)[0] if np.ndim(x) >= 1 else None for a in b for x in a}
+        if None in lengths or len(lengths) > 1:
+            shapes = [np.shape(x) for a in b for x in a]
+            raise InputError(f"{what}: attention keys and values of shapes {shapes} in one block (one row per token "
+                             f"expected, the same rows in every layer)")
+        rows.append(lengths.pop() if lengths else 0)
+    if blocks[0] and sum(rows) != len(tokens):
+        shapes = (f"of shape {np.shape(blocks[0][0].keys)}" if len(blocks) == 1 else
+                  f"in blocks of {rows} rows")
+        raise InputError(f"{what}: attention keys {shapes} for {len(tokens)} tokens (one row per token expected: "
+                         f"tokens and states of different prefixes)")
     return ck if type(ck.tokens) is tuple else dataclasses.replace(ck, tokens=tokens)
 
 
@@ -127,27 +183,56 @@ def checkpoint_from_state(state: ModelState, row: int, tokens: Sequence[int], mo
                       numerics=None if model is None else numerics_key(model), origin=origin)
 
 
+def prefix_blocks(kv_state: ModelState, row: int, positions: Sequence[int], base: Checkpoint | None = None
+                  ) -> dict[int, tuple[KVBlock, ...]]:
+    """For each of `positions` (ascending, each past `base`'s), the keys and values of row `row` of `kv_state` up to
+    there as `Checkpoint.kv_blocks`, sharing blocks: one block between consecutive positions, after `base`'s blocks
+    (the checkpoint the row was restored from: its blocks are the row's first rows, bit for bit). The keys and
+    values of a prefix never change, so `kv_state` may be any later state of the row."""
+    start = base.position if base is not None else 0
+    attn = [s for s in kv_state.layers if isinstance(s, AttentionLayerState)]
+    blocks = list(base.kv_blocks) if base is not None else []
+    out = {}
+    for p in positions:
+        if p <= start:
+            raise InputError(f"positions must ascend past the base's {start}; got {list(positions)}")
+        blocks.append(tuple(AttentionLayerState(keys=s.keys[row, start:p], values=s.values[row, start:p])
+                            for s in attn))
+        out[p], start = tuple(blocks), p
+    return out
+
+
 def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: Sequence[Sequence[int]],
-                             kv_state: ModelState, interval: int, numerics: str | None = None) -> list[Checkpoint]:
+                             kv_state: ModelState, interval: int, numerics: str | None = None,
+                             bases: Sequence[Checkpoint | None] | None = None, by_row: bool = False
+                             ) -> list[Checkpoint] | list[list[Checkpoint]]:
     """The cache checkpoints among a prefill's in-call states (`prefill_chunk(..., checkpoint_stride=...)`).
 
     provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
     up to each checkpoint). kv_state: the state after the call, or any later state of the same rows (the keys
     and values of a prefix never change; its rows' origin is the checkpoints', so rows no other model has advanced
     since). Kept: valid checkpoints at positive multiples of `interval`. numerics: the `numerics_key` of the model
-    that ran the prefill (None: unknown).
+    that ran the prefill (None: unknown). bases[b]: the checkpoint row b was restored from before the call (None:
+    a fresh row), whose key/value blocks the new checkpoints of the row share (`prefix_blocks`); so do the new
+    checkpoints of one row among themselves. by_row: a list per row (ascending positions) instead of one list.
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
     origin = np.asarray(kv_state.origin)
-    attn = [s for s in kv_state.layers if isinstance(s, AttentionLayerState)]
-    for b, j in zip(*np.nonzero(valid & (pos > 0) & (pos % interval == 0))):
-        p = int(pos[b, j])
-        gdn = tuple(jax.tree.map(lambda x: x[b, j], g) for g in found.gdn)
-        kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
-        out.append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
-                              gdn=gdn, kv=kv, numerics=numerics, origin=int(origin[b])))
-    return out
+    keep = valid & (pos > 0) & (pos % interval == 0)
+    for b in range(pos.shape[0]):
+        base = bases[b] if bases is not None else None
+        start = base.position if base is not None else 0
+        slots = {int(pos[b, j]): j for j in np.nonzero(keep[b])[0] if pos[b, j] > start}  # (one per position)
+        slots = [slots[p] for p in sorted(slots)]
+        blocks = prefix_blocks(kv_state, b, [int(pos[b, j]) for j in slots], base)
+        out.append([])
+        for j in slots:
+            p = int(pos[b, j])
+            gdn = tuple(jax.tree.map(lambda x: x[b, j], g) for g in found.gdn)
+            out[-1].append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
+                                      gdn=gdn, kv_blocks=blocks[p], numerics=numerics, origin=int(origin[b])))
+    return out if by_row else [ck for row in out for ck in row]
 
 
 def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoint | None]) -> ModelState:
@@ -182,8 +267,10 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         if ck.position > template.capacity and attn_ids:
             raise CapacityError(f"checkpoint of {ck.position} tokens exceeds the state's capacity "
                                 f"{template.capacity}")
-        if len(ck.gdn) != len(gdn_ids) or len(ck.kv) != len(attn_ids):
-            raise InputError(f"checkpoint {b} holds {len(ck.gdn)} GDN and {len(ck.kv)} attention layers; the state "
+        ck = _checked(ck, f"checkpoints[{b}]")
+        n_attn = len(ck.kv_blocks[0])
+        if len(ck.gdn) != len(gdn_ids) or n_attn != len(attn_ids):
+            raise InputError(f"checkpoint {b} holds {len(ck.gdn)} GDN and {n_attn} attention layers; the state "
                              f"has {len(gdn_ids)} and {len(attn_ids)} (a checkpoint of another model)")
         for g, i in zip(ck.gdn, gdn_ids):
             extra = [name for name, row in g._asdict().items() if row is not None and getattr(layers[i], name) is None]
@@ -194,9 +281,9 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         rows = [(f"GDN layer {i}'s {name}", getattr(layers[i], name), row, 1) for i, g in zip(gdn_ids, ck.gdn)
                 for name, row in g._asdict().items() if row is not None]
         rows += [(f"attention layer {i}'s {name}", getattr(layers[i], name), getattr(kv, name), 2)
-                 for i, kv in zip(attn_ids, ck.kv) for name in ("keys", "values")]
-        for what, leaf, row, lead in rows:  # (shapes only: a KV row's first axis is the checkpoint's positions)
-            want = (ck.position,) * (lead - 1) + tuple(leaf.shape[lead:])
+                 for block in ck.kv_blocks for i, kv in zip(attn_ids, block) for name in ("keys", "values")]
+        for what, leaf, row, lead in rows:  # (shapes only: a KV block's first axis is its rows, `_checked`'s)
+            want = tuple(row.shape[:1]) * (lead - 1) + tuple(leaf.shape[lead:])
             if tuple(row.shape) != want or row.dtype != leaf.dtype:
                 raise InputError(f"checkpoint {b}'s {what} is {row.dtype}{list(row.shape)}; the state holds "
                                  f"{leaf.dtype}{list(want)} per row (a checkpoint of a model of other shapes or "
@@ -212,6 +299,18 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         origin[b] = ck.origin
     return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
                       provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
+
+
+def _held_bytes(checkpoints: Iterable[Checkpoint]) -> int:
+    """The bytes of `checkpoints` together: each one's GDN states, and each key/value block once."""
+    seen, total = set(), 0
+    for ck in checkpoints:
+        total += _tree_bytes(ck.gdn)
+        for block in ck.kv_blocks:
+            if id(block) not in seen:
+                seen.add(id(block))
+                total += _tree_bytes(block)
+    return total
 
 
 def _prefix_keys(tokens: Sequence[int], interval: int, upto: int) -> list[tuple[int, bytes]]:
@@ -290,9 +389,11 @@ class PrefixCache:
     holds (0: not yet known; set with `numerics`, or by the first checkpoint admitted whose `origin` is known), so
     that a cache whose numerics are not yet known still holds states of one kind only.
 
-    Each checkpoint holds its own copy of its prefix's attention keys and values (entries are independent, evicted
-    whole), so the checkpoints of one prompt of n intervals hold about n²/2 intervals of KV; `generate` builds them
-    all before `insert` applies `max_bytes`."""
+    The checkpoints of one sequence share the attention key/value blocks of their common prefix
+    (`Checkpoint.kv_blocks`): those `generate` makes of a prompt of n intervals hold n intervals of keys and values,
+    and the checkpoints of a later request that continued from a cached one share its blocks. `nbytes` and
+    `max_bytes` count every block once; evicting an entry frees its GDN states and the blocks no other entry holds.
+    Requests that shared a prefix without a cache hit (in one batch, say) hold a block each."""
 
     interval: int = DEFAULT_INTERVAL
     deterministic: bool = True
@@ -343,7 +444,8 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.checkpoint.nbytes for e in self._entries.values())
+        """The bytes the entries hold: their GDN states, and every key/value block once (blocks are shared)."""
+        return _held_bytes(e.checkpoint for e in self._entries.values())
 
     def checkpoints(self) -> list[Checkpoint]:
         """Every entry, least recently used first."""
@@ -486,11 +588,19 @@ class PrefixCache:
             keep = old is not None and int(old.checkpoint.provenance) <= int(ck.provenance)
             entries[key] = _Entry(old.checkpoint if keep else ck, clock)
         if self.max_bytes is not None:
-            total = sum(e.checkpoint.nbytes for e in entries.values())
+            total = _held_bytes(e.checkpoint for e in entries.values())
+            holders = {}  # id(block) -> how many entries hold it
+            for e in entries.values():
+                for block in e.checkpoint.kv_blocks:
+                    holders[id(block)] = holders.get(id(block), 0) + 1
             for key, e in sorted(entries.items(), key=lambda kv: kv[1].last_used):
                 if total <= self.max_bytes:
                     break
-                total -= e.checkpoint.nbytes
+                total -= _tree_bytes(e.checkpoint.gdn)
+                for block in e.checkpoint.kv_blocks:  # a block is freed with the last entry that holds it
+                    holders[id(block)] -= 1
+                    if not holders[id(block)]:
+                        total -= _tree_bytes(block)
                 del entries[key]
                 ev += 1
         return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev), numerics=numerics,
@@ -546,12 +656,18 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
         chex.assert_equal(ck.origin in (0, model.numerics_tag) and cache.origin in (0, model.numerics_tag), True,
                           custom_message=f"{where}'s state was computed by a model of numerics_tag {ck.origin}, not "
                                          f"the model's {model.numerics_tag}")
-        chex.assert_tree_all_finite((ck.gdn, ck.kv), custom_message=f"{where} is not finite")
+        chex.assert_tree_all_finite((ck.gdn, ck.kv_blocks), custom_message=f"{where} is not finite")
         chex.assert_trees_all_equal_structs(ck.gdn, gdn_spec)
         chex.assert_trees_all_equal_shapes_and_dtypes(ck.gdn, gdn_spec, custom_message=where)
-        kv_spec = tuple(AttentionLayerState(*(jax.ShapeDtypeStruct((ck.position,) + x.shape[2:], x.dtype) for x in s))
-                        for s in attn_spec)
-        chex.assert_trees_all_equal_shapes_and_dtypes(ck.kv, kv_spec, custom_message=where)
+        rows = 0
+        for block in ck.kv_blocks:  # each block [L, HKV, Dh] per attention layer, the blocks' rows the prefix's
+            n = int(np.shape(block[0].keys)[0]) if block else 0
+            kv_spec = tuple(AttentionLayerState(*(jax.ShapeDtypeStruct((n,) + x.shape[2:], x.dtype) for x in s))
+                            for s in attn_spec)
+            chex.assert_trees_all_equal_shapes_and_dtypes(block, kv_spec, custom_message=where)
+            rows += n
+        chex.assert_equal(rows if attn_spec else ck.position, ck.position,
+                          custom_message=f"{where}: its key/value blocks hold {rows} rows")
         if cache.deterministic:
             chex.assert_equal(ck.provenance, int(Provenance.PREFILL),
                               custom_message=f"{where} is not prefill-produced in a deterministic cache")

@@ -25,11 +25,12 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
-from .cache import Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, state_from_checkpoints
+from .cache import (Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, prefix_blocks,
+                    state_from_checkpoints)
 from .errors import (CapacityError, InputError, is_flat_ids, is_int, refuse_unordered, safe_ndim, token_array,
                      token_id)
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
-from .state import MAX_CAPACITY, AttentionLayerState, at_boundary
+from .state import MAX_CAPACITY, at_boundary
 
 MAX_ROW_TOKENS = MAX_CAPACITY  # prompt + max_new_tokens per row: positions are int32 (CapacityError beyond)
 # The largest temperature. Sampling divides fp32 logits by it; past ~1 / float32's smallest normal (8.5e37) XLA's
@@ -333,31 +334,34 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if cache is not None:
         histories = [p + toks[b].tolist() for b, p in enumerate(prompts)]
         numerics = numerics_key(model)
-        new = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories, out["state"],
-                                       cache.interval, numerics)
-        if snap_interval:
+        by_row = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories,
+                                          out["state"], cache.interval, numerics, bases=hits, by_row=True)
+        new = [ck for row in by_row for ck in row]
+        if snap_interval:  # a row's decode checkpoints share the key/value blocks of its last one before them
+            bases = [row[-1] if row else hit for row, hit in zip(by_row, hits)]
             new += _decode_checkpoints(out, prompts, histories, [len(r.tokens) for r in results], snap_interval,
-                                       numerics)
+                                       numerics, bases)
         results.cache = cache.insert(new, skip_refused=True)
     return results
 
 
-def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: str) -> list[Checkpoint]:
+def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: str,
+                        bases: list[Checkpoint | None]) -> list[Checkpoint]:
     """Checkpoints at the grid boundaries reached by decode, within emitted tokens (provenance: the final state's,
-    DECODE after recurrent decode, PREFILL after replay decode), computed with `numerics` (`numerics_key`)."""
+    DECODE after recurrent decode, PREFILL after replay decode), computed with `numerics` (`numerics_key`). bases[b]:
+    row b's last checkpoint before them (restored or made by its prefill; None: none), whose key/value blocks they
+    share (`cache.prefix_blocks`)."""
     state = out["state"]
     provenance, origin = np.asarray(state.provenance), np.asarray(state.origin)
-    attn = [s for s in state.layers if isinstance(s, AttentionLayerState)]
     n_snap = np.asarray(out["n_snap"])
     found = []
     for b, prompt in enumerate(prompts):
         first = (len(prompt) // interval + 1) * interval
-        for i in range(int(n_snap[b])):
-            p = first + i * interval
-            if p - len(prompt) > n_emitted[b]:
-                break
+        snaps = [(i, first + i * interval) for i in range(int(n_snap[b]))]
+        snaps = [(i, p) for i, p in snaps if p - len(prompt) <= n_emitted[b]]
+        blocks = prefix_blocks(state, b, [p for _, p in snaps], bases[b])
+        for i, p in snaps:
             gdn = tuple(jax.tree.map(lambda x: x[i, b], s) for s in out["snaps"])
-            kv = tuple(AttentionLayerState(keys=s.keys[b, :p], values=s.values[b, :p]) for s in attn)
-            found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(provenance[b]), gdn=gdn, kv=kv,
-                                    numerics=numerics, origin=int(origin[b])))
+            found.append(Checkpoint(tokens=tuple(histories[b][:p]), provenance=int(provenance[b]), gdn=gdn,
+                                    kv_blocks=blocks[p], numerics=numerics, origin=int(origin[b])))
     return found

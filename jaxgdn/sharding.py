@@ -711,19 +711,20 @@ def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
     _check_sharded_layout(config, mesh, "shard_checkpoint", "checkpoint")
     replay = any(s.open_qkv is not None for s in ck.gdn)
     gdn_s, kv_s = checkpoint_specs(config, mesh, replay)
-    return dataclasses.replace(ck, gdn=place(ck.gdn, gdn_s, mesh), kv=place(ck.kv, kv_s, mesh))
+    return dataclasses.replace(ck, gdn=place(ck.gdn, gdn_s, mesh),
+                               kv_blocks=tuple(place(block, kv_s, mesh) for block in ck.kv_blocks))
 
 
 def _check_checkpoint_shapes(config: ModelConfig, ck) -> None:
     """One layer state per GDN / attention layer of `config`, of its head shapes; InputError otherwise."""
     what = "shard_checkpoint: ck"
     ngdn, nattn = len(config.gdn_layers), len(config.attention_layers)
-    if len(ck.gdn) != ngdn or len(ck.kv) != nattn:
-        raise InputError(f"{what} holds {len(ck.gdn)} GDN and {len(ck.kv)} attention layer states; the model has "
-                         f"{ngdn} and {nattn} (a checkpoint of another model)")
+    if len(ck.gdn) != ngdn or len(ck.kv_blocks[0]) != nattn:
+        raise InputError(f"{what} holds {len(ck.gdn)} GDN and {len(ck.kv_blocks[0])} attention layer states; the "
+                         f"model has {ngdn} and {nattn} (a checkpoint of another model)")
     _check_gdn_states(config, ck.gdn, what)
     heads = (config.num_key_value_heads, config.head_dim)
-    for i, a in enumerate(ck.kv):
+    for i, a in (ia for block in ck.kv_blocks for ia in enumerate(block)):
         if tuple(np.shape(a.keys)[1:]) != heads or tuple(np.shape(a.values)[1:]) != heads:
             raise InputError(f"{what}: attention layer state {i} has keys {np.shape(a.keys)} and values "
                              f"{np.shape(a.values)}; the model's config needs [P, {heads[0]}, {heads[1]}] (a "

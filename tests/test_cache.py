@@ -229,6 +229,55 @@ def test_batched_lookup_and_generation(tiny):
         assert r1.tokens == r2.tokens and np.array_equal(np.array(r1.logprobs), np.array(r2.logprobs))
 
 
+def test_checkpoints_of_a_sequence_share_their_key_value_blocks(tiny):
+    """The checkpoints of one prompt hold its keys and values once (blocks between consecutive checkpoints, the same
+    arrays in every checkpoint that reaches them), and so do those of a later request restored from one of them, and
+    the decode checkpoints after a prompt's; the cache counts every block once and evicting an entry frees only what
+    no other entry holds; each checkpoint's keys and values are still a fresh prefill's."""
+    rng = np.random.default_rng(21)
+    prompt = rng.integers(0, tiny.config.vocab_size, 300).tolist()
+    first = jaxgdn.generate(tiny, [prompt], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL))
+    cks = sorted(first.cache.checkpoints(), key=lambda c: c.position)
+    assert [c.position for c in cks] == [64, 128, 192, 256]
+    for k, ck in enumerate(cks):
+        assert len(ck.kv_blocks) == k + 1 and all(b is cks[-1].kv_blocks[j] for j, b in enumerate(ck.kv_blocks))
+    gdn_bytes = [sum(x.nbytes for x in jax.tree.leaves(c.gdn)) for c in cks]
+    kv_bytes = sum(x.nbytes for x in jax.tree.leaves(cks[-1].kv))  # 256 rows of every attention layer
+    assert first.cache.nbytes == sum(gdn_bytes) + kv_bytes < sum(c.nbytes for c in cks)
+    jaxgdn.check_cache(first.cache, tiny, recompute=True)  # each one's concatenated keys and values: a prefill's
+
+    # evicting the oldest entry (64) frees its GDN states only: its block is the others' first
+    full = first.cache.nbytes
+    squeezed = jaxgdn.PrefixCache(interval=INTERVAL, max_bytes=full - 1).insert(cks)
+    assert [c.position for c in squeezed.checkpoints()] == [128, 192, 256]
+    assert squeezed.nbytes == full - gdn_bytes[0] and squeezed.stats().evictions == 1
+
+    # a longer request restored at 256 shares the restored checkpoint's blocks, and computes what a cold one does
+    longer = prompt + first[0].tokens + rng.integers(0, tiny.config.vocab_size, 150).tolist()
+    warm = jaxgdn.generate(tiny, [longer], max_new_tokens=4, cache=first.cache)
+    cold = jaxgdn.generate(tiny, [longer], max_new_tokens=4, cache=jaxgdn.PrefixCache(interval=INTERVAL))
+    assert warm[0].cached_tokens == 256 and warm[0].tokens == cold[0].tokens
+    assert np.array_equal(np.array(warm[0].logprobs), np.array(cold[0].logprobs))
+    new = sorted((c for c in warm.cache.checkpoints() if c.position > 256), key=lambda c: c.position)
+    assert [c.position for c in new] == [320, 384, 448]
+    assert all(c.kv_blocks[:4] == cks[-1].kv_blocks and all(a is b for a, b in zip(c.kv_blocks, cks[-1].kv_blocks))
+               for c in new)
+    jaxgdn.check_cache(warm.cache, tiny, recompute=True)
+
+    # decode checkpoints (a cache that admits them) share the blocks of their row's last prefill checkpoint
+    other = rng.integers(0, tiny.config.vocab_size, 100).tolist()
+    loose = jaxgdn.generate(tiny, [prompt, other], max_new_tokens=100,
+                            cache=jaxgdn.PrefixCache(interval=INTERVAL, deterministic=False)).cache
+    decoded = [c for c in loose.checkpoints() if c.provenance == Provenance.DECODE]
+    assert sorted(c.position for c in decoded) == [128, 192, 320, 384]  # (other: 100 + 100 tokens; prompt: 400)
+    for c in decoded:
+        base = max((p for p in loose.checkpoints() if p.provenance == Provenance.PREFILL
+                    and c.tokens[:p.position] == p.tokens), key=lambda p: p.position)
+        assert base.position == (64 if c.position < 256 else 256)
+        assert all(a is b for a, b in zip(c.kv_blocks, base.kv_blocks))
+        assert len(c.kv_blocks) == len(base.kv_blocks) + (c.position - base.position) // INTERVAL
+
+
 # ---- property-based: random insert / lookup / evict sequences -----------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -243,6 +292,11 @@ def pool(tiny):
         state, _, ck = _prefill(tiny, s, stride=INTERVAL)
         out += jaxgdn.cache.checkpoints_from_prefill(ck, state.provenance, [s], state, INTERVAL)
     return out, [base, other, third]
+
+
+def _distinct_bytes(checkpoints) -> int:
+    """The bytes of the distinct arrays the checkpoints hold (an array shared by several counted once)."""
+    return sum({id(x): x.nbytes for c in checkpoints for x in jax.tree.leaves((c.gdn, c.kv_blocks))}.values())
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -269,7 +323,7 @@ def test_cache_properties(pool, ops, budget_entries):
                 assert hit.tokens in inserted  # never a state for a prefix that was not inserted
                 assert tuple(query[:hit.position]) == hit.tokens and hit.position <= len(query) - 1
         stats = cache.stats()
-        assert stats.bytes == sum(c.nbytes for c in cache.checkpoints())  # byte accounting matches the entries
+        assert stats.bytes == _distinct_bytes(cache.checkpoints())  # byte accounting matches the entries
         assert stats.entries == len(cache.checkpoints())
         if cache.max_bytes is not None:
             assert stats.bytes <= cache.max_bytes

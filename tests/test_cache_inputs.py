@@ -166,6 +166,12 @@ def test_insert_refuses_malformed_checkpoints(setup, skip_refused):
         (dataclasses.replace(ck, provenance=7), "provenance 7"),  # used to raise a bare ValueError
         (dataclasses.replace(ck, provenance=int(Provenance.FRESH)), "provenance 0"),
         (dataclasses.replace(ck, numerics=1), "numerics must be a `numerics_key` string or None"),
+        # key/value blocks (shared between the checkpoints of a sequence): their rows must add up to the tokens
+        (dataclasses.replace(cks[2], kv_blocks=cks[2].kv_blocks[:2]), r"in blocks of \[64, 64\] rows for 192"),
+        (dataclasses.replace(ck, kv_blocks=()), "kv_blocks: a non-empty tuple"),
+        (dataclasses.replace(cks[1], kv_blocks=(ck.kv_blocks[0], ck.kv_blocks[0] * 2)), r"hold \[1, 2\] attention"),
+        (dataclasses.replace(cks[1], kv_blocks=(ck.kv_blocks[0], (ck.kv[0]._replace(values=ck.kv[0].values[:3]),))),
+         "of shapes .* in one block"),
     ]
     for cache in (PrefixCache(interval=INTERVAL), PrefixCache(interval=INTERVAL, deterministic=False)):
         for bad, match in cases:
@@ -196,7 +202,10 @@ def test_accepts_agrees_with_insert(setup):
 def test_duplicates_eviction_and_immutability(setup):
     _, toks, _, cks = setup
     size = [c.nbytes for c in cks]
-    other64 = dataclasses.replace(cks[0], tokens=tuple(toks[64:128]))  # another 64-token prefix
+    # another 64-token prefix, with keys and values of its own (cks[1] and cks[2] share cks[0]'s first block)
+    other64 = dataclasses.replace(cks[0], tokens=tuple(toks[64:128]), kv=jax.tree.map(jnp.copy, cks[0].kv))
+    shared = sum(x.nbytes for x in jax.tree.leaves(cks[0].kv_blocks))
+    assert cks[1].kv_blocks[0] is cks[0].kv_blocks[0] and shared
     empty = PrefixCache(interval=INTERVAL, max_bytes=size[0] + size[1])
     one = empty.insert(cks[0])
     twice = one.insert([cks[0], dataclasses.replace(cks[0])])  # the same prefix again: one entry, counted once
@@ -206,7 +215,7 @@ def test_duplicates_eviction_and_immutability(setup):
     evicted = touched.insert(cks[1])
     assert [c.tokens for c in evicted.checkpoints()] == [cks[0].tokens, cks[1].tokens]
     assert evicted.stats().evictions == 1
-    assert evicted.stats().bytes == sum(c.nbytes for c in evicted.checkpoints()) == evicted.max_bytes
+    assert evicted.stats().bytes == size[0] + size[1] - shared == evicted.max_bytes - shared
     # a checkpoint larger than the whole budget is refused and evicts nothing
     small = PrefixCache(interval=INTERVAL, max_bytes=size[2] - 1).insert(cks[0])
     assert small.insert(cks[2], skip_refused=True).stats() == dataclasses.replace(small.stats(), refused_writes=1)
