@@ -67,8 +67,9 @@ class Checkpoint:
     copy: the checkpoints `generate` makes of a prompt of n cache intervals hold n intervals of keys and values, not
     n²/2. `kv` is the whole prefix's (the blocks concatenated: a new array unless there is one block).
 
-    Build it with `kv=` (the whole prefix's keys and values: one block) or `kv_blocks=`; where both are given, `kv`
-    replaces the blocks (so that `dataclasses.replace(ck, kv=...)` replaces the keys and values)."""
+    Build it with `kv=` (the whole prefix's keys and values: one block; positionally, the fourth argument, as before
+    the blocks) or `kv_blocks=`; where both are given, `kv` replaces the blocks (so that
+    `dataclasses.replace(ck, kv=...)` replaces the keys and values)."""
 
     tokens: tuple[int, ...]
     provenance: int  # Provenance of the state that produced it
@@ -95,6 +96,21 @@ class Checkpoint:
         for name, value in (("tokens", tokens), ("provenance", provenance), ("gdn", gdn), ("kv_blocks", kv_blocks),
                             ("numerics", numerics), ("origin", origin)):
             object.__setattr__(self, name, value)
+
+    def __setstate__(self, state: dict):
+        """Unpickling, also of a checkpoint pickled before `kv_blocks` (2026-12-05), which held `kv` whole."""
+        state = dict(state)
+        if "kv_blocks" not in state and "kv" in state:
+            state["kv_blocks"] = (tuple(state.pop("kv")),)
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:  # (not the arrays: a long prefix's blocks are many, each a device-to-host copy)
+        try:
+            provenance = Provenance(self.provenance).name
+        except (ValueError, TypeError):
+            provenance = repr(self.provenance)
+        return (f"Checkpoint(position={self.position}, provenance={provenance}, gdn_layers={len(self.gdn)}, "
+                f"kv_blocks={len(self.kv_blocks)}, numerics={self.numerics!r}, origin={self.origin})")
 
     @property
     def position(self) -> int:
@@ -195,7 +211,8 @@ def prefix_blocks(kv_state: ModelState, row: int, positions: Sequence[int], base
     out = {}
     for p in positions:
         if p <= start:
-            raise InputError(f"positions must ascend past the base's {start}; got {list(positions)}")
+            raise InputError(f"positions must ascend, each past the one before and past the base's position "
+                             f"({base.position if base is not None else 0}); got {list(positions)}")
         blocks.append(tuple(AttentionLayerState(keys=s.keys[row, start:p], values=s.values[row, start:p])
                             for s in attn))
         out[p], start = tuple(blocks), p
@@ -213,8 +230,10 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
     and values of a prefix never change; its rows' origin is the checkpoints', so rows no other model has advanced
     since). Kept: valid checkpoints at positive multiples of `interval`. numerics: the `numerics_key` of the model
     that ran the prefill (None: unknown). bases[b]: the checkpoint row b was restored from before the call (None:
-    a fresh row), whose key/value blocks the new checkpoints of the row share (`prefix_blocks`); so do the new
-    checkpoints of one row among themselves. by_row: a list per row (ascending positions) instead of one list.
+    a fresh row), whose key/value blocks the new checkpoints of the row share (`prefix_blocks`; in-call states at or
+    before its position are left out: it holds them); so do the new checkpoints of one row among themselves.
+    InputError for a base whose tokens are not the row's first tokens. by_row: a list per row (ascending positions)
+    instead of one list.
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
@@ -223,6 +242,9 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
     for b in range(pos.shape[0]):
         base = bases[b] if bases is not None else None
         start = base.position if base is not None else 0
+        if base is not None and tuple(base.tokens) != tuple(int(t) for t in histories[b][:start]):
+            raise InputError(f"bases[{b}] is a checkpoint of another sequence than row {b}'s (its {start} tokens are "
+                             f"not the row's first): its keys and values are not the row's")
         slots = {int(pos[b, j]): j for j in np.nonzero(keep[b])[0] if pos[b, j] > start}  # (one per position)
         slots = [slots[p] for p in sorted(slots)]
         blocks = prefix_blocks(kv_state, b, [int(pos[b, j]) for j in slots], base)
@@ -302,15 +324,13 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
 
 
 def _held_bytes(checkpoints: Iterable[Checkpoint]) -> int:
-    """The bytes of `checkpoints` together: each one's GDN states, and each key/value block once."""
-    seen, total = set(), 0
-    for ck in checkpoints:
-        total += _tree_bytes(ck.gdn)
-        for block in ck.kv_blocks:
-            if id(block) not in seen:
-                seen.add(id(block))
-                total += _tree_bytes(block)
-    return total
+    """The bytes of `checkpoints` together: every array they hold once (the key/value blocks of a sequence are the
+    same arrays in each of its checkpoints, whatever tuples hold them)."""
+    return sum({id(x): int(x.nbytes) for ck in checkpoints for x in _leaves(ck)}.values())
+
+
+def _leaves(ck: Checkpoint) -> list:
+    return jax.tree.leaves((ck.gdn, ck.kv_blocks))
 
 
 def _prefix_keys(tokens: Sequence[int], interval: int, upto: int) -> list[tuple[int, bytes]]:
@@ -549,8 +569,10 @@ class PrefixCache:
         `skip_refused=True` is counted in `stats().refused_writes` and left out. So is a checkpoint computed with
         other numerics than the cache's states (`Checkpoint.numerics`, when both are known), or of another
         `numerics_tag` (`Checkpoint.origin` against `PrefixCache.origin`); an unbound cache takes the numerics and
-        the tag of the first checkpoint it admits that knows them. Least recently used entries are evicted, whole,
-        until the byte budget holds; a checkpoint larger than the whole budget is refused. A prefix already cached
+        the tag of the first checkpoint it admits that knows them. Least recently used entries are evicted until
+        the byte budget holds (`nbytes`: an evicted entry frees the arrays no remaining entry holds — its GDN states,
+        and the key/value blocks no other checkpoint of its sequence shares); a checkpoint larger than the whole
+        budget is refused. A prefix already cached
         keeps its entry (its recency refreshed), unless the new checkpoint's state was produced more exactly
         (`Provenance`: a prefill's replaces a decode-produced one, in a cache that admits both).
 
@@ -589,18 +611,17 @@ class PrefixCache:
             entries[key] = _Entry(old.checkpoint if keep else ck, clock)
         if self.max_bytes is not None:
             total = _held_bytes(e.checkpoint for e in entries.values())
-            holders = {}  # id(block) -> how many entries hold it
+            holders = {}  # id(array) -> how many entries hold it
             for e in entries.values():
-                for block in e.checkpoint.kv_blocks:
-                    holders[id(block)] = holders.get(id(block), 0) + 1
+                for x in {id(x): x for x in _leaves(e.checkpoint)}.values():
+                    holders[id(x)] = holders.get(id(x), 0) + 1
             for key, e in sorted(entries.items(), key=lambda kv: kv[1].last_used):
                 if total <= self.max_bytes:
                     break
-                total -= _tree_bytes(e.checkpoint.gdn)
-                for block in e.checkpoint.kv_blocks:  # a block is freed with the last entry that holds it
-                    holders[id(block)] -= 1
-                    if not holders[id(block)]:
-                        total -= _tree_bytes(block)
+                for x in {id(x): x for x in _leaves(e.checkpoint)}.values():  # freed with the last entry holding it
+                    holders[id(x)] -= 1
+                    if not holders[id(x)]:
+                        total -= int(x.nbytes)
                 del entries[key]
                 ev += 1
         return self._replace(_entries=entries, _clock=clock, _counts=(h, m, ht, refused, ev), numerics=numerics,

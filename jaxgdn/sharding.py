@@ -694,7 +694,10 @@ def checkpoint_specs(config: ModelConfig | Model, mesh: Mesh | int, replay: bool
 
 
 def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
-    """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk).
+    """A cache `Checkpoint` with its leaves placed on `mesh` (e.g. one restored from host memory or disk); given a
+    list or tuple of checkpoints, a list of them placed together: the key/value blocks the checkpoints of a sequence
+    share (`Checkpoint.kv_blocks`) are placed once and stay shared (placed one call each, every checkpoint gets a
+    copy of its own).
 
     `config`, and the checkpoint's q/k/v layout, as `shard_state`'s. InputError for a bad mesh or config, a
     checkpoint that is not a well-formed Checkpoint of that config (one GDN / attention layer state per such layer
@@ -705,14 +708,27 @@ def shard_checkpoint(ck, mesh: Mesh, config: Model | ModelConfig):
     _check_model_mesh(config, mesh, "shard_checkpoint")
     model = config
     config = _config_of(config, "shard_checkpoint: config")
-    ck = _checked(ck, "shard_checkpoint: ck")
-    _check_checkpoint_shapes(config, ck)
-    _check_made_by(ck, model, "shard_checkpoint", "config")
+    many = type(ck) in (list, tuple)  # (not a NamedTuple: a ModelState is one, and refused below)
+    cks = [_checked(c, f"shard_checkpoint: ck[{i}]" if many else "shard_checkpoint: ck")
+           for i, c in enumerate(ck if many else [ck])]
+    for c in cks:
+        _check_checkpoint_shapes(config, c)
+        _check_made_by(c, model, "shard_checkpoint", "config")
     _check_sharded_layout(config, mesh, "shard_checkpoint", "checkpoint")
-    replay = any(s.open_qkv is not None for s in ck.gdn)
-    gdn_s, kv_s = checkpoint_specs(config, mesh, replay)
-    return dataclasses.replace(ck, gdn=place(ck.gdn, gdn_s, mesh),
-                               kv_blocks=tuple(place(block, kv_s, mesh) for block in ck.kv_blocks))
+    placed = {}  # the leaves' ids of a block -> the block placed
+
+    def place_block(block, kv_s):
+        key = tuple(map(id, jax.tree.leaves(block)))
+        if key not in placed:
+            placed[key] = place(block, kv_s, mesh)
+        return placed[key]
+
+    out = []
+    for c in cks:
+        gdn_s, kv_s = checkpoint_specs(config, mesh, any(s.open_qkv is not None for s in c.gdn))
+        out.append(dataclasses.replace(c, gdn=place(c.gdn, gdn_s, mesh),
+                                       kv_blocks=tuple(place_block(block, kv_s) for block in c.kv_blocks)))
+    return out if many else out[0]
 
 
 def _check_checkpoint_shapes(config: ModelConfig, ck) -> None:

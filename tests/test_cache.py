@@ -267,14 +267,27 @@ def test_checkpoints_of_a_sequence_share_their_key_value_blocks(tiny):
     assert [(c.position, len(c.kv_blocks)) for c in new] == [(320, 5), (384, 6)]
     assert all(a is b for c in new for a, b in zip(c.kv_blocks, cks[-1].kv_blocks + new[0].kv_blocks[4:]))
     jaxgdn.check_cache(warm.cache, tiny)
+    state, _ = _prefill(tiny, longer[:384], capacity=384)  # the blocks after the restored one: the right rows
+    attn = [s for s in state.layers if isinstance(s, jaxgdn.state.AttentionLayerState)]
+    for ck in new:
+        chex.assert_trees_all_equal(ck.kv, tuple(jax.tree.map(lambda x: x[0, :ck.position], s) for s in attn))
+    _, _, found = _prefill(tiny, longer[:128], stride=INTERVAL)
+    with pytest.raises(jaxgdn.InputError, match="bases\\[0\\] is a checkpoint of another sequence"):
+        jaxgdn.cache.checkpoints_from_prefill(found, state.provenance, [longer[1:]], state, INTERVAL, bases=[cks[0]])
 
     # decode checkpoints (in a cache that admits them) share the blocks of the row's last prefill checkpoint
     loose = jaxgdn.generate(tiny, [prompt], max_new_tokens=4,
                             cache=jaxgdn.PrefixCache(interval=INTERVAL, deterministic=False)).cache
     [decoded] = [c for c in loose.checkpoints() if c.provenance == Provenance.DECODE]
     [base] = [c for c in loose.checkpoints() if c.position == 256]
-    assert decoded.position == 320 and decoded.kv_blocks[:4] == base.kv_blocks and len(decoded.kv_blocks) == 5
+    assert decoded.position == 320 and len(decoded.kv_blocks) == 5
     assert all(a is b for a, b in zip(decoded.kv_blocks, base.kv_blocks))
+    # its last block holds rows 256..320 (318 prompt tokens, then 2 decoded): a prefill's within decode's own gap
+    state, _ = _prefill(tiny, list(decoded.tokens), capacity=320)
+    attn = [s for s in state.layers if isinstance(s, jaxgdn.state.AttentionLayerState)]
+    for mine, s in zip(decoded.kv_blocks[-1], attn):
+        np.testing.assert_allclose(np.asarray(mine.keys), np.asarray(s.keys[0, 256:320]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(mine.values), np.asarray(s.values[0, 256:320]), rtol=1e-4, atol=1e-5)
 
 
 # ---- property-based: random insert / lookup / evict sequences -----------------------------------------------

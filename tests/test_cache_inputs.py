@@ -202,8 +202,9 @@ def test_accepts_agrees_with_insert(setup):
 def test_duplicates_eviction_and_immutability(setup):
     _, toks, _, cks = setup
     size = [c.nbytes for c in cks]
-    # another 64-token prefix, with keys and values of its own (cks[1] and cks[2] share cks[0]'s first block)
-    other64 = dataclasses.replace(cks[0], tokens=tuple(toks[64:128]), kv=jax.tree.map(jnp.copy, cks[0].kv))
+    # another 64-token prefix, with arrays of its own (cks[1] and cks[2] share cks[0]'s first key/value block)
+    other64 = dataclasses.replace(cks[0], tokens=tuple(toks[64:128]), kv=jax.tree.map(jnp.copy, cks[0].kv),
+                                  gdn=jax.tree.map(jnp.copy, cks[0].gdn))
     shared = sum(x.nbytes for x in jax.tree.leaves(cks[0].kv_blocks))
     assert cks[1].kv_blocks[0] is cks[0].kv_blocks[0] and shared
     empty = PrefixCache(interval=INTERVAL, max_bytes=size[0] + size[1])
@@ -224,6 +225,21 @@ def test_duplicates_eviction_and_immutability(setup):
         (0, 0, 0, 0), (1, size[0], 0, 0), (2, 2 * size[0], 0, 0), (2, 2 * size[0], 1, 0)]
     for clone in (pickle.loads(pickle.dumps(evicted)), copy.deepcopy(evicted)):
         assert clone.stats() == evicted.stats() and _positions(clone.lookup([toks])[0]) == [128]
+
+
+def test_checkpoint_pickled_before_kv_blocks_loads_and_repr_is_short(setup):
+    """A checkpoint pickled before `kv_blocks` (its state held `kv` whole) unpickles into one block, usable; a
+    checkpoint's repr names its shape, not its arrays."""
+    _, _, _, cks = setup
+    ck = cks[1]
+    state = {name: getattr(ck, name) for name in ("tokens", "provenance", "gdn", "numerics", "origin")}
+    old = Checkpoint.__new__(Checkpoint)
+    old.__setstate__(dict(state, kv=ck.kv))
+    assert len(old.kv_blocks) == 1 and old.nbytes == ck.nbytes
+    chex.assert_trees_all_equal(old.kv, ck.kv)
+    assert PrefixCache(interval=INTERVAL).insert(old).lookup([ck.tokens + (1,)])[0][0] is old
+    assert repr(ck) == (f"Checkpoint(position=128, provenance=PREFILL, gdn_layers={len(ck.gdn)}, kv_blocks=2, "
+                        f"numerics={ck.numerics!r}, origin={ck.origin})")
 
 
 # ---- checkpoint_from_state / state_from_checkpoints ---------------------------------------------------------

@@ -293,6 +293,24 @@ def test_shard_checkpoint_refuses_bad_arguments(tiny, mesh1, state, other_config
         S.shard_checkpoint(fewer, mesh1, tiny)
     placed = S.shard_checkpoint(ck, mesh1, tiny)
     assert S.check_placement((placed.gdn, placed.kv), S.checkpoint_specs(tiny, mesh1)) == []
+    with pytest.raises(InputError, match=r"shard_checkpoint: ck\[1\] must be a jaxgdn.cache.Checkpoint"):
+        S.shard_checkpoint([ck, state], mesh1, tiny)
+
+
+def test_shard_checkpoint_keeps_a_sequences_blocks_shared(tiny, mesh1):
+    """The checkpoints of one sequence, placed together, share their placed key/value blocks as they shared them
+    before (placed one call each, the blocks would be copied per checkpoint)."""
+    prompt = np.random.default_rng(4).integers(0, tiny.config.vocab_size, 200).tolist()
+    cache = jaxgdn.generate(tiny, [prompt], max_new_tokens=2, cache=jaxgdn.PrefixCache(interval=64)).cache
+    cks = sorted(cache.checkpoints(), key=lambda c: c.position)
+    assert [len(c.kv_blocks) for c in cks] == [1, 2, 3]
+    placed = S.shard_checkpoint(tuple(cks), mesh1, tiny)
+    assert isinstance(placed, list) and [c.position for c in placed] == [64, 128, 192]
+    for c in placed:
+        assert all(b is placed[-1].kv_blocks[j] for j, b in enumerate(c.kv_blocks))
+        assert S.check_placement((c.gdn, c.kv), S.checkpoint_specs(tiny, mesh1)) == []
+    again = jaxgdn.PrefixCache(interval=64).insert(placed)
+    assert again.nbytes == cache.nbytes < sum(c.nbytes for c in placed)
 
 
 # ---- unshard_model, check_placement ------------------------------------------------------------------------------
