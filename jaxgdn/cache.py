@@ -333,6 +333,23 @@ def _leaves(ck: Checkpoint) -> list:
     return jax.tree.leaves((ck.gdn, ck.kv_blocks))
 
 
+def _sharing_held_blocks(ck: Checkpoint, keys: dict[int, bytes], entries: Mapping[bytes, "_Entry"]) -> Checkpoint:
+    """`ck` with its leading key/value blocks replaced by those of the longest held entry that ends where one of its
+    blocks ends (`keys`: position -> prefix key, for the grid positions before ck's), so that requests that computed a
+    common prefix apart (identical prompts in one batch, a prompt again) hold its keys and values once. Only in a
+    deterministic cache, whose entries all equal a fresh prefill of their prefix bit for bit (`check_cache`'s
+    `recompute`), so the held blocks are the new ones' bits; `ck` itself when nothing is held."""
+    ends = np.cumsum([int(np.shape(b[0].keys)[0]) if b else 0 for b in ck.kv_blocks])
+    for j in reversed(range(len(ends) - 1)):  # (the last block ends at ck's own position)
+        held = entries.get(keys.get(int(ends[j]), b""))
+        if held is not None and held.checkpoint.tokens == ck.tokens[:int(ends[j])]:
+            if len(held.checkpoint.kv_blocks) == j + 1 and all(
+                    a is b for a, b in zip(held.checkpoint.kv_blocks, ck.kv_blocks)):
+                return ck  # (already shared)
+            return dataclasses.replace(ck, kv_blocks=held.checkpoint.kv_blocks + ck.kv_blocks[j + 1:])
+    return ck
+
+
 def _prefix_keys(tokens: Sequence[int], interval: int, upto: int) -> list[tuple[int, bytes]]:
     """(position, sha256 of the prefix) for every grid position <= upto; chained per interval block."""
     arr = np.asarray(tokens, np.int64)
@@ -412,8 +429,10 @@ class PrefixCache:
     The checkpoints of one sequence share the attention key/value blocks of their common prefix
     (`Checkpoint.kv_blocks`): those `generate` makes of a prompt of n intervals hold n intervals of keys and values,
     and the checkpoints of a later request that continued from a cached one share its blocks. `nbytes` and
-    `max_bytes` count every block once; evicting an entry frees its GDN states and the blocks no other entry holds.
-    Requests that shared a prefix without a cache hit (in one batch, say) hold a block each."""
+    `max_bytes` count every array once; evicting an entry frees its GDN states and the blocks no other entry holds.
+    In a deterministic cache, a checkpoint inserted past a held entry of its prefix takes that entry's blocks (the same
+    bits: every entry is a fresh prefill's), so requests that computed a common prefix apart (rows of one batch, a
+    prompt sent again) hold it once; a non-deterministic cache keeps a copy per request there."""
 
     interval: int = DEFAULT_INTERVAL
     deterministic: bool = True
@@ -599,10 +618,13 @@ class PrefixCache:
                 continue
             numerics = numerics if ck.numerics is None else ck.numerics
             origin = origin or _key_tag(numerics) or ck.origin
-            key = _prefix_keys(ck.tokens, self.interval, ck.position)[-1][1]
+            keys = _prefix_keys(ck.tokens, self.interval, ck.position)
+            key = keys[-1][1]
             old = entries.get(key)
             if old is not None and old.checkpoint.tokens != ck.tokens:
                 raise RuntimeError("sha256 prefix collision")  # never silently alias two prefixes
+            if old is None and self.deterministic:
+                ck = _sharing_held_blocks(ck, dict(keys[:-1]), entries)
             clock += 1
             # An existing entry for the same prefix is kept (deterministic: identical anyway), recency refreshed —
             # unless the new one was produced more exactly (a lower Provenance: a prefill's state replaces a

@@ -290,6 +290,27 @@ def test_checkpoints_of_a_sequence_share_their_key_value_blocks(tiny):
         np.testing.assert_allclose(np.asarray(mine.values), np.asarray(s.values[0, 256:320]), rtol=1e-4, atol=1e-5)
 
 
+def test_a_deterministic_cache_holds_a_prefix_computed_twice_once(tiny):
+    """Two requests of one batch that share a prefix compute its keys and values apart; a deterministic cache (every
+    entry a fresh prefill's bits) keeps the first's blocks and gives them to the second's later checkpoints (here
+    replay-decode checkpoints past a held one), which still equal a prefill of their tokens bit for bit."""
+    replay = tiny.with_decode_mode("replay")
+    shared = np.random.default_rng(23).integers(0, tiny.config.vocab_size, 189).tolist()
+    out = jaxgdn.generate(replay, [shared + [1], shared + [2]], max_new_tokens=4,
+                          cache=jaxgdn.PrefixCache(interval=INTERVAL))
+    cks = sorted(out.cache.checkpoints(), key=lambda c: c.position)
+    assert [c.position for c in cks] == [64, 128, 192, 192]  # (each row's 64 and 128 are one entry)
+    held, decoded = cks[1], cks[2:]
+    assert decoded[0].tokens[189] != decoded[1].tokens[189]
+    for ck in decoded:
+        assert len(ck.kv_blocks) == 3 and all(a is b for a, b in zip(ck.kv_blocks, held.kv_blocks))
+        state, _ = _prefill(replay, list(ck.tokens), capacity=192)
+        attn = [s for s in state.layers if isinstance(s, jaxgdn.state.AttentionLayerState)]
+        chex.assert_trees_all_equal(ck.kv, tuple(jax.tree.map(lambda x: x[0, :192], s) for s in attn))
+    assert decoded[0].kv_blocks[2] is not decoded[1].kv_blocks[2]
+    assert out.cache.nbytes == _distinct_bytes(cks)
+
+
 # ---- property-based: random insert / lookup / evict sequences -----------------------------------------------
 
 @pytest.fixture(scope="module")
