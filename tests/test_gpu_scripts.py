@@ -174,3 +174,16 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     x = np.array([1 + ulp / 2, 1 + ulp / 4, 1 + 3 * ulp / 4, -(1 + ulp / 2), 3.0], np.float32)
     assert probe.tf32_rna(x).tolist() == [1 + ulp, 1.0, 1 + ulp, -(1 + ulp), 3.0]
     assert probe.tf32_rz(x).tolist() == [1.0, 1.0, 1.0, -1.0, 3.0]
+
+
+def test_cache_memory_script(tmp_path):
+    """scripts/gpu_cache_memory.py at a tiny size: a prompt's checkpoints hold less than with a key/value copy each,
+    and the longer request restored from them equals it cold."""
+    r = _run([str(ROOT / "scripts" / "gpu_cache_memory.py"), "--preset", "tiny", "--prompt", "320", "--interval", "64",
+              "--extra", "70", "--out", str(tmp_path)], tmp_path)
+    assert r.returncode == 0 and "[PASS]" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "cache_memory.json").read_text())
+    cold, warm = res["rows"]
+    assert (cold["entries"], cold["positions"], warm["cached_tokens"]) == (5, [64, 320], 320)
+    for row in (cold, warm):
+        assert row["gdn_bytes"] < row["cache_nbytes"] < row["own_copies_bytes"]
