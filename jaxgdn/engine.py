@@ -41,7 +41,7 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 
 from .cache import PrefixCache
-from .errors import CapacityError, InputError, is_flat_ids, is_int, safe_ndim, token_array, token_id
+from .errors import CapacityError, InputError, is_flat_ids, is_int, plain_int, safe_ndim, token_array, token_id
 from .generate import GenerationResult, _check_request, check_model, generate
 from .model import Model
 
@@ -87,6 +87,8 @@ class SamplingParams:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+        for name in ("max_new_tokens", "top_k"):  # 0-d NumPy / JAX integers as Python ints (`errors.plain_int`)
+            object.__setattr__(self, name, plain_int(getattr(self, name)))
 
     @property
     def batch_key(self):
@@ -223,10 +225,10 @@ class Engine:
     model is). The engine keeps the newest cache in `.cache` across `run` calls.
     max_length: limit on prompt + generated tokens per row, counted over a conversation's turns (`CapacityError`
     beyond it, raised before anything runs); None means `DEFAULT_MAX_LENGTH` (2**22); at most 2**30.
-    max_batch, decode_bucket: positive integers (decode_bucket at most 2**20). max_batch bounds the requests in one
-    batch; with `pad_batches` (default) a batch's rows are padded to a power of two, so a max_batch that is not one
-    (3, say) can run up to the next power of two rows (4), the copies' results dropped: size memory for that, or
-    pass pad_batches=False (one compiled program per distinct batch size then).
+    max_batch, decode_bucket: positive integers (Python, NumPy or 0-d JAX; decode_bucket at most 2**20). max_batch
+    bounds the requests in one batch; with `pad_batches` (default) a batch's rows are padded to a power of two, so a
+    max_batch that is not one (3, say) can run up to the next power of two rows (4), the copies' results dropped:
+    size memory for that, or pass pad_batches=False (one compiled program per distinct batch size then).
     use_cache, progress, pad_batches: bools. `cache=` with `use_cache=False` is a contradiction (InputError).
     """
 
@@ -234,6 +236,7 @@ class Engine:
                  use_cache: bool = True, max_length: int | None = None, progress: bool = True,
                  pad_batches: bool = True, decode_bucket: int = 16,
                  default_params: SamplingParams = SamplingParams()):
+        max_batch, max_length, decode_bucket = map(plain_int, (max_batch, max_length, decode_bucket))
         _check_options(model, max_batch, cache, use_cache, max_length, progress, pad_batches, decode_bucket,
                        default_params)
         self.model = model

@@ -40,6 +40,19 @@ def is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def plain_int(x):
+    """A 0-d integer array (NumPy's, or a concrete JAX one; not a bool) as the Python int it holds, so that integer
+    options (sizes, counts) take JAX and NumPy scalars as Python ints; anything else unchanged, for the caller's
+    check to judge (a tracer has no value: unchanged)."""
+    dtype = getattr(x, "dtype", None)
+    if getattr(x, "shape", None) != () or dtype is None or not np.issubdtype(dtype, np.integer):
+        return x
+    try:
+        return operator.index(x)
+    except Exception:  # noqa: BLE001 (a tracer: the caller refuses it)
+        return x
+
+
 def index_value(x) -> int:
     """x as a Python int when it is an integer — anything with __index__: Python, NumPy and concrete 0-d integer
     arrays, JAX's too — and not a bool; TypeError otherwise (callers turn it into their InputError)."""

@@ -27,8 +27,8 @@ from pallas_kernels.invariant import log_softmax, prefix_sum, softmax
 
 from .cache import (Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_key, prefix_blocks,
                     state_from_checkpoints)
-from .errors import (CapacityError, InputError, is_flat_ids, is_int, refuse_unordered, safe_ndim, token_array,
-                     token_id)
+from .errors import (CapacityError, InputError, is_flat_ids, is_int, plain_int, refuse_unordered, safe_ndim,
+                     token_array, token_id)
 from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
 from .state import MAX_CAPACITY, at_boundary
 
@@ -265,13 +265,15 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     and parameters, so equal prompts with equal seeds (the default seed is 0 for all) give equal completions: pass one
     seed per request (`seed=[0, 1, ...]`) for k different samples of one prompt. stop_token_ids: a sequence of ids
     shared by all requests, or one sequence per request. return_top_logprobs=k also returns, per generated token, the
-    k most likely tokens and their logprobs. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
+    k most likely tokens and their logprobs. max_new_tokens, top_k, return_top_logprobs: Python, NumPy or 0-d JAX
+    integers. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
     `CapacityError` when a prompt + max_new_tokens passes `MAX_ROW_TOKENS`) before anything compiles. Returns a
     `Generations` list with one `GenerationResult` per prompt, in order, `.cache` (the new prefix cache when `cache`
     was given) and `.timings`.
     """
     check_model(model)
     prompts = _prompt_list(prompts)
+    max_new_tokens, top_k, return_top_logprobs = map(plain_int, (max_new_tokens, top_k, return_top_logprobs))
     _check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_token_ids, return_top_logprobs,
                    seed)
     if cache is not None and not isinstance(cache, PrefixCache):

@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels import CHUNK
 from pallas_kernels.invariant import log_softmax
 
-from .errors import InputError, is_flat_ids, is_int, refuse_unordered, token_array, token_id
+from .errors import InputError, is_flat_ids, is_int, plain_int, refuse_unordered, token_array, token_id
 from .generate import check_model
 from .model import Model, jit, prefill_chunk
 
@@ -105,12 +105,13 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
 
     sequences: token-id sequences (any lengths >= 2: lists, tuples, 1-D NumPy / JAX integer arrays; any iterable of
     them). start: the first position scored, one int for all or one per sequence (Python, NumPy or 0-d JAX
-    integers), in [1, len - 1]. batch_size and window are ints (window a multiple of 64). Bad input raises
-    `InputError` naming the argument or the sequence, before anything is compiled. Returns, in order, for each
-    sequence the list of log p(seq[t] | seq[:t]) for t = start .. len - 1 (full-vocabulary log_softmax of the
-    model's logits, fp32).
+    integers), in [1, len - 1]. batch_size and window are ints (Python, NumPy or 0-d JAX; window a multiple of 64).
+    Bad input raises `InputError` naming the argument or the sequence, before anything is compiled. Returns, in
+    order, for each sequence the list of log p(seq[t] | seq[:t]) for t = start .. len - 1 (full-vocabulary
+    log_softmax of the model's logits, fp32).
     """
     seqs, starts = check_sequences(model, sequences, start)
+    batch_size, window = plain_int(batch_size), plain_int(window)
     for name, value in (("batch_size", batch_size), ("window", window)):
         if not is_int(value):
             raise InputError(f"{name} must be an integer; got {type(value).__name__} {value!r:.40}")

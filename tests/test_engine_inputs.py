@@ -121,6 +121,32 @@ def test_score_names_one_flat_sequence_of_any_kind(model, sequences):
         jaxgdn.score(model, sequences)
 
 
+def test_integer_options_take_zero_d_numpy_and_jax_integers(model):
+    """max_new_tokens, top_k, return_top_logprobs (generate, SamplingParams), batch_size, window (score) and the
+    Engine's max_batch, decode_bucket, max_length take 0-d NumPy / JAX integers as the Python ints they hold (were:
+    InputError 'must be >= 1, an integer; got Array(4, dtype=int32)'); 0-d bools and floats are still refused."""
+    ref = jaxgdn.generate(model, PROMPTS, max_new_tokens=NEW, temperature=1.0, top_k=5, return_top_logprobs=2)
+    got = jaxgdn.generate(model, PROMPTS, max_new_tokens=jnp.array(NEW), temperature=1.0, top_k=np.array(5),
+                          return_top_logprobs=jnp.array(2))
+    assert list(got) == list(ref)
+    seqs = [[1, 2, 3, 4], [5, 6, 7]]
+    assert jaxgdn.score(model, seqs, batch_size=jnp.array(1), window=np.array(64)) == jaxgdn.score(model, seqs)
+    params = SamplingParams(max_new_tokens=jnp.array(NEW), top_k=jnp.array(3))
+    assert (type(params.max_new_tokens), type(params.top_k)) == (int, int)
+    engine = Engine(model, max_batch=jnp.array(2), decode_bucket=np.array(NEW), max_length=jnp.array(64),
+                    progress=False, use_cache=False)
+    assert (engine.max_batch, engine.decode_bucket, engine.max_length) == (2, NEW, 64)
+    assert engine.run([Request(p, params) for p in PROMPTS]).results == Engine(
+        model, max_batch=2, decode_bucket=NEW, max_length=64, progress=False, use_cache=False).run(
+        [Request(p, SamplingParams(max_new_tokens=NEW, top_k=3)) for p in PROMPTS]).results
+    with pytest.raises(jaxgdn.InputError, match="max_new_tokens must be >= 1, an integer"):
+        jaxgdn.generate(model, PROMPTS, max_new_tokens=jnp.array(True))
+    with pytest.raises(jaxgdn.InputError, match="top_k="):
+        jaxgdn.generate(model, PROMPTS, max_new_tokens=NEW, top_k=jnp.array(2.0))
+    with pytest.raises(jaxgdn.InputError, match="batch_size must be an integer"):
+        jaxgdn.score(model, seqs, batch_size=jnp.array([1]))
+
+
 def test_score_takes_jax_and_zero_d_integer_starts(model):
     """Was: InputError ('start value 0 is Array(1, dtype=int32), not an integer'; 'got array(2)')."""
     seqs = [[1, 2, 3, 4], [5, 6, 7]]
