@@ -54,10 +54,6 @@ KVBlock = tuple[AttentionLayerState, ...]  # consecutive rows of a prefix's atte
 # layer [L, HKV, Dh] (L rows, the same for every layer of the block)
 
 
-def _tree_bytes(tree) -> int:
-    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
-
-
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Checkpoint:
     """The state of one sequence after `tokens` (position = len(tokens)). Leaves carry no batch axis.
@@ -130,7 +126,7 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         """The bytes of this checkpoint alone (blocks shared with others counted in full)."""
-        return _tree_bytes((self.gdn, self.kv_blocks))
+        return sum(int(x.nbytes) for x in _leaves(self))
 
 
 def _checked(ck, what: str) -> Checkpoint:
@@ -326,11 +322,16 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
 def _held_bytes(checkpoints: Iterable[Checkpoint]) -> int:
     """The bytes of `checkpoints` together: every array they hold once (the key/value blocks of a sequence are the
     same arrays in each of its checkpoints, whatever tuples hold them)."""
-    return sum({id(x): int(x.nbytes) for ck in checkpoints for x in _leaves(ck)}.values())
+    return sum(int(x.nbytes) for x in {id(x): x for ck in checkpoints for x in _leaves(ck)}.values())
 
 
 def _leaves(ck: Checkpoint) -> list:
     return jax.tree.leaves((ck.gdn, ck.kv_blocks))
+
+
+def _block_rows(block: KVBlock) -> int:
+    """The rows of a key/value block (0 for a model without attention layers)."""
+    return int(np.shape(block[0].keys)[0]) if block else 0
 
 
 def _sharing_held_blocks(ck: Checkpoint, keys: dict[int, bytes], entries: Mapping[bytes, "_Entry"]) -> Checkpoint:
@@ -339,7 +340,7 @@ def _sharing_held_blocks(ck: Checkpoint, keys: dict[int, bytes], entries: Mappin
     common prefix apart (identical prompts in one batch, a prompt again) hold its keys and values once. Only in a
     deterministic cache, whose entries all equal a fresh prefill of their prefix bit for bit (`check_cache`'s
     `recompute`), so the held blocks are the new ones' bits; `ck` itself when nothing is held."""
-    ends = np.cumsum([int(np.shape(b[0].keys)[0]) if b else 0 for b in ck.kv_blocks])
+    ends = np.cumsum([_block_rows(b) for b in ck.kv_blocks])
     for j in reversed(range(len(ends) - 1)):  # (the last block ends at ck's own position)
         held = entries.get(keys.get(int(ends[j]), b""))
         if held is not None and held.checkpoint.tokens == ck.tokens[:int(ends[j])]:
@@ -632,17 +633,18 @@ class PrefixCache:
             keep = old is not None and int(old.checkpoint.provenance) <= int(ck.provenance)
             entries[key] = _Entry(old.checkpoint if keep else ck, clock)
         if self.max_bytes is not None:
-            total = _held_bytes(e.checkpoint for e in entries.values())
+            held = {key: {id(x): x for x in _leaves(e.checkpoint)} for key, e in entries.items()}  # distinct arrays
             holders = {}  # id(array) -> how many entries hold it
-            for e in entries.values():
-                for x in {id(x): x for x in _leaves(e.checkpoint)}.values():
-                    holders[id(x)] = holders.get(id(x), 0) + 1
+            for arrays in held.values():
+                for i in arrays:
+                    holders[i] = holders.get(i, 0) + 1
+            total = _held_bytes(e.checkpoint for e in entries.values())
             for key, e in sorted(entries.items(), key=lambda kv: kv[1].last_used):
                 if total <= self.max_bytes:
                     break
-                for x in {id(x): x for x in _leaves(e.checkpoint)}.values():  # freed with the last entry holding it
-                    holders[id(x)] -= 1
-                    if not holders[id(x)]:
+                for i, x in held[key].items():  # an array is freed with the last entry holding it
+                    holders[i] -= 1
+                    if not holders[i]:
                         total -= int(x.nbytes)
                 del entries[key]
                 ev += 1
@@ -704,7 +706,7 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
         chex.assert_trees_all_equal_shapes_and_dtypes(ck.gdn, gdn_spec, custom_message=where)
         rows = 0
         for block in ck.kv_blocks:  # each block [L, HKV, Dh] per attention layer, the blocks' rows the prefix's
-            n = int(np.shape(block[0].keys)[0]) if block else 0
+            n = _block_rows(block)
             kv_spec = tuple(AttentionLayerState(*(jax.ShapeDtypeStruct((n,) + x.shape[2:], x.dtype) for x in s))
                             for s in attn_spec)
             chex.assert_trees_all_equal_shapes_and_dtypes(block, kv_spec, custom_message=where)

@@ -41,15 +41,11 @@ def is_int(x) -> bool:
 
 
 def plain_int(x):
-    """A 0-d integer array (NumPy's, or a concrete JAX one; not a bool) as the Python int it holds, so that integer
-    options (sizes, counts) take JAX and NumPy scalars as Python ints; anything else unchanged, for the caller's
-    check to judge (a tracer has no value: unchanged)."""
-    dtype = getattr(x, "dtype", None)
-    if getattr(x, "shape", None) != () or dtype is None or not np.issubdtype(dtype, np.integer):
-        return x
+    """`index_value(x)` where x is an integer (so integer options take NumPy and 0-d JAX integers as Python ints);
+    anything else unchanged, for the caller's check to judge (a bool, a float, a tracer)."""
     try:
-        return operator.index(x)
-    except Exception:  # noqa: BLE001 (a tracer: the caller refuses it)
+        return index_value(x)
+    except TypeError:
         return x
 
 
