@@ -277,6 +277,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
     position = np.array(template.position)
     provenance = np.array(template.provenance)
     origin = np.array(template.origin)
+    restored: dict[tuple[int, str], dict[int, list]] = {}  # (layer, leaf) -> row -> its leading parts, in order
     for b, ck in enumerate(checkpoints):
         if ck is None:
             continue
@@ -307,16 +308,42 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
                                  f"{leaf.dtype}{list(want)} per row (a checkpoint of a model of other shapes or "
                                  f"dtype)")
         for i, g in zip(gdn_ids, ck.gdn):  # the leaves a grid checkpoint does not keep stay the template's zeros
-            layers[i] = layers[i]._replace(**{name: getattr(layers[i], name).at[b].set(row)
-                                              for name, row in g._asdict().items() if row is not None})
-        for i, kv in zip(attn_ids, ck.kv):
-            layers[i] = AttentionLayerState(keys=layers[i].keys.at[b, :ck.position].set(kv.keys),
-                                            values=layers[i].values.at[b, :ck.position].set(kv.values))
+            for name, row in g._asdict().items():
+                if row is not None:
+                    restored.setdefault((i, name), {})[b] = [row]
+        for k, i in enumerate(attn_ids):
+            for name in ("keys", "values"):
+                restored.setdefault((i, name), {})[b] = [getattr(block[k], name) for block in ck.kv_blocks]
         position[b] = ck.position
         provenance[b] = ck.provenance
         origin[b] = ck.origin
+    for (i, name), rows in restored.items():
+        layers[i] = layers[i]._replace(**{name: _rows_written(getattr(layers[i], name), rows)})
     return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
                       provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
+
+
+def _rows_written(leaf: jax.Array, rows: Mapping[int, Sequence[jax.Array]]) -> jax.Array:
+    """`leaf` ([B, N, ...]) with row b's leading entries replaced by the parts rows[b] (each [n, ...], their n adding
+    up to at most N; the rest of the row stays the leaf's). One concatenation in the flat [B * N, ...] view, so one
+    new array: writing row by row with `.at[b].set` copied the whole leaf once per restored row."""
+    B, N = leaf.shape[:2]
+    flat = leaf.reshape((B * N,) + leaf.shape[2:])
+    parts, b = [], 0
+    while b < B:
+        if b not in rows:
+            end = next((r for r in range(b, B) if r in rows), B)
+            parts.append(flat[b * N:end * N])
+            b = end
+            continue
+        parts += list(rows[b])
+        n = sum(int(p.shape[0]) for p in rows[b])
+        if n < N:
+            parts.append(flat[b * N + n:(b + 1) * N])
+        b += 1
+    out = jnp.concatenate(parts, axis=0).reshape(leaf.shape)
+    sharding = getattr(leaf, "sharding", None)
+    return out if sharding is None or out.sharding == sharding else jax.device_put(out, sharding)
 
 
 def _held_bytes(checkpoints: Iterable[Checkpoint]) -> int:
