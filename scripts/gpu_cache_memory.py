@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=16384)
     ap.add_argument("--extra", type=int, default=1024, help="tokens the second request adds to the first's")
     ap.add_argument("--interval", type=int, default=256)
+    ap.add_argument("--restore-rows", type=int, default=16, help="the batch whose restore from the cache is timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, datetime.datetime.now(datetime.timezone.utc).isoformat())
@@ -80,9 +81,60 @@ def main() -> int:
     cold = jaxgdn.generate(model, [longer], max_new_tokens=1, cache=empty)
     same = second[0].tokens == cold[0].tokens and np.array_equal(second[0].logprobs, cold[0].logprobs)
     print(f"[{'PASS' if same else 'FAIL'}] the warm longer request == the same request cold (tokens, logprobs bitwise)")
+    restore = time_restore(model, second.cache, longer, args.restore_rows)
     with open(os.path.join(args.out, "cache_memory.json"), "w") as f:
-        json.dump(dict(args=vars(args), rows=rows, warm_equals_cold=bool(same)), f, indent=1)
-    return 0 if same else 1
+        json.dump(dict(args=vars(args), rows=rows, warm_equals_cold=bool(same), restore=restore), f, indent=1)
+    return 0 if same and restore["equal"] else 1
+
+
+def _rowwise(template, hits):
+    """`state_from_checkpoints`'s writes as they were before 2026-12-05 (for the timing only): `.at[b].set` per
+    restored row and leaf, each attention row from the checkpoint's concatenated key/value blocks."""
+    layers = list(template.layers)
+    gdn_ids = [i for i, s in enumerate(layers) if isinstance(s, jaxgdn.GDNLayerState)]
+    attn_ids = [i for i, s in enumerate(layers) if isinstance(s, jaxgdn.AttentionLayerState)]
+    for b, ck in enumerate(hits):
+        if ck is None:
+            continue
+        for i, g in zip(gdn_ids, ck.gdn):
+            layers[i] = layers[i]._replace(**{n: getattr(layers[i], n).at[b].set(r) for n, r in g._asdict().items()
+                                              if r is not None})
+        for i, kv in zip(attn_ids, ck.kv):
+            layers[i] = jaxgdn.AttentionLayerState(keys=layers[i].keys.at[b, :ck.position].set(kv.keys),
+                                                   values=layers[i].values.at[b, :ck.position].set(kv.values))
+    return layers
+
+
+def time_restore(model, cache, prompt, rows: int, reps: int = 5) -> dict:
+    """Median seconds to restore a batch of `rows` rows, every other one from the cache's longest checkpoint of
+    `prompt` (`generate`'s first step on a warm batch), by `state_from_checkpoints` and by the old row-by-row writes;
+    and whether the two give the same arrays."""
+    import time
+
+    from jaxgdn.cache import state_from_checkpoints
+
+    hit, _ = cache.lookup([prompt])
+    hits = [hit[0] if b % 2 == 0 else None for b in range(rows)]
+    capacity = 1 << (len(prompt) - 1).bit_length()
+    out = {}
+    for name, fn in (("state_from_checkpoints", lambda t: state_from_checkpoints(t, hits).layers),
+                     ("row by row (before)", lambda t: _rowwise(t, hits))):
+        times = []
+        for _ in range(reps):
+            template = jax.block_until_ready(model.init_state(rows, capacity))
+            t0 = time.perf_counter()
+            layers = jax.block_until_ready(fn(template))
+            times.append(time.perf_counter() - t0)
+            del template
+        out[name] = float(np.median(times))
+        out[name + " peak GiB"] = peak()
+        print(f"restore {rows} rows (every other from the {hit[0].position}-token checkpoint, capacity {capacity}): "
+              f"{name} {out[name] * 1e3:.2f} ms (median of {reps})", flush=True)
+        out.setdefault("layers", []).append(layers)
+    a, b = out.pop("layers")
+    out["equal"] = all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    print(f"[{'PASS' if out['equal'] else 'FAIL'}] the two restores give the same arrays", flush=True)
+    return out
 
 
 if __name__ == "__main__":

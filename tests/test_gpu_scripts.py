@@ -178,11 +178,13 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
 
 def test_cache_memory_script(tmp_path):
     """scripts/gpu_cache_memory.py at a tiny size: a prompt's checkpoints hold less than with a key/value copy each,
-    and the longer request restored from them equals it cold."""
+    and the longer request restored from them equals it cold; a batch restored from them by `state_from_checkpoints`
+    equals the old row-by-row writes."""
     r = _run([str(ROOT / "scripts" / "gpu_cache_memory.py"), "--preset", "tiny", "--prompt", "320", "--interval", "64",
-              "--extra", "70", "--out", str(tmp_path)], tmp_path)
+              "--extra", "70", "--restore-rows", "3", "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0 and "[PASS]" in r.stdout, (r.stdout + r.stderr)[-3000:]
     res = json.loads((tmp_path / "cache_memory.json").read_text())
+    assert res["restore"]["equal"] is True and res["restore"]["state_from_checkpoints"] > 0
     cold, warm = res["rows"]
     assert (cold["entries"], cold["positions"], warm["cached_tokens"]) == (5, [64, 320], 320)
     for row in (cold, warm):
