@@ -19,6 +19,7 @@ checkpoint (24 GDN layers x 2 MiB of fp32 state, plus the prefix KV) is large en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Iterable, Mapping, Sequence
 
@@ -26,6 +27,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_kernels import CHUNK, resolve_backend
 
@@ -277,7 +279,8 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
     position = np.array(template.position)
     provenance = np.array(template.provenance)
     origin = np.array(template.origin)
-    restored: dict[tuple[int, str], dict[int, list]] = {}  # (layer, leaf) -> row -> its leading parts, in order
+    writes: dict[tuple[int, str], dict] = {}  # (layer, leaf) -> (id(part), start) -> (part, start, rows)
+    checked: dict[int, Checkpoint] = {}  # id(as given) -> checked
     for b, ck in enumerate(checkpoints):
         if ck is None:
             continue
@@ -286,64 +289,78 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         if ck.position > template.capacity and attn_ids:
             raise CapacityError(f"checkpoint of {ck.position} tokens exceeds the state's capacity "
                                 f"{template.capacity}")
-        ck = _checked(ck, f"checkpoints[{b}]")
-        n_attn = len(ck.kv_blocks[0])
-        if len(ck.gdn) != len(gdn_ids) or n_attn != len(attn_ids):
-            raise InputError(f"checkpoint {b} holds {len(ck.gdn)} GDN and {n_attn} attention layers; the state "
-                             f"has {len(gdn_ids)} and {len(attn_ids)} (a checkpoint of another model)")
-        for g, i in zip(ck.gdn, gdn_ids):
-            extra = [name for name, row in g._asdict().items() if row is not None and getattr(layers[i], name) is None]
-            if extra:
-                raise InputError(f"checkpoint {b} carries {', '.join(extra)} (replay decode's open chunk, at position "
-                                 f"{ck.position}, off the 64-token grid) that this state's model does not keep: "
-                                 f"restore it into a state of a replay-mode model")
-        rows = [(f"GDN layer {i}'s {name}", getattr(layers[i], name), row, 1) for i, g in zip(gdn_ids, ck.gdn)
-                for name, row in g._asdict().items() if row is not None]
-        rows += [(f"attention layer {i}'s {name}", getattr(layers[i], name), getattr(kv, name), 2)
-                 for block in ck.kv_blocks for i, kv in zip(attn_ids, block) for name in ("keys", "values")]
-        for what, leaf, row, lead in rows:  # (shapes only: a KV block's first axis is its rows, `_checked`'s)
-            want = tuple(row.shape[:1]) * (lead - 1) + tuple(leaf.shape[lead:])
-            if tuple(row.shape) != want or row.dtype != leaf.dtype:
-                raise InputError(f"checkpoint {b}'s {what} is {row.dtype}{list(row.shape)}; the state holds "
-                                 f"{leaf.dtype}{list(want)} per row (a checkpoint of a model of other shapes or "
-                                 f"dtype)")
-        for i, g in zip(gdn_ids, ck.gdn):  # the leaves a grid checkpoint does not keep stay the template's zeros
-            for name, row in g._asdict().items():
-                if row is not None:
-                    restored.setdefault((i, name), {})[b] = [row]
-        for k, i in enumerate(attn_ids):
-            for name in ("keys", "values"):
-                restored.setdefault((i, name), {})[b] = [getattr(block[k], name) for block in ck.kv_blocks]
+        if id(ck) in checked:  # (rows restored from one checkpoint: checked once)
+            ck = checked[id(ck)]
+        else:
+            original = id(ck)
+            ck = _checked(ck, f"checkpoints[{b}]")
+            n_attn = len(ck.kv_blocks[0])
+            if len(ck.gdn) != len(gdn_ids) or n_attn != len(attn_ids):
+                raise InputError(f"checkpoint {b} holds {len(ck.gdn)} GDN and {n_attn} attention layers; the "
+                                 f"state has {len(gdn_ids)} and {len(attn_ids)} (a checkpoint of another model)")
+            for g, i in zip(ck.gdn, gdn_ids):
+                extra = [name for name, row in g._asdict().items()
+                         if row is not None and getattr(layers[i], name) is None]
+                if extra:
+                    raise InputError(f"checkpoint {b} carries {', '.join(extra)} (replay decode's open chunk, at "
+                                     f"position {ck.position}, off the 64-token grid) that this state's model does "
+                                     f"not keep: restore it into a state of a replay-mode model")
+            rows = [(f"GDN layer {i}'s {name}", getattr(layers[i], name), row, 1) for i, g in zip(gdn_ids, ck.gdn)
+                    for name, row in g._asdict().items() if row is not None]
+            rows += [(f"attention layer {i}'s {name}", getattr(layers[i], name), getattr(kv, name), 2)
+                     for block in ck.kv_blocks for i, kv in zip(attn_ids, block) for name in ("keys", "values")]
+            for what, leaf, row, lead in rows:  # (shapes only: a KV block's first axis is its rows, `_checked`'s)
+                want = tuple(row.shape[:1]) * (lead - 1) + tuple(leaf.shape[lead:])
+                if tuple(row.shape) != want or row.dtype != leaf.dtype:
+                    raise InputError(f"checkpoint {b}'s {what} is {row.dtype}{list(row.shape)}; the state holds "
+                                     f"{leaf.dtype}{list(want)} per row (a checkpoint of a model of other shapes or "
+                                     f"dtype)")
+            checked[original] = ck
+        parts = [(i, name, row, 0) for i, g in zip(gdn_ids, ck.gdn) for name, row in g._asdict().items()
+                 if row is not None]  # (the leaves a grid checkpoint does not keep stay the template's zeros)
+        start = 0
+        for block in ck.kv_blocks:
+            parts += [(i, name, getattr(kv, name), start) for i, kv in zip(attn_ids, block)
+                      for name in ("keys", "values")]
+            start += _block_rows(block)
+        for i, name, part, at in parts:
+            # an array several rows take (rows restored from one checkpoint, or from checkpoints of one sequence,
+            # which share its key/value blocks) is written to all of them at once
+            writes.setdefault((i, name), {}).setdefault((id(part), at), (part, at, []))[2].append(b)
         position[b] = ck.position
         provenance[b] = ck.provenance
         origin[b] = ck.origin
-    for (i, name), rows in restored.items():
-        layers[i] = layers[i]._replace(**{name: _rows_written(getattr(layers[i], name), rows)})
+    for (i, name), parts in writes.items():
+        given = getattr(layers[i], name)
+        leaf = jnp.copy(given)  # (the template stays the caller's; this copy is written in place)
+        for part, at, rows in parts.values():
+            leaf = _write_rows(leaf, part, _row_list(rows, template.batch_size), at)
+        sharding = getattr(given, "sharding", None)
+        if sharding is not None and leaf.sharding != sharding:
+            leaf = jax.device_put(leaf, sharding)
+        layers[i] = layers[i]._replace(**{name: leaf})
     return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
                       provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
 
 
-def _rows_written(leaf: jax.Array, rows: Mapping[int, Sequence[jax.Array]]) -> jax.Array:
-    """`leaf` ([B, N, ...]) with row b's leading entries replaced by the parts rows[b] (each [n, ...], their n adding
-    up to at most N; the rest of the row stays the leaf's). One concatenation in the flat [B * N, ...] view, so one
-    new array: writing row by row with `.at[b].set` copied the whole leaf once per restored row."""
-    B, N = leaf.shape[:2]
-    flat = leaf.reshape((B * N,) + leaf.shape[2:])
-    parts, b = [], 0
-    while b < B:
-        if b not in rows:
-            end = next((r for r in range(b, B) if r in rows), B)
-            parts.append(flat[b * N:end * N])
-            b = end
-            continue
-        parts += list(rows[b])
-        n = sum(int(p.shape[0]) for p in rows[b])
-        if n < N:
-            parts.append(flat[b * N + n:(b + 1) * N])
-        b += 1
-    out = jnp.concatenate(parts, axis=0).reshape(leaf.shape)
-    sharding = getattr(leaf, "sharding", None)
-    return out if sharding is None or out.sharding == sharding else jax.device_put(out, sharding)
+def _row_list(rows: list[int], batch: int) -> np.ndarray:
+    """`rows` as int32 [batch], padded with -1: one shape per batch size, so `_write_rows` compiles once per leaf and
+    part shape, not once per pattern of restored rows."""
+    out = np.full((batch,), -1, np.int32)
+    out[:len(rows)] = rows
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(leaf, part, rows, start):
+    """`leaf` [B, N, ...] with `part` [n, ...] written at [r, start:start + n] for every r in `rows` (int32 [B], -1
+    after the last), in place (the leaf donated). Compiled per leaf and part shape only: a restored prefix's key/value
+    blocks are mostly of one size (the cache's interval), so restoring a batch of new lengths compiles nothing."""
+    def one(j, x):
+        index = (rows[j], start) + (0,) * (x.ndim - 2)
+        return lax.dynamic_update_slice(x, part[None].astype(x.dtype), index)
+
+    return lax.fori_loop(0, jnp.sum(rows >= 0), one, leaf)
 
 
 def _held_bytes(checkpoints: Iterable[Checkpoint]) -> int:
@@ -691,7 +708,7 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
     every entry bitwise equal to a fresh prefill of its prefix. InputError when `cache` is not a PrefixCache or
     `model` not a Model (before any assertion).
     """
-    from .model import Model, _prefill_jit  # local: the model module does not depend on the cache
+    from .model import Model, _prefill_jit, mesh_context  # local: the model module does not depend on the cache
 
     if not isinstance(cache, PrefixCache):
         raise InputError(f"check_cache(cache, model): cache must be a jaxgdn.PrefixCache (the first argument); got "
@@ -745,8 +762,9 @@ def check_cache(cache: PrefixCache, model, recompute: bool = False) -> None:
                               custom_message=f"{where} is not prefill-produced in a deterministic cache")
         if recompute:
             toks = jnp.asarray([ck.tokens], jnp.int32)
-            state, _ = _prefill_jit(model, model.init_state(1, ck.position), toks,
-                                    jnp.asarray([ck.position], jnp.int32))
+            with mesh_context(model):  # on a mesh, the kernels per shard, as `generate` computed the checkpoint
+                state, _ = _prefill_jit(model, model.init_state(1, ck.position), toks,
+                                        jnp.asarray([ck.position], jnp.int32))
             fresh = checkpoint_from_state(state, 0, ck.tokens)
             chex.assert_trees_all_equal((ck.gdn, ck.kv), (fresh.gdn, fresh.kv),
                                         custom_message=f"{where} differs from a fresh prefill of its prefix")

@@ -33,7 +33,7 @@ from pallas_kernels.invariant import log_softmax
 
 from .errors import InputError, is_flat_ids, is_int, plain_int, refuse_unordered, token_array, token_id
 from .generate import check_model
-from .model import Model, jit, prefill_chunk
+from .model import Model, jit, mesh_context, prefill_chunk
 
 DEFAULT_WINDOW = 512
 
@@ -106,7 +106,8 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
     sequences: token-id sequences (any lengths >= 2: lists, tuples, 1-D NumPy / JAX integer arrays; any iterable of
     them). start: the first position scored, one int for all or one per sequence (Python, NumPy or 0-d JAX
     integers), in [1, len - 1]. batch_size and window are ints (Python, NumPy or 0-d JAX; window a multiple of 64).
-    Bad input raises `InputError` naming the argument or the sequence, before anything is compiled. Returns, in
+    Bad input raises `InputError` naming the argument or the sequence, before anything is compiled. A model placed on
+    a mesh (`jaxgdn.sharding.shard_model`) scores with its kernels per shard, as `generate` runs them. Returns, in
     order, for each sequence the list of log p(seq[t] | seq[:t]) for t = start .. len - 1 (full-vocabulary
     log_softmax of the model's logits, fp32).
     """
@@ -122,12 +123,13 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
         raise InputError(f"window must be a positive multiple of {CHUNK}; got {window}")
     out: list[list[float] | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    for k in range(0, len(order), batch_size):
-        idx = order[k:k + batch_size]
-        rows = min(_pow2(len(idx)), _pow2(batch_size))
-        lp = _score_batch(model, [seqs[i] for i in idx], rows, window)
-        for r, i in enumerate(idx):
-            out[i] = lp[r, starts[i] - 1:len(seqs[i]) - 1].tolist()
+    with mesh_context(model):  # a model placed on a mesh (jaxgdn.sharding): its Pallas kernels run per shard
+        for k in range(0, len(order), batch_size):
+            idx = order[k:k + batch_size]
+            rows = min(_pow2(len(idx)), _pow2(batch_size))
+            lp = _score_batch(model, [seqs[i] for i in idx], rows, window)
+            for r, i in enumerate(idx):
+                out[i] = lp[r, starts[i] - 1:len(seqs[i]) - 1].tolist()
     return out
 
 

@@ -443,3 +443,52 @@ def test_the_numerics_key_names_the_layout_and_restoring_checks_the_checkpoint(t
         state_from_checkpoints(tiny.init_state(1, 128), [off_grid])
     with pytest.raises(jaxgdn.InputError, match="2 checkpoints for a state of 1 rows"):
         state_from_checkpoints(tiny.init_state(1, 128), [ck, ck])
+
+
+def test_state_from_checkpoints_writes_each_row_what_its_checkpoint_holds(tiny):
+    """`state_from_checkpoints` on a template of random values (not zeros, so a row or a tail it must keep shows):
+    rows restored from one checkpoint, from two checkpoints of one sequence sharing key/value blocks, from a
+    checkpoint whose blocks are one array at two offsets, and a row left alone; bitwise what a row-by-row NumPy
+    construction gives. The template is left as it was (its arrays are written in a copy)."""
+    rng = np.random.default_rng(11)
+    template = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, tiny.init_state(5, 256))
+    before = jax.tree.map(np.array, template)
+    layers = template.layers
+    gdn_ids = [i for i, s in enumerate(layers) if isinstance(s, jaxgdn.GDNLayerState)]
+    attn_ids = [i for i, s in enumerate(layers) if isinstance(s, jaxgdn.AttentionLayerState)]
+
+    def rand(shape, dtype):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    def gdn():
+        return tuple(jaxgdn.GDNLayerState(conv=rand(layers[i].conv.shape[1:], layers[i].conv.dtype),
+                                          recurrent=rand(layers[i].recurrent.shape[1:], jnp.float32))
+                     for i in gdn_ids)
+
+    def block(n):
+        return tuple(jaxgdn.AttentionLayerState(*(rand((n,) + getattr(layers[i], f).shape[2:],
+                                                       getattr(layers[i], f).dtype) for f in ("keys", "values")))
+                     for i in attn_ids)
+
+    toks = rng.integers(0, tiny.config.vocab_size, 192).tolist()
+    long = jaxgdn.Checkpoint(tuple(toks), Provenance.PREFILL, gdn(), kv_blocks=(block(64), block(64), block(64)))
+    short = jaxgdn.Checkpoint(tuple(toks[:128]), Provenance.PREFILL, gdn(), kv_blocks=long.kv_blocks[:2])
+    same = block(64)
+    twice = jaxgdn.Checkpoint(tuple(toks[:128]), Provenance.PREFILL, gdn(), kv_blocks=(same, same))
+    hits = [long, None, short, long, twice]
+    restored = state_from_checkpoints(template, hits)
+
+    want = jax.tree.map(np.array, template)
+    for b, ck in enumerate(hits):
+        if ck is None:
+            continue
+        for i, g in zip(gdn_ids, ck.gdn):
+            want.layers[i].conv[b] = np.asarray(g.conv)
+            want.layers[i].recurrent[b] = np.asarray(g.recurrent)
+        for i, kv in zip(attn_ids, ck.kv):
+            want.layers[i].keys[b, :ck.position] = np.asarray(kv.keys)
+            want.layers[i].values[b, :ck.position] = np.asarray(kv.values)
+    chex.assert_trees_all_equal(restored.layers, want.layers)
+    assert np.asarray(restored.position).tolist() == [192, 0, 128, 192, 128]
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, template), before)  # the template as it was

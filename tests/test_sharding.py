@@ -225,6 +225,17 @@ def _worker() -> dict:
         with jax.set_mesh(mesh4):
             jdet4 = str(jax.make_jaxpr(prefill_chunk)(sd4, init(sd4, 2, 128), toks, lens))
             _, lgd4 = prefill(sd4, init(sd4, 2, 128), toks, lens)
+        # score: its prefill per shard as well (before 2026-12-05 it set no mesh, and XLA gathered the kernels'
+        # inputs onto every device); counted as the traced calls of the kernels' shard_map
+        calls = []
+        per_shard = pallas_kernels.api._per_shard
+        pallas_kernels.api._per_shard = lambda *a: (calls.append(1), per_shard(*a))[1]
+        seqs = [toks[0].tolist(), toks[1, :41].tolist()]
+        try:
+            scores = jaxgdn.score(sm, seqs)
+        finally:
+            pallas_kernels.api._per_shard = per_shard
+        scores_one = jaxgdn.score(model, seqs)
         cfg = model.config
         # projections: GDN qkv / z / a / b / out, attention q / k / v / o, MLP gate / up / down, the output head
         n_proj = n_gdn * 5 + (cfg.num_layers - n_gdn) * 4 + cfg.num_layers * 3 + 1
@@ -239,6 +250,8 @@ def _worker() -> dict:
                 "det_tp4_prefill_logits": diff(np.asarray(lgd4)[valid], np.asarray(ref[1])[valid]),
                 "prefill_logits": diff(np.asarray(lg)[valid], np.asarray(ref[1])[valid]),
                 "decode_logits": diff(lg2, ref[3]),
+                "score_shard_maps": len(calls),
+                "score_vs_single_device": max(diff(a, b) for a, b in zip(scores, scores_one)),
                 "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
                 "scan_prefill_logits": diff(np.asarray(lgr)[valid], np.asarray(ref[1])[valid]),
                 "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh)),
@@ -501,6 +514,7 @@ def test_pallas_kernels_run_per_shard_in_shard_map(results):
     assert r["shard_maps_prefill"] == n and r["shard_maps_decode"] == n, r
     assert r["prefill_logits"] <= TOL and r["decode_logits"] <= TOL, r
     assert r["state_misplaced"] == [], r
+    assert r["score_shard_maps"] == n and r["score_vs_single_device"] <= TOL, r  # score's prefill per shard too
     assert r["scan_shard_maps"] == n and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
     assert r["replay_shard_maps"] == n and r["replay_step_in_jaxpr"] and r["replay_decode_logits"] <= TOL, r
     assert r["replay_packed_in_jaxpr"], r  # the step on each shard's packed open-chunk buffers (their groups)
