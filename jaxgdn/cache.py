@@ -27,7 +27,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from pallas_kernels import CHUNK, resolve_backend
 
@@ -332,9 +331,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         origin[b] = ck.origin
     for (i, name), parts in writes.items():
         given = getattr(layers[i], name)
-        leaf = jnp.copy(given)  # (the template stays the caller's; this copy is written in place)
-        for part, at, rows in parts.values():
-            leaf = _write_rows(leaf, part, _row_list(rows, template.batch_size), at)
+        leaf = _written(given, list(parts.values()))
         sharding = getattr(given, "sharding", None)
         if sharding is not None and leaf.sharding != sharding:
             leaf = jax.device_put(leaf, sharding)
@@ -343,24 +340,38 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
                       provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
 
 
-def _row_list(rows: list[int], batch: int) -> np.ndarray:
-    """`rows` as int32 [batch], padded with -1: one shape per batch size, so `_write_rows` compiles once per leaf and
-    part shape, not once per pattern of restored rows."""
-    out = np.full((batch,), -1, np.int32)
-    out[:len(rows)] = rows
+def _written(leaf: jax.Array, parts: list[tuple]) -> jax.Array:
+    """A copy of `leaf` [B, N, ...] with each (part [n, ...], start, rows) of `parts` written at [r, start:start + n]
+    for every r in rows. Parts of one shape go in one jitted call (`_write_parts`), their count padded to a power of
+    two, so a restore compiles once per leaf shape, part shape and power of two, whatever its pattern of rows and
+    lengths, and launches a few programs, not one per block (a call per block cost ~0.26 ms each on an H100)."""
+    B = leaf.shape[0]
+    out = jnp.copy(leaf)  # (the template stays the caller's; the copy is donated and written in place)
+    groups: dict[tuple, list[tuple]] = {}
+    for part, start, rows in parts:
+        groups.setdefault((tuple(part.shape), str(part.dtype)), []).append((part, start, rows))
+    for group in groups.values():
+        count = 1 << (len(group) - 1).bit_length()
+        rows = np.full((count, B), B, np.int32)  # (padding: row B, out of range, which the scatter drops)
+        starts = np.zeros((count,), np.int32)
+        for j, (_, start, taken) in enumerate(group):
+            rows[j, :len(taken)] = taken
+            starts[j] = start
+        arrays = tuple(part for part, _, _ in group) + (group[0][0],) * (count - len(group))
+        out = _write_parts(out, arrays, rows, starts)
     return out
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_rows(leaf, part, rows, start):
-    """`leaf` [B, N, ...] with `part` [n, ...] written at [r, start:start + n] for every r in `rows` (int32 [B], -1
-    after the last), in place (the leaf donated). Compiled per leaf and part shape only: a restored prefix's key/value
-    blocks are mostly of one size (the cache's interval), so restoring a batch of new lengths compiles nothing."""
-    def one(j, x):
-        index = (rows[j], start) + (0,) * (x.ndim - 2)
-        return lax.dynamic_update_slice(x, part[None].astype(x.dtype), index)
-
-    return lax.fori_loop(0, jnp.sum(rows >= 0), one, leaf)
+def _write_parts(leaf, parts, rows, starts):
+    """`leaf` with parts[j] [n, ...] written at [r, starts[j]:starts[j] + n] for every r in rows[j] (int32 [B],
+    padded with B, which is dropped), in place (the leaf donated): one scatter per part, no loop whose trip count
+    the host would read."""
+    for j, part in enumerate(parts):
+        update = jnp.broadcast_to(part[None].astype(leaf.dtype), (rows.shape[1],) + part.shape)
+        index = (rows[j][:, None], starts[j] + jnp.arange(part.shape[0])[None, :])
+        leaf = leaf.at[index].set(update, mode="drop")
+    return leaf
 
 
 def _held_bytes(checkpoints: Iterable[Checkpoint]) -> int:

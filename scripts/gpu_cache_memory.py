@@ -123,11 +123,12 @@ def time_restore(model, cache, prompt, rows: int, reps: int = 6, profile: bool =
                      ("row by row (before)", lambda t: _rowwise(t, hits))):
         times = []
         for _ in range(reps):
+            layers = template = None  # (the previous repetition's arrays go before the next are made)
             template = jax.block_until_ready(model.init_state(rows, capacity))
             t0 = time.perf_counter()
             layers = jax.block_until_ready(fn(template))
             times.append(time.perf_counter() - t0)
-            del template
+        del template
         out[name] = float(np.median(times[1:]))
         out[name + " first"] = times[0]
         out[name + " peak GiB"] = peak()
