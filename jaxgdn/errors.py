@@ -108,6 +108,10 @@ def bool_among_ints(x) -> bool:
         return False
     if isinstance(x, (bool, np.bool_)):
         return True
+    if isinstance(x, (list, tuple)):  # the common case, a flat sequence: its few element types, gathered at C speed
+        kinds = set(map(type, x))     # (an isinstance per element took ~3 ms per 32k-token checkpoint)
+        if not any(issubclass(k, (list, tuple)) for k in kinds):
+            return any(issubclass(k, (bool, np.bool_)) for k in kinds)
     try:
         flat = np.asarray(x, dtype=object).ravel()
     except (TypeError, ValueError):

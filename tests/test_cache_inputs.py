@@ -386,3 +386,23 @@ def test_a_prefill_checkpoint_replaces_a_decode_produced_one_of_the_same_prefix(
         [entry] = cache._entries.values()
         assert entry.checkpoint.provenance == int(Provenance.PREFILL) and len(cache) == 1
         chex.assert_trees_all_equal(entry.checkpoint.gdn, cks[0].gdn)
+
+
+def test_bool_among_ints_finds_a_bool_anywhere_in_ids():
+    """`errors.bool_among_ints` (the check every token list goes through; its flat-sequence path gathers element
+    types): a Python or NumPy bool, or a subclass of np.bool_, anywhere in a flat list or tuple, or in a nested one;
+    not an int, a NumPy integer or an array (whose dtype speaks for it)."""
+    from jaxgdn.errors import bool_among_ints
+
+    class Flag(np.bool_):
+        pass
+
+    ids = list(range(1000))
+    for bad in (True, np.bool_(False), Flag(True)):
+        for at in (0, 500, 999):
+            assert bool_among_ints(ids[:at] + [bad] + ids[at + 1:])
+            assert bool_among_ints(tuple(ids[:at] + [bad] + ids[at + 1:]))
+    assert bool_among_ints([[1, 2], [3, True]]) and bool_among_ints(True)
+    assert not bool_among_ints(ids) and not bool_among_ints(tuple(ids)) and not bool_among_ints([])
+    assert not bool_among_ints([np.int64(3), np.int32(4), 5]) and not bool_among_ints([[1, 2], [3, 4]])
+    assert not bool_among_ints(np.array([True, False]))  # an array's dtype is checked elsewhere
