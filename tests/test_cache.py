@@ -445,11 +445,15 @@ def test_the_numerics_key_names_the_layout_and_restoring_checks_the_checkpoint(t
         state_from_checkpoints(tiny.init_state(1, 128), [ck, ck])
 
 
-def test_state_from_checkpoints_writes_each_row_what_its_checkpoint_holds(tiny):
+@pytest.mark.parametrize("per_call", [None, 2])
+def test_state_from_checkpoints_writes_each_row_what_its_checkpoint_holds(tiny, per_call, monkeypatch):
     """`state_from_checkpoints` on a template of random values (not zeros, so a row or a tail it must keep shows):
     rows restored from one checkpoint, from two checkpoints of one sequence sharing key/value blocks, from a
     checkpoint whose blocks are one array at two offsets, and a row left alone; bitwise what a row-by-row NumPy
-    construction gives. The template is left as it was (its arrays are written in a copy)."""
+    construction gives. The template is left as it was (its arrays are written in a copy). per_call: the parts one
+    jitted write takes (None: all five key/value parts of a leaf in one call, padded to eight; 2: over three calls)."""
+    if per_call is not None:
+        monkeypatch.setattr(jaxgdn.cache, "_PARTS_PER_CALL", per_call)
     rng = np.random.default_rng(11)
     template = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
                             if jnp.issubdtype(x.dtype, jnp.floating) else x, tiny.init_state(5, 256))
