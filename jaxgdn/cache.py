@@ -31,6 +31,7 @@ import numpy as np
 from pallas_kernels import CHUNK, resolve_backend
 
 from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int, token_array
+from .model import jit
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
@@ -218,8 +219,8 @@ def prefix_blocks(kv_state: ModelState, row: int, positions: Sequence[int], base
 
 def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: Sequence[Sequence[int]],
                              kv_state: ModelState, interval: int, numerics: str | None = None,
-                             bases: Sequence[Checkpoint | None] | None = None, by_row: bool = False
-                             ) -> list[Checkpoint] | list[list[Checkpoint]]:
+                             bases: Sequence[Checkpoint | None] | None = None, by_row: bool = False,
+                             rows: Sequence[int] | None = None) -> list[Checkpoint] | list[list[Checkpoint]]:
     """The cache checkpoints among a prefill's in-call states (`prefill_chunk(..., checkpoint_stride=...)`).
 
     provenance: [B] provenance of the rows after the call. histories[b]: the tokens row b has absorbed (at least
@@ -230,26 +231,30 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
     a fresh row), whose key/value blocks the new checkpoints of the row share (`prefix_blocks`; in-call states at or
     before its position are left out: it holds them); so do the new checkpoints of one row among themselves.
     InputError for a base whose tokens are not the row's first tokens. by_row: a list per row (ascending positions)
-    instead of one list.
+    instead of one list. rows: for each row of `found` and `provenance`, the row of `kv_state`, `histories` and
+    `bases` it is (default: the same; `generate` prefills a group of requests of one prompt once, in its first row).
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
     origin = np.asarray(kv_state.origin)
     keep = valid & (pos > 0) & (pos % interval == 0)
-    for b in range(pos.shape[0]):
+    rows = range(pos.shape[0]) if rows is None else rows
+    if len(rows) != pos.shape[0]:
+        raise InputError(f"rows names {len(rows)} rows for {pos.shape[0]} rows of checkpoints")
+    for r, b in enumerate(rows):
         base = bases[b] if bases is not None else None
         start = base.position if base is not None else 0
         if base is not None and tuple(base.tokens) != tuple(int(t) for t in histories[b][:start]):
             raise InputError(f"bases[{b}] is a checkpoint of another sequence than row {b}'s (its {start} tokens are "
                              f"not the row's first): its keys and values are not the row's")
-        slots = {int(pos[b, j]): j for j in np.nonzero(keep[b])[0] if pos[b, j] > start}  # (one per position)
+        slots = {int(pos[r, j]): j for j in np.nonzero(keep[r])[0] if pos[r, j] > start}  # (one per position)
         slots = [slots[p] for p in sorted(slots)]
-        blocks = prefix_blocks(kv_state, b, [int(pos[b, j]) for j in slots], base)
+        blocks = prefix_blocks(kv_state, b, [int(pos[r, j]) for j in slots], base)
         out.append([])
         for j in slots:
-            p = int(pos[b, j])
-            gdn = tuple(jax.tree.map(lambda x: x[b, j], g) for g in found.gdn)
-            out[-1].append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[b]),
+            p = int(pos[r, j])
+            gdn = tuple(jax.tree.map(lambda x: x[r, j], g) for g in found.gdn)
+            out[-1].append(Checkpoint(tokens=tuple(int(t) for t in histories[b][:p]), provenance=int(provenance[r]),
                                       gdn=gdn, kv_blocks=blocks[p], numerics=numerics, origin=int(origin[b])))
     return out if by_row else [ck for row in out for ck in row]
 
@@ -367,7 +372,7 @@ def _written(leaf: jax.Array, parts: list[tuple]) -> jax.Array:
     return out
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(jit, donate_argnums=0)
 def _write_parts(leaf, parts, rows, starts):
     """`leaf` with parts[j] [n, ...] written at [r, starts[j]:starts[j] + n] for every r in rows[j] (int32 [B],
     padded with B, which is dropped), in place (the leaf donated): one scatter per part, no loop whose trip count

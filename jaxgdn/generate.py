@@ -1,7 +1,7 @@
 """Batched generation with the whole decode loop compiled (`lax.scan`), optionally through a prefix cache.
 
-Prompts of different lengths are padded into one prefill (per-row `lengths`), then every row decodes in
-lock-step. Shapes are bucketed (prompt length and capacity to multiples of 64) so calls of similar sizes reuse
+Prompts of different lengths are padded into one prefill (per-row `lengths`; a prompt several requests share is
+prefilled once and its row copied), then every row decodes in lock-step. Shapes are bucketed (prompt length and capacity to multiples of 64) so calls of similar sizes reuse
 one compiled program. Sampling draws each request's randomness from its own seed and the token position
 (`fold_in(key(seed), position)`), never from its batch slot.
 
@@ -263,7 +263,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     integer arrays — or a 2-D integer array, one row per prompt. temperature, top_p, seed: one value for all requests
     or one per request (top_k is shared: it is a compile-time size). A request's samples depend only on its prompt, seed
     and parameters, so equal prompts with equal seeds (the default seed is 0 for all) give equal completions: pass one
-    seed per request (`seed=[0, 1, ...]`) for k different samples of one prompt. stop_token_ids: a sequence of ids
+    seed per request (`seed=[0, 1, ...]`) for k different samples of one prompt; requests of one prompt (and one
+    cache hit) share one prefill, their row copied (`_prefill_groups`). stop_token_ids: a sequence of ids
     shared by all requests, or one sequence per request. return_top_logprobs=k also returns, per generated token, the
     k most likely tokens and their logprobs. max_new_tokens, top_k, return_top_logprobs: Python, NumPy or 0-d JAX
     integers. cache: a `PrefixCache` or None. Bad input raises `InputError` naming it (a
@@ -291,14 +292,17 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         hits, cache = cache.bound_to(numerics_key(model)).lookup(prompts)
     starts = np.array([h.position if h else 0 for h in hits], np.int32)
     lens = np.array([len(p) for p in prompts], np.int32) - starts
+    # Rows with the same prompt and the same cache hit (k samples of one prompt) prefill the same tokens from the same
+    # state: each such group is prefilled once, in the row of its first request, and copied to the others
+    unique, copy_of = _prefill_groups(prompts, starts)
     T = _bucket(int(lens.max()))
-    tokens = np.zeros((B, T), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :lens[i]] = p[starts[i]:]
+    tokens = np.zeros((len(unique), T), np.int32)
+    for i, b in enumerate(unique):
+        tokens[i, :lens[b]] = prompts[b][starts[b]:]
     capacity = _bucket(int((starts + lens).max()) + max_new_tokens)
-    state = model.init_state(B, capacity)
+    state = model.init_state(len(unique), capacity)
     if cache is not None:
-        state = state_from_checkpoints(state, hits)
+        state = state_from_checkpoints(state, [hits[b] for b in unique])
     stops = np.full((B, max(1, max(len(r) for r in stop_rows))), -1, np.int32)
     for b, row in enumerate(stop_rows):
         stops[b, :len(row)] = row
@@ -308,9 +312,12 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     snap_interval = cache.interval if snapshots else None
     with mesh_context(model):  # a model placed on a mesh (jaxgdn.sharding): its Pallas kernels run per shard
         t0 = time.perf_counter()
-        state, last, prefill_ckpts = _prefill_core(model, state, jnp.asarray(tokens), jnp.asarray(lens),
+        state, last, prefill_ckpts = _prefill_core(model, state, jnp.asarray(tokens),
+                                                   jnp.asarray(lens[unique]),
                                                    stride=cache.interval if cache is not None else None)
-        prefill_provenance = state.provenance
+        prefill_provenance = state.provenance  # (of the groups' rows, as the in-call checkpoints)
+        if len(unique) < B:  # every request's row, from its group's
+            state, last = _rows_taken((state, last), copy_of)
         jax.block_until_ready(last)  # only to time prefill apart from decode
         t1 = time.perf_counter()
         out = _generate_core(
@@ -336,15 +343,40 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if cache is not None:
         histories = [p + toks[b].tolist() for b, p in enumerate(prompts)]
         numerics = numerics_key(model)
-        by_row = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories,
-                                          out["state"], cache.interval, numerics, bases=hits, by_row=True)
-        new = [ck for row in by_row for ck in row]
+        # (once per prefill group: its requests' rows hold the same checkpoints, the same objects)
+        of_unique = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories,
+                                             out["state"], cache.interval, numerics, bases=hits, by_row=True,
+                                             rows=unique)
+        new = [ck for row in of_unique for ck in row]
+        by_row = [of_unique[i] for i in copy_of]
         if snap_interval:  # a row's decode checkpoints share the key/value blocks of its last one before them
             bases = [row[-1] if row else hit for row, hit in zip(by_row, hits)]
             new += _decode_checkpoints(out, prompts, histories, [len(r.tokens) for r in results], snap_interval,
                                        numerics, bases)
         results.cache = cache.insert(new, skip_refused=True)
     return results
+
+
+def _prefill_groups(prompts: list[list[int]], starts: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """(unique, copy_of): the first request of each group of requests with the same prompt and cache hit (they
+    prefill the same tokens from the same state), in order, and for every request the index of its group in
+    `unique`. A row's prefill does not depend on the other rows (`deterministic=True`: bitwise, tested; otherwise
+    within rounding, as any batch composition), so prefilling a group once changes no request's result there."""
+    first: dict[tuple, int] = {}
+    copy_of = np.array([first.setdefault((tuple(p), int(s)), len(first)) for p, s in zip(prompts, starts)], np.int32)
+    unique = [int(np.argmax(copy_of == i)) for i in range(len(first))]
+    return unique, copy_of
+
+
+def _rows_taken(tree, rows: np.ndarray):
+    """Every array of `tree` (batch-major) at the batch rows `rows`, placed as it was (a model on a mesh keeps its
+    state's sharding)."""
+    def take(x):
+        y = jnp.take(x, jnp.asarray(rows), axis=0)
+        sharding = getattr(x, "sharding", None)
+        return y if sharding is None or y.sharding == sharding else jax.device_put(y, sharding)
+
+    return jax.tree.map(take, tree)
 
 
 def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: str,

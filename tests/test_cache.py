@@ -496,3 +496,29 @@ def test_state_from_checkpoints_writes_each_row_what_its_checkpoint_holds(tiny, 
     chex.assert_trees_all_equal(restored.layers, want.layers)
     assert np.asarray(restored.position).tolist() == [192, 0, 128, 192, 128]
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, template), before)  # the template as it was
+
+
+def test_requests_of_one_prompt_are_prefilled_once(tiny, monkeypatch):
+    """k samples of one prompt in a batch (RL rollouts): `generate` prefills the prompt once and copies the row, so
+    each request's tokens and logprobs are bitwise those of the request alone (deterministic model), and the decode
+    checkpoints of the prompt's requests share its key/value blocks (one prefill computed them), in a cache that
+    admits decode checkpoints."""
+    import sys
+
+    module = sys.modules["jaxgdn.generate"]
+    rows = []
+    prefill = module._prefill_core
+    monkeypatch.setattr(module, "_prefill_core", lambda m, s, tokens, *a, **k: (rows.append(tokens.shape[0]),
+                                                                                   prefill(m, s, tokens, *a, **k))[1])
+    rng = np.random.default_rng(21)
+    p, q = (rng.integers(0, tiny.config.vocab_size, n).tolist() for n in (100, 70))
+    kw = dict(max_new_tokens=40, temperature=0.9)
+    cache = jaxgdn.PrefixCache(interval=INTERVAL, deterministic=False)  # (it takes decode checkpoints)
+    out = jaxgdn.generate(tiny, [p, q, p, p], seed=[0, 1, 2, 3], cache=cache, **kw)
+    assert rows == [2]  # p once, q once
+    for b, (prompt, seed) in enumerate([(p, 0), (q, 1), (p, 2), (p, 3)]):
+        alone = jaxgdn.generate(tiny, [prompt], seed=seed, **kw)[0]
+        assert out[b].tokens == alone.tokens and np.array_equal(out[b].logprobs, alone.logprobs), b
+    assert len({tuple(out[b].tokens) for b in (0, 2, 3)}) == 3  # three different samples of p
+    decoded = [ck for ck in out.cache.checkpoints() if ck.position == 128 and ck.tokens[:100] == tuple(p)]
+    assert len(decoded) == 3 and all(ck.kv_blocks[0] is decoded[0].kv_blocks[0] for ck in decoded)
