@@ -232,7 +232,8 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
     before its position are left out: it holds them); so do the new checkpoints of one row among themselves.
     InputError for a base whose tokens are not the row's first tokens. by_row: a list per row (ascending positions)
     instead of one list. rows: for each row of `found` and `provenance`, the row of `kv_state`, `histories` and
-    `bases` it is (default: the same; `generate` prefills a group of requests of one prompt once, in its first row).
+    `bases` it is, or None to skip it (default: the same; `generate` prefills a group of requests of one prompt once,
+    and pads the prefill's rows with unused copies). by_row lists only the rows not skipped.
     """
     out = []
     pos, valid, provenance = np.asarray(found.position), np.asarray(found.valid), np.asarray(provenance)
@@ -242,6 +243,8 @@ def checkpoints_from_prefill(found: PrefillCheckpoints, provenance, histories: S
     if len(rows) != pos.shape[0]:
         raise InputError(f"rows names {len(rows)} rows for {pos.shape[0]} rows of checkpoints")
     for r, b in enumerate(rows):
+        if b is None:
+            continue
         base = bases[b] if bases is not None else None
         start = base.position if base is not None else 0
         if base is not None and tuple(base.tokens) != tuple(int(t) for t in histories[b][:start]):

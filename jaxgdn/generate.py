@@ -295,14 +295,15 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     # Rows with the same prompt and the same cache hit (k samples of one prompt) prefill the same tokens from the same
     # state: each such group is prefilled once, in the row of its first request, and copied to the others
     unique, copy_of = _prefill_groups(prompts, starts)
+    prefilled = _prefill_rows(unique, B)
     T = _bucket(int(lens.max()))
-    tokens = np.zeros((len(unique), T), np.int32)
-    for i, b in enumerate(unique):
+    tokens = np.zeros((len(prefilled), T), np.int32)
+    for i, b in enumerate(prefilled):
         tokens[i, :lens[b]] = prompts[b][starts[b]:]
     capacity = _bucket(int((starts + lens).max()) + max_new_tokens)
-    state = model.init_state(len(unique), capacity)
+    state = model.init_state(len(prefilled), capacity)
     if cache is not None:
-        state = state_from_checkpoints(state, [hits[b] for b in unique])
+        state = state_from_checkpoints(state, [hits[b] for b in prefilled])
     stops = np.full((B, max(1, max(len(r) for r in stop_rows))), -1, np.int32)
     for b, row in enumerate(stop_rows):
         stops[b, :len(row)] = row
@@ -313,9 +314,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     with mesh_context(model):  # a model placed on a mesh (jaxgdn.sharding): its Pallas kernels run per shard
         t0 = time.perf_counter()
         state, last, prefill_ckpts = _prefill_core(model, state, jnp.asarray(tokens),
-                                                   jnp.asarray(lens[unique]),
+                                                   jnp.asarray(lens[prefilled]),
                                                    stride=cache.interval if cache is not None else None)
-        prefill_provenance = state.provenance  # (of the groups' rows, as the in-call checkpoints)
+        prefill_provenance = state.provenance  # (of the prefilled rows, as the in-call checkpoints)
         if len(unique) < B:  # every request's row, from its group's
             state, last = _rows_taken((state, last), copy_of)
         jax.block_until_ready(last)  # only to time prefill apart from decode
@@ -346,7 +347,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         # (once per prefill group: its requests' rows hold the same checkpoints, the same objects)
         of_unique = checkpoints_from_prefill(out["prefill_checkpoints"], out["prefill_provenance"], histories,
                                              out["state"], cache.interval, numerics, bases=hits, by_row=True,
-                                             rows=unique)
+                                             rows=unique + [None] * (len(prefilled) - len(unique)))
         new = [ck for row in of_unique for ck in row]
         by_row = [of_unique[i] for i in copy_of]
         if snap_interval:  # a row's decode checkpoints share the key/value blocks of its last one before them
@@ -366,6 +367,17 @@ def _prefill_groups(prompts: list[list[int]], starts: np.ndarray) -> tuple[list[
     copy_of = np.array([first.setdefault((tuple(p), int(s)), len(first)) for p, s in zip(prompts, starts)], np.int32)
     unique = [int(np.argmax(copy_of == i)) for i in range(len(first))]
     return unique, copy_of
+
+
+def _prefill_rows(unique: list[int], batch: int) -> list[int]:
+    """The requests whose rows the prefill runs: `unique` as it is when every request has its own prompt (then
+    exactly as many rows as requests), else padded to a power of two (at most `batch`) by repeating its first, so
+    that the prefill of a padded batch (the engine pads to powers of two) compiles for a few row counts, not for
+    every count of distinct prompts. The padding rows' results are not used."""
+    if len(unique) == batch:
+        return unique
+    n = min(1 << (len(unique) - 1).bit_length(), batch)
+    return unique + [unique[0]] * (n - len(unique))
 
 
 def _rows_taken(tree, rows: np.ndarray):

@@ -522,3 +522,19 @@ def test_requests_of_one_prompt_are_prefilled_once(tiny, monkeypatch):
     assert len({tuple(out[b].tokens) for b in (0, 2, 3)}) == 3  # three different samples of p
     decoded = [ck for ck in out.cache.checkpoints() if ck.position == 128 and ck.tokens[:100] == tuple(p)]
     assert len(decoded) == 3 and all(ck.kv_blocks[0] is decoded[0].kv_blocks[0] for ck in decoded)
+    # three distinct prompts among six requests: a prefill of four rows (one an unused copy), the same results
+    r = rng.integers(0, tiny.config.vocab_size, 90).tolist()
+    batch = [(p, 4), (q, 5), (p, 6), (r, 7), (p, 8), (q, 9)]
+    rows.clear()
+    six = jaxgdn.generate(tiny, [b for b, _ in batch], seed=[s for _, s in batch], cache=cache, **kw)
+    assert rows == [4]
+    for b, (prompt, seed) in enumerate(batch):
+        alone = jaxgdn.generate(tiny, [prompt], seed=seed, **kw)[0]
+        assert six[b].tokens == alone.tokens and np.array_equal(six[b].logprobs, alone.logprobs), b
+    assert any(ck.tokens == tuple(r[:64]) for ck in six.cache.checkpoints())  # r's prefill checkpoint, once
+    # the prefill's rows: exactly the requests when every prompt is distinct, else the distinct ones padded to a
+    # power of two (at most the batch), so that an engine's padded batches compile for a few row counts
+    pad = module._prefill_rows
+    assert pad([0, 1, 2, 3, 4], 5) == [0, 1, 2, 3, 4] and pad([0, 1, 2], 8) == [0, 1, 2, 0]
+    assert pad([0, 2], 4) == [0, 2] and pad([3], 8) == [3] and pad([0, 1, 5], 6) == [0, 1, 5, 0]
+    assert pad([0, 1, 2, 3, 4], 6) == [0, 1, 2, 3, 4, 0]  # (a power of two past the batch: the batch)
