@@ -1,9 +1,9 @@
 """Batched generation with the whole decode loop compiled (`lax.scan`), optionally through a prefix cache.
 
 Prompts of different lengths are padded into one prefill (per-row `lengths`; a prompt several requests share is
-prefilled once and its row copied), then every row decodes in lock-step. Shapes are bucketed (prompt length and capacity to multiples of 64) so calls of similar sizes reuse
-one compiled program. Sampling draws each request's randomness from its own seed and the token position
-(`fold_in(key(seed), position)`), never from its batch slot.
+prefilled once and its row copied), then every row decodes in lock-step. Shapes are bucketed (prompt length and
+capacity to multiples of 64) so calls of similar sizes reuse one compiled program. Sampling draws each request's
+randomness from its own seed and the token position (`fold_in(key(seed), position)`), never from its batch slot.
 
 With `cache=`, each prompt is looked up first and only the uncached suffix is prefilled; the prefill's grid
 checkpoints (taken inside the one call) are inserted, and — when the cache is not deterministic, or the model
