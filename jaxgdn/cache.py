@@ -31,7 +31,8 @@ import numpy as np
 from pallas_kernels import CHUNK, resolve_backend
 
 from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int, token_array
-from .model import jit
+from .model import jit, placed_like
+from .shapes import next_pow2
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
 
 DEFAULT_INTERVAL = 256
@@ -339,11 +340,7 @@ def state_from_checkpoints(template: ModelState, checkpoints: Sequence[Checkpoin
         origin[b] = ck.origin
     for (i, name), parts in writes.items():
         given = getattr(layers[i], name)
-        leaf = _written(given, list(parts.values()))
-        sharding = getattr(given, "sharding", None)
-        if sharding is not None and leaf.sharding != sharding:
-            leaf = jax.device_put(leaf, sharding)
-        layers[i] = layers[i]._replace(**{name: leaf})
+        layers[i] = layers[i]._replace(**{name: placed_like(_written(given, list(parts.values())), given)})
     return ModelState(layers=tuple(layers), position=jnp.asarray(position, jnp.int32),
                       provenance=jnp.asarray(provenance, jnp.int32), origin=jnp.asarray(origin, jnp.int32))
 
@@ -364,7 +361,7 @@ def _written(leaf: jax.Array, parts: list[tuple]) -> jax.Array:
     for part, start, rows in parts:
         groups.setdefault((tuple(part.shape), str(part.dtype)), []).append((part, start, rows))
     for group in (g[k:k + _PARTS_PER_CALL] for g in groups.values() for k in range(0, len(g), _PARTS_PER_CALL)):
-        count = 1 << (len(group) - 1).bit_length()
+        count = next_pow2(len(group))
         rows = np.full((count, B), B, np.int32)  # (padding: row B, out of range, which the scatter drops)
         starts = np.zeros((count,), np.int32)
         for j, (_, start, taken) in enumerate(group):

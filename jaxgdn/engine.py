@@ -44,6 +44,7 @@ from .cache import PrefixCache
 from .errors import CapacityError, InputError, is_flat_ids, is_int, plain_int, safe_ndim, token_array, token_id
 from .generate import GenerationResult, _check_request, check_model, generate
 from .model import Model
+from .shapes import next_pow2
 
 SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wrap around modulo this
 DEFAULT_MAX_LENGTH = 1 << 22  # prompt + generated tokens per row when `Engine(max_length=None)` (4,194,304)
@@ -187,10 +188,6 @@ class _Job:
     params: SamplingParams
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _check_tokens(msg, what: str, vocab_size: int) -> list[int]:
     """A prompt / message as a list of ints, checked as `generate` checks a prompt (`errors.token_array`)."""
     return [int(t) for t in token_array(msg, what, vocab_size)]
@@ -240,7 +237,7 @@ class Engine:
         _check_options(model, max_batch, cache, use_cache, max_length, progress, pad_batches, decode_bucket,
                        default_params)
         self.model = model
-        self.max_batch = int(max_batch)  # NumPy integers as Python ints (np.int64 has no bit_length: `_pow2`)
+        self.max_batch = int(max_batch)  # NumPy integers as Python ints (np.int64 has no bit_length)
         self.cache = cache if cache is not None else (PrefixCache(deterministic=model.deterministic)
                                                       if use_cache else None)
         self.max_length = int(max_length) if max_length is not None else None
@@ -335,7 +332,7 @@ class Engine:
     def _run_batch(self, batch: list[_Job]):
         rows = list(batch)
         if self.pad_batches:
-            rows += [batch[0]] * (min(_pow2(len(batch)), _pow2(self.max_batch)) - len(batch))
+            rows += [batch[0]] * (min(next_pow2(len(batch)), next_pow2(self.max_batch)) - len(batch))
         new = max(j.params.max_new_tokens for j in batch)
         rounded = -(-new // self.decode_bucket) * self.decode_bucket
         # the rounding never runs more steps than max_length (nor fewer than a row asks for); capped at max_length

@@ -29,7 +29,8 @@ from .cache import (Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_
                     state_from_checkpoints)
 from .errors import (CapacityError, InputError, is_flat_ids, is_int, plain_int, refuse_unordered, safe_ndim,
                      token_array, token_id)
-from .model import Model, decode_step, gdn_states, jit, mesh_context, prefill_chunk
+from .model import Model, decode_step, gdn_states, jit, mesh_context, placed_like, prefill_chunk
+from .shapes import next_pow2
 from .state import MAX_CAPACITY, at_boundary
 
 MAX_ROW_TOKENS = MAX_CAPACITY  # prompt + max_new_tokens per row: positions are int32 (CapacityError beyond)
@@ -363,10 +364,15 @@ def _prefill_groups(prompts: list[list[int]], starts: np.ndarray) -> tuple[list[
     prefill the same tokens from the same state), in order, and for every request the index of its group in
     `unique`. A row's prefill does not depend on the other rows (`deterministic=True`: bitwise, tested; otherwise
     within rounding, as any batch composition), so prefilling a group once changes no request's result there."""
-    first: dict[tuple, int] = {}
-    copy_of = np.array([first.setdefault((tuple(p), int(s)), len(first)) for p, s in zip(prompts, starts)], np.int32)
-    unique = [int(np.argmax(copy_of == i)) for i in range(len(first))]
-    return unique, copy_of
+    group: dict[tuple, int] = {}  # (prompt, start) -> its index in `unique`
+    unique, copy_of = [], []
+    for b, (p, s) in enumerate(zip(prompts, starts)):
+        key = (tuple(p), int(s))
+        if key not in group:
+            group[key] = len(unique)
+            unique.append(b)
+        copy_of.append(group[key])
+    return unique, np.array(copy_of, np.int32)
 
 
 def _prefill_rows(unique: list[int], batch: int) -> list[int]:
@@ -376,19 +382,14 @@ def _prefill_rows(unique: list[int], batch: int) -> list[int]:
     every count of distinct prompts. The padding rows' results are not used."""
     if len(unique) == batch:
         return unique
-    n = min(1 << (len(unique) - 1).bit_length(), batch)
+    n = min(next_pow2(len(unique)), batch)
     return unique + [unique[0]] * (n - len(unique))
 
 
 def _rows_taken(tree, rows: np.ndarray):
     """Every array of `tree` (batch-major) at the batch rows `rows`, placed as it was (a model on a mesh keeps its
     state's sharding)."""
-    def take(x):
-        y = jnp.take(x, jnp.asarray(rows), axis=0)
-        sharding = getattr(x, "sharding", None)
-        return y if sharding is None or y.sharding == sharding else jax.device_put(y, sharding)
-
-    return jax.tree.map(take, tree)
+    return jax.tree.map(lambda x: placed_like(jnp.take(x, jnp.asarray(rows), axis=0), x), tree)
 
 
 def _decode_checkpoints(out, prompts, histories, n_emitted, interval, numerics: str,

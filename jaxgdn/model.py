@@ -242,6 +242,13 @@ def mesh_context(model: Model):
     return jax.set_mesh(mesh)
 
 
+def placed_like(y: jax.Array, x) -> jax.Array:
+    """`y` on `x`'s placement (its sharding; a NamedSharding fits any shape), where an eager op on `x` (a gather, a
+    donated write) may have left it elsewhere: a state of a model on a mesh stays split as planned."""
+    sharding = getattr(x, "sharding", None)
+    return y if sharding is None or y.sharding == sharding else jax.device_put(y, sharding)
+
+
 # ---- input checks (on concrete values only; under a trace they are skipped) -----------------------------------
 
 def _concrete(x) -> bool:

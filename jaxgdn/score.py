@@ -34,16 +34,13 @@ from pallas_kernels.invariant import log_softmax
 from .errors import InputError, is_flat_ids, is_int, plain_int, refuse_unordered, token_array, token_id
 from .generate import check_model
 from .model import Model, jit, mesh_context, prefill_chunk
+from .shapes import next_pow2
 
 DEFAULT_WINDOW = 512
 
 
 def _round_up(n: int, step: int = CHUNK) -> int:
     return max(step, -(-n // step) * step)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.partial(jit, donate_argnums=1)
@@ -126,7 +123,7 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
     with mesh_context(model):  # a model placed on a mesh (jaxgdn.sharding): its Pallas kernels run per shard
         for k in range(0, len(order), batch_size):
             idx = order[k:k + batch_size]
-            rows = min(_pow2(len(idx)), _pow2(batch_size))
+            rows = min(next_pow2(len(idx)), next_pow2(batch_size))
             lp = _score_batch(model, [seqs[i] for i in idx], rows, window)
             for r, i in enumerate(idx):
                 out[i] = lp[r, starts[i] - 1:len(seqs[i]) - 1].tolist()

@@ -14,3 +14,9 @@
 import jax
 
 Array = jax.Array
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the row buckets of `generate`'s prefill, `score` and the
+    engine, and the part counts of the cache's restore."""
+    return 1 << max(int(n) - 1, 0).bit_length()

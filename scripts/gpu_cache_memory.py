@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxgdn  # noqa: E402
+from jaxgdn.shapes import next_pow2  # noqa: E402
 from gpu_model_bench import build  # noqa: E402
 
 GiB = 2.0**30
@@ -117,7 +118,7 @@ def time_restore(model, cache, prompt, rows: int, reps: int = 6, profile: bool =
 
     hit, _ = cache.lookup([prompt])
     hits = [hit[0] if b % 2 == 0 else None for b in range(rows)]
-    capacity = 1 << (len(prompt) - 1).bit_length()
+    capacity = next_pow2(len(prompt))
     out = {}
     for name, fn in (("state_from_checkpoints", lambda t: state_from_checkpoints(t, hits).layers),
                      ("row by row (before)", lambda t: _rowwise(t, hits))):
