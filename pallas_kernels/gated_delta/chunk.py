@@ -746,13 +746,15 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     per = 0 if checkpoint_stride is None else checkpoint_stride // CHUNK
+    ck_inside = None
     if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
+        stores = _recurrence_stores(cfg, interpret)  # (exact stores: the checkpoints are h's, sliced below)
         h, vn, final, ck_inside = state_recurrence_mgpu(
-            w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
-            stores=_recurrence_stores(cfg, interpret), checkpoint_every=per, interpret=interpret)
+            w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"], stores=stores,
+            checkpoint_every=per if stores == "tf32" else 0, interpret=interpret)
+        ck_inside = ck_inside if stores == "tf32" else None
     else:
         h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
-        ck_inside = None
     if cfg.get("stop_after") == "state":
         return h, vn, final
 
@@ -762,7 +764,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     if checkpoint_stride is None:
         return o, final
     # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
-    # (from h, or from the Mosaic GPU recurrence's own checkpoint output, which is exact whatever h's stores are)
+    # (from h, or with TF32 stores from the Mosaic GPU recurrence's own checkpoint output, which is exact)
     idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
     if ck_inside is not None:
         parts = [ck_inside[:, :, m] for m, i in enumerate(i for i in idx if i < nt)]

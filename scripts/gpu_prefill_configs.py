@@ -1,0 +1,93 @@
+"""Two or more configurations of the chunked prefill side by side on the GPU: their bits against the first one, then
+their times, interleaved in one process, with and without in-call checkpoints (what the prefix cache asks for).
+
+Run on the GPU machine from the repo root (nothing to install):
+  PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"default": {}, "stores_tf32": {"recurrence_stores": "tf32"}}'
+      [--stride 256] [--shapes B,T,HK,HV;...] [--out DIR]
+Checks (bf16 q / k / v, realistic gates, a random initial state, rows of different lengths, shapes (2, 300, 2, 4),
+(3, 1000, 16, 32), (1, 8192, 16, 32)): each configuration's outputs, final state and checkpoints every --stride tokens
+against the first configuration's, element by element. Timing: the four bar shapes of issue 3 (full rows, no initial
+state), each configuration timed without and with checkpoints every --stride tokens; medians of 7 x 10 back-to-back
+calls (`gpu_kernels.bench_jax`), the configurations taking turns per shape. Exit status 0 whatever it finds (a
+measurement); results.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
+from scripts.gpu_kernels import bench_jax
+from scripts.gpu_mgpu_recurrence import CHECK_SHAPES, compare, inputs, log, run_and_save
+
+TIMING_SHAPES = [(1, 8192, 32, 32), (1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32)]
+
+
+def prefill(cfg, stride):
+    return jax.jit(functools.partial(chunk_gated_delta_rule_pallas, config=cfg or None, checkpoint_stride=stride))
+
+
+def checks(configs, stride, shapes, results):
+    names = list(configs)
+    for shp in shapes:
+        q, k, v, g, beta, s0, lengths = inputs(*shp)
+        outs = {n: prefill(configs[n], stride)(q, k, v, g, beta, initial_state=s0, lengths=lengths) for n in names}
+        for n in names[1:]:
+            rows = [compare(part, a, b) for part, a, b in zip(("o", "final", "checkpoints"), outs[n], outs[names[0]])]
+            for r in rows:
+                log(f"{str(shp):>22s} {n:>14s} {r['name']:>12s} {'EQUAL' if r['equal'] else 'DIFFER'} "
+                    f"{r.get('differ', '')} of {r.get('of', '')}")
+            results["checks"].append(dict(shape=shp, config=n, rows=rows))
+
+
+def timing(configs, stride, results):
+    for shp in TIMING_SHAPES:
+        q, k, v, g, beta, _, _ = inputs(*shp)
+        row = dict(shape=shp, ms={})
+        for st in (None, stride):
+            for n, cfg in configs.items():
+                f = prefill(cfg, st)
+                row["ms"][f"{n}{'' if st is None else f' ck{st}'}"] = bench_jax(f, q, k, v, g, beta, n=10) * 1e3
+        base = {st: row["ms"][f"{next(iter(configs))}{'' if st is None else f' ck{st}'}"] for st in (None, stride)}
+        log(f"{str(shp):>22s} " + ", ".join(
+            f"{name} {ms:.3f} ms ({ms / base[stride if ' ck' in name else None]:.3f}x)" for name, ms in row["ms"].items()))
+        results["timing"].append(row)
+        del q, k, v, g, beta
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", required=True, help="JSON {name: config overrides}; the first is the baseline")
+    ap.add_argument("--stride", type=int, default=256, help="checkpoint stride (a multiple of 64)")
+    ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    configs = json.loads(args.configs)
+    if not isinstance(configs, dict) or len(configs) < 2 or not all(isinstance(c, dict) for c in configs.values()):
+        raise SystemExit("--configs: a JSON object of at least two {name: {config key: value}} entries")
+    if args.stride <= 0 or args.stride % 64:
+        raise SystemExit(f"--stride {args.stride}: a positive multiple of 64")
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else CHECK_SHAPES)
+
+    def body(results):
+        results["meta"]["configs"] = configs
+        checks(configs, args.stride, shapes, results)
+        if not args.no_timing:
+            timing(configs, args.stride, results)
+
+    run_and_save(args.out, body)
+
+
+if __name__ == "__main__":
+    main()
