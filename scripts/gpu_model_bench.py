@@ -365,6 +365,44 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 210, ba
     return all(checks.values())
 
 
+def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_tokens: int = 16, reps: int = 3,
+                        tag: str = "shared_prompt"):
+    """`jaxgdn.generate` on `batch` requests of one prompt (k samples of a prompt, as RL rollouts draw them: the prompt
+    prefilled once since 2026-12-05, its row copied) against `batch` distinct prompts of the same length, seeded
+    sampling, the model as given (no cache): seconds per call, the median of `reps` calls after a first one that
+    compiles. Also whether request 0 of the shared batch equals the same request alone (tokens and logprobs,
+    bitwise: the model should be deterministic)."""
+    rng = np.random.default_rng(5)
+    V = model.config.vocab_size
+    one = rng.integers(0, V, prompt_len).tolist()
+    cases = {"distinct prompts": [rng.integers(0, V, prompt_len).tolist() for _ in range(batch)],
+             "one prompt": [one] * batch}
+    res = RESULTS.setdefault(tag, {})
+    seeds = list(range(batch))
+    outs = {}
+    for name, prompts in cases.items():
+        run = lambda: jaxgdn.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.8, seed=seeds)
+        t0 = time.perf_counter()
+        outs[name] = run()
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        res[name] = dict(first_s=first, median_s=statistics.median(times), times_s=times)
+        log(f"  {tag}: {name}, {batch} x {prompt_len} tokens + {new_tokens} new: {statistics.median(times) * 1e3:.1f} "
+            f"ms per call (first, compiling: {first:.1f} s)")
+    res["ratio"] = res["one prompt"]["median_s"] / res["distinct prompts"]["median_s"]
+    [alone] = jaxgdn.generate(model, [one], max_new_tokens=new_tokens, temperature=0.8, seed=0)
+    shared = outs["one prompt"][0]
+    ok = alone.tokens == shared.tokens and bool(np.array_equal(np.array(alone.logprobs), np.array(shared.logprobs)))
+    res["request 0 alone == in the shared batch"] = ok
+    log(f"  {tag}: one prompt / distinct {res['ratio']:.3f}x; [{'PASS' if ok else 'FAIL'}] request 0 alone == in the "
+        f"shared batch")
+    return ok
+
+
 def apply_default_config(defaults: dict, text: str, flag: str) -> dict:
     """A JSON dict of `defaults`' keys (a kernel's DEFAULT_CONFIG, e.g. `pallas_kernels.matmul`'s for --matmul-config
     or the chunked prefill's for --chunk-config), written into the defaults for this process: call it before anything
@@ -404,11 +442,14 @@ def main():
     ap.add_argument("--bitwise-lengths", default="512,4096")
     ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
-                    help="comma list, run in this order; also 'profile' (decode kernel times, normal and "
+                    help="comma list, run in this order; also 'shared_prompt' (generate on k copies of one "
+                         "prompt against k distinct prompts), 'profile' (decode kernel times, normal and "
                          "deterministic), 'replay_profile' (the same for replay decode and deterministic "
                          "recurrent decode) and 'prefill_profile' (the same for a prefill)")
     ap.add_argument("--replay-tokens", type=int, default=210,
                     help="tokens each row generates in the replay_bitwise stages (issue 7 asks for >= 200)")
+    ap.add_argument("--shared-batch", type=int, default=8, help="shared_prompt stage: requests per call")
+    ap.add_argument("--shared-prompt-len", type=int, default=4096, help="shared_prompt stage: prompt tokens")
     ap.add_argument("--distinct-layers", action="store_true", help="draw every layer's weights (slow to build)")
     ap.add_argument("--matmul-config", default="", help="JSON dict overriding pallas_kernels.matmul.DEFAULT_CONFIG "
                     "(the deterministic mode's matmul tiling policy) for this run")
@@ -443,6 +484,8 @@ def main():
                              for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"),
                                                         new_tokens=args.replay_tokens)),
+        ("shared_prompt", lambda: stage_shared_prompt(model.with_deterministic(), args.shared_batch,
+                                                      args.shared_prompt_len)),
         ("prefill_profile", lambda: (stage_prefill_profile(model, args.prefill_tokens, "normal"),
                                      stage_prefill_profile(model.with_deterministic(), args.prefill_tokens,
                                                            "deterministic"))),

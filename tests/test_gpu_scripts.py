@@ -51,6 +51,15 @@ def test_model_bench_prefill_profile_stage(tmp_path):
         assert rows and all(row["us"] >= 0 and row["count"] >= 1 for row in rows)
 
 
+def test_model_bench_shared_prompt_stage(tmp_path):
+    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,shared_prompt",
+              "--shared-batch", "2", "--shared-prompt-len", "70", "--out", str(tmp_path)], tmp_path)
+    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "model_bench.json").read_text())["shared_prompt"]
+    assert res["request 0 alone == in the shared batch"] is True
+    assert all(res[k]["median_s"] > 0 and len(res[k]["times_s"]) == 3 for k in ("one prompt", "distinct prompts"))
+
+
 def test_model_bench_replay_profile_stage(tmp_path):
     r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,replay_profile",
               "--decode-batch", "2", "--context", "64", "--out", str(tmp_path)], tmp_path)
