@@ -84,6 +84,7 @@ def main() -> int:
     same = second[0].tokens == cold[0].tokens and np.array_equal(second[0].logprobs, cold[0].logprobs)
     print(f"[{'PASS' if same else 'FAIL'}] the warm longer request == the same request cold (tokens, logprobs bitwise)")
     restore = time_restore(model, second.cache, longer, args.restore_rows, profile=args.profile)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cache_memory.json"), "w") as f:
         json.dump(dict(args=vars(args), rows=rows, warm_equals_cold=bool(same), restore=restore), f, indent=1)
     return 0 if same and restore["equal"] else 1

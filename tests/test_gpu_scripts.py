@@ -190,9 +190,9 @@ def test_cache_memory_script(tmp_path):
     and the longer request restored from them equals it cold; a batch restored from them by `state_from_checkpoints`
     equals the old row-by-row writes."""
     r = _run([str(ROOT / "scripts" / "gpu_cache_memory.py"), "--preset", "tiny", "--prompt", "320", "--interval", "64",
-              "--extra", "70", "--restore-rows", "3", "--out", str(tmp_path)], tmp_path)
+              "--extra", "70", "--restore-rows", "3", "--out", str(tmp_path / "new")], tmp_path)
     assert r.returncode == 0 and "[PASS]" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    res = json.loads((tmp_path / "cache_memory.json").read_text())
+    res = json.loads((tmp_path / "new" / "cache_memory.json").read_text())  # (--out made where missing)
     assert res["restore"]["equal"] is True and res["restore"]["state_from_checkpoints"] > 0
     cold, warm = res["rows"]
     assert (cold["entries"], cold["positions"], warm["cached_tokens"]) == (5, [64, 320], 320)
