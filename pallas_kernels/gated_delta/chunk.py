@@ -169,10 +169,14 @@ from .wy import CHUNK
 # alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
 # recurrence_stores: how the Mosaic GPU recurrence writes h and v_new (`recurrence_mgpu._Stores`): "exact" (default:
-# as the Triton recurrence does), "tf32" (rounded to TF32 to nearest: the operands its own dots take, which the output
-# kernel's one-pass TF32 dots would round to anyway, so the outputs keep their bits; 48 KiB less written to shared
-# memory per chunk on the chain; in-call checkpoints still exact; needs p_qs = p_av = "tf32") or "auto" ("tf32" off
-# interpret mode where p_qs = p_av = "tf32", else "exact"; in interpret mode the output's dots are fp32).
+# as the Triton recurrence does) or "tf32" (rounded to TF32 to nearest: the operands its own dots take, which the
+# output kernel's one-pass TF32 dots round to anyway, so the outputs keep their bits; 48 KiB less written to shared
+# memory per chunk on the chain, the exact state written only where in-call checkpoints need it; needs p_qs = p_av =
+# "tf32"; in interpret mode the output's dots are fp32, so there it changes the outputs). Runs 158-159 (H100): the
+# outputs, final states and checkpoints equal the default's bit for bit and the six chunk bitwise checks PASS; the
+# recurrence alone 0.87x / 0.99x / 0.95x at (1, 8192) / (8, 4096) / (1, 32768), but the whole prefill only 0.987-1.015x
+# the default without checkpoints and 0.99-1.03x with them every 256 tokens: not the default. It is the first step
+# of the output fused into the recurrence (docs/speed_gaps.md), where h would not leave the kernel at all.
 # output: which kernel runs the split design's output kernel: "triton" (default: `_out_kernel`), "mosaic" (the same
 # arithmetic as a Pallas Mosaic GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel,
 # `key_norms`, so that their row sums add in Triton's order) or "auto" ("mosaic" on a Hopper GPU where it applies:
@@ -499,8 +503,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
-    if cfg["recurrence_stores"] not in ("auto", "exact", "tf32"):
-        raise ValueError(f"recurrence_stores={cfg['recurrence_stores']!r}: expected 'auto', 'exact' or 'tf32'")
+    if cfg["recurrence_stores"] not in ("exact", "tf32"):
+        raise ValueError(f"recurrence_stores={cfg['recurrence_stores']!r}: expected 'exact' or 'tf32'")
     if cfg["recurrence_stores"] == "tf32" and not (cfg["p_qs"] == cfg["p_av"] == "tf32"):
         raise ValueError(f"recurrence_stores='tf32' needs p_qs = p_av = 'tf32' (one-pass TF32 dots, which round h and "
                          f"v_new themselves); got p_qs={cfg['p_qs']!r}, p_av={cfg['p_av']!r}")
@@ -748,7 +752,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     per = 0 if checkpoint_stride is None else checkpoint_stride // CHUNK
     ck_inside = None
     if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
-        stores = _recurrence_stores(cfg, interpret)  # (exact stores: the checkpoints are h's, sliced below)
+        stores = cfg["recurrence_stores"]  # (exact stores: the checkpoints are h's, sliced below)
         h, vn, final, ck_inside = state_recurrence_mgpu(
             w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"], stores=stores,
             checkpoint_every=per if stores == "tf32" else 0, interpret=interpret)
@@ -870,15 +874,6 @@ def _recurrence_kernel(cfg: dict, K: int, V: int, wk_dtype, interpret: bool) -> 
     return _triton_or_mosaic("recurrence", cfg["recurrence"], fits, interpret, lambda: (
         f"needs states_t=True, w and kd stored in fp16 (wk_dtype), V a multiple of 64 and K a multiple of 32 up to "
         f"128; got states_t={cfg['states_t']!r}, w and kd in {jnp.dtype(wk_dtype).name}, K={K}, V={V}"))
-
-
-def _recurrence_stores(cfg: dict, interpret: bool) -> str:
-    """How the Mosaic GPU recurrence stores h and v_new (config `recurrence_stores`, `recurrence_mgpu._Stores`):
-    "auto" is "tf32" on the GPU, where the output kernel's one-pass TF32 dots (p_qs = p_av = "tf32") round them to
-    nearest anyway, and "exact" otherwise (in interpret mode the output's dots are fp32 and would see the rounding)."""
-    if cfg["recurrence_stores"] != "auto":
-        return cfg["recurrence_stores"]
-    return "tf32" if not interpret and cfg["p_qs"] == cfg["p_av"] == "tf32" else "exact"
 
 
 def _triton_or_mosaic(key: str, choice: str, fits: bool, interpret: bool, why_not) -> str:
