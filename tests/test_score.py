@@ -4,6 +4,8 @@ do not recompile within a size bucket, and reject bad input with InputError."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,71 @@ def test_numpy_integer_options(det, seqs, scored):
     """NumPy integers are integers: start, batch_size and window given as np.int64 score as the Python ints do."""
     again = score(det, seqs, start=np.array(STARTS), batch_size=np.int64(8), window=np.int64(512))
     assert again == scored
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+    """An RL batch: four completions of one 150-token prompt (one of them twice), scored from the prompt's end; a
+    completion of another prompt with the same first 100 tokens; an unrelated sequence; a sequence whose start is
+    inside the first chunk (nothing to share)."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 256, 150).tolist()
+    seqs = [prompt + rng.integers(0, 256, n).tolist() for n in (20, 90, 3, 41)]
+    seqs.append(list(seqs[1]))  # the same request again
+    seqs.append(prompt[:100] + rng.integers(0, 256, 70).tolist())
+    seqs.append(rng.integers(0, 256, 130).tolist())
+    seqs.append(prompt[:40] + rng.integers(0, 256, 9).tolist())
+    starts = [150] * 5 + [100, 7, 30]
+    return seqs, starts
+
+
+def _spy(monkeypatch, name):
+    """Counts the rows x columns (valid tokens) that `jaxgdn.score.<name>` is called on."""
+    mod = sys.modules["jaxgdn.score"]  # (the module: `jaxgdn.score` the attribute is the function)
+    seen = []
+    real = getattr(mod, name)
+
+    def counted(model, state, tokens, lengths, *rest):
+        seen.append(int(np.asarray(lengths).sum()))
+        return real(model, state, tokens, lengths, *rest)
+
+    monkeypatch.setattr(mod, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("batch_size", [8, 3])
+def test_shared_prefixes_score_bitwise_as_apart(det, rollouts, monkeypatch, batch_size):
+    """Deterministic mode: sequences that share a prompt's prefill (and a request given twice, scored once) get the
+    logprobs they get scored apart, bitwise, and fewer tokens are prefilled: the shared prefix (the prompt up to its
+    last grid boundary before the start: 128 tokens of the 150) once per batch, not per sequence. batch_size 3 splits
+    the group across batches (its prefix then prefilled per batch that needs it)."""
+    seqs, starts = rollouts
+    apart = score(det, seqs, start=starts, batch_size=batch_size, share_prefixes=False)
+    full = sum(len(s) for s in seqs)
+    scored_tokens, prefix_tokens = _spy(monkeypatch, "_score_window"), _spy(monkeypatch, "_advance")
+    shared = score(det, seqs, start=starts, batch_size=batch_size)
+    assert len(shared) == len(seqs)
+    for a, b, s, st in zip(apart, shared, seqs, starts):
+        assert len(b) == len(s) - st
+        assert np.array_equal(np.array(a, np.float32), np.array(b, np.float32))
+    assert shared[1] == shared[4]
+    # the prompt's 128-token prefix serves the four distinct completions (150 + n tokens each)
+    assert sum(prefix_tokens) % 128 == 0 and sum(prefix_tokens) >= 128
+    assert sum(scored_tokens) == full - len(seqs[4]) - 4 * 128
+    if batch_size == 8:
+        assert sum(prefix_tokens) == 128  # one group, one batch: its prefix once
+
+
+def test_shared_prefixes_within_rounding_in_default_mode(tiny, rollouts):
+    """Default (non-deterministic) mode: sharing a prefix's prefill changes only rounding (the prefill split on the
+    grid and its rows in other batches): within 1e-5 of the logprobs scored apart."""
+    seqs, starts = rollouts
+    apart = score(tiny, seqs, start=starts, share_prefixes=False)
+    shared = score(tiny, seqs, start=starts)
+    d = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(apart, shared))
+    assert d <= 1e-5, f"shared vs apart: max abs diff {d:.3g}"
+
+
+def test_share_prefixes_must_be_a_bool(det):
+    with pytest.raises(jaxgdn.InputError, match="share_prefixes must be a bool"):
+        score(det, [[1, 2, 3]], share_prefixes="yes")

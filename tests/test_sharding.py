@@ -236,6 +236,11 @@ def _worker() -> dict:
         finally:
             pallas_kernels.api._per_shard = per_shard
         scores_one = jaxgdn.score(model, seqs)
+        # two sequences of one 64-token prefix scored from 65: the prefix prefilled once on the mesh, its state
+        # restored into both rows (checkpoint_from_state / state_from_checkpoints on sharded states)
+        shared_seqs = [toks[0].tolist() + [5, 6, 7, 8], toks[0].tolist() + [9, 10, 11]]
+        scores_shared = jaxgdn.score(sm, shared_seqs, start=65)
+        scores_apart_one = jaxgdn.score(model, shared_seqs, start=65, share_prefixes=False)
         cfg = model.config
         # projections: GDN qkv / z / a / b / out, attention q / k / v / o, MLP gate / up / down, the output head
         n_proj = n_gdn * 5 + (cfg.num_layers - n_gdn) * 4 + cfg.num_layers * 3 + 1
@@ -252,6 +257,8 @@ def _worker() -> dict:
                 "decode_logits": diff(lg2, ref[3]),
                 "score_shard_maps": len(calls),
                 "score_vs_single_device": max(diff(a, b) for a, b in zip(scores, scores_one)),
+                "score_shared_vs_single_device_apart": max(diff(a, b) for a, b in zip(scores_shared,
+                                                                                      scores_apart_one)),
                 "scan_shard_maps": jr.count("shard_map["), "scan_in_jaxpr": "gdn_scan" in jr,
                 "scan_prefill_logits": diff(np.asarray(lgr)[valid], np.asarray(ref[1])[valid]),
                 "state_misplaced": S.check_placement(s2, S.state_specs(sm.config, mesh)),
@@ -515,6 +522,7 @@ def test_pallas_kernels_run_per_shard_in_shard_map(results):
     assert r["prefill_logits"] <= TOL and r["decode_logits"] <= TOL, r
     assert r["state_misplaced"] == [], r
     assert r["score_shard_maps"] == n and r["score_vs_single_device"] <= TOL, r  # score's prefill per shard too
+    assert r["score_shared_vs_single_device_apart"] <= TOL, r  # a shared prefix's state restored on the mesh
     assert r["scan_shard_maps"] == n and r["scan_in_jaxpr"] and r["scan_prefill_logits"] <= TOL, r
     assert r["replay_shard_maps"] == n and r["replay_step_in_jaxpr"] and r["replay_decode_logits"] <= TOL, r
     assert r["replay_packed_in_jaxpr"], r  # the step on each shard's packed open-chunk buffers (their groups)
