@@ -371,7 +371,9 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     prefilled once since 2026-12-05, its row copied) against `batch` distinct prompts of the same length, seeded
     sampling, the model as given (no cache): seconds per call, the median of `reps` calls after a first one that
     compiles. Also whether request 0 of the shared batch equals the same request alone (tokens and logprobs,
-    bitwise: the model should be deterministic)."""
+    bitwise: the model should be deterministic). Then `jaxgdn.score` of the shared batch's sequences from the
+    prompt's end, with the prompt's prefill shared (the default) and apart: the times, and whether they are equal,
+    bitwise."""
     rng = np.random.default_rng(5)
     V = model.config.vocab_size
     one = rng.integers(0, V, prompt_len).tolist()
@@ -400,7 +402,29 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     res["request 0 alone == in the shared batch"] = ok
     log(f"  {tag}: one prompt / distinct {res['ratio']:.3f}x; [{'PASS' if ok else 'FAIL'}] request 0 alone == in the "
         f"shared batch")
-    return ok
+    # score: the shared batch's sequences (prompt + completion) from the prompt's end, the prompt's prefill shared
+    # (the default) or each sequence prefilled apart (share_prefixes=False); the logprobs must be equal, bitwise
+    seqs = [one + r.tokens for r in outs["one prompt"]]
+    scores = {}
+    for name, share in (("score, shared prefix", True), ("score, apart", False)):
+        run = lambda: jaxgdn.score(model, seqs, start=prompt_len, batch_size=batch, share_prefixes=share)
+        t0 = time.perf_counter()
+        scores[name] = run()
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        res[name] = dict(first_s=first, median_s=statistics.median(times), times_s=times)
+        log(f"  {tag}: {name}, {batch} x ({prompt_len} + {new_tokens}) tokens: {statistics.median(times) * 1e3:.1f} ms "
+            f"per call (first, compiling: {first:.1f} s)")
+    same = all(np.array_equal(np.array(a, np.float32), np.array(b, np.float32))
+               for a, b in zip(scores["score, shared prefix"], scores["score, apart"]))
+    res["score shared == apart"] = same
+    log(f"  {tag}: score shared / apart {res['score, shared prefix']['median_s'] / res['score, apart']['median_s']:.3f}x; "
+        f"[{'PASS' if same else 'FAIL'}] the same logprobs, bitwise")
+    return ok and same
 
 
 def apply_default_config(defaults: dict, text: str, flag: str) -> dict:

@@ -56,8 +56,9 @@ def test_model_bench_shared_prompt_stage(tmp_path):
               "--shared-batch", "2", "--shared-prompt-len", "70", "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
     res = json.loads((tmp_path / "model_bench.json").read_text())["shared_prompt"]
-    assert res["request 0 alone == in the shared batch"] is True
-    assert all(res[k]["median_s"] > 0 and len(res[k]["times_s"]) == 3 for k in ("one prompt", "distinct prompts"))
+    assert res["request 0 alone == in the shared batch"] is True and res["score shared == apart"] is True
+    assert all(res[k]["median_s"] > 0 and len(res[k]["times_s"]) == 3
+               for k in ("one prompt", "distinct prompts", "score, shared prefix", "score, apart"))
 
 
 def test_model_bench_replay_profile_stage(tmp_path):
