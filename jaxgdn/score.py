@@ -147,7 +147,7 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
             groups = dict.fromkeys(plan.group[j] for j in idx if plan.group[j] is not None)  # (in order, once)
             new = {g: plan.prefix(g) for g in groups if g not in held}
             if new:
-                held.update(_prefix_states(model, new, window, rows))
+                held.update(_prefix_states(model, new, window))
             hits = [held[plan.group[j]] if plan.group[j] is not None else None for j in idx]
             lp = _score_batch(model, [seqs[plan.distinct[j]] for j in idx], hits, rows, window)
             for r, j in enumerate(idx):
@@ -214,10 +214,11 @@ class _SharingPlan:
         return done
 
 
-def _prefix_states(model: Model, prefixes: dict[int, list[int]], window: int, rows: int) -> dict[int, Checkpoint]:
-    """Each prefix prefilled (one batch of at least `rows` rows, in windows of `window` columns on the grid), as the
-    checkpoint a request continues from."""
-    n = max(rows, next_pow2(len(prefixes)))
+def _prefix_states(model: Model, prefixes: dict[int, list[int]], window: int) -> dict[int, Checkpoint]:
+    """Each prefix prefilled (one batch, its rows padded to a power of two, in windows of `window` columns on the
+    grid), as the checkpoint a request continues from. (A padded row costs what a full one does: the kernels run
+    on the whole batch; so one row per distinct prefix, not the scored batch's rows.)"""
+    n = next_pow2(len(prefixes))
     lengths = np.zeros((n,), np.int32)
     lengths[:len(prefixes)] = [len(p) for p in prefixes.values()]
     width = _round_up(int(lengths.max()))
