@@ -365,6 +365,19 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 210, ba
     return all(checks.values())
 
 
+def _timed_calls(run, reps: int):
+    """(the first call's result, {first_s, median_s, times_s}): `run()` once (it compiles), then `reps` times."""
+    t0 = time.perf_counter()
+    out = run()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return out, dict(first_s=first, median_s=statistics.median(times), times_s=times)
+
+
 def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_tokens: int = 16, reps: int = 3,
                         tag: str = "shared_prompt"):
     """`jaxgdn.generate` on `batch` requests of one prompt (k samples of a prompt, as RL rollouts draw them: the prompt
@@ -383,18 +396,10 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     seeds = list(range(batch))
     outs = {}
     for name, prompts in cases.items():
-        run = lambda: jaxgdn.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.8, seed=seeds)
-        t0 = time.perf_counter()
-        outs[name] = run()
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        res[name] = dict(first_s=first, median_s=statistics.median(times), times_s=times)
-        log(f"  {tag}: {name}, {batch} x {prompt_len} tokens + {new_tokens} new: {statistics.median(times) * 1e3:.1f} "
-            f"ms per call (first, compiling: {first:.1f} s)")
+        outs[name], res[name] = _timed_calls(
+            lambda: jaxgdn.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.8, seed=seeds), reps)
+        log(f"  {tag}: {name}, {batch} x {prompt_len} tokens + {new_tokens} new: {res[name]['median_s'] * 1e3:.1f} "
+            f"ms per call (first, compiling: {res[name]['first_s']:.1f} s)")
     res["ratio"] = res["one prompt"]["median_s"] / res["distinct prompts"]["median_s"]
     [alone] = jaxgdn.generate(model, [one], max_new_tokens=new_tokens, temperature=0.8, seed=0)
     shared = outs["one prompt"][0]
@@ -407,18 +412,10 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     seqs = [one + r.tokens for r in outs["one prompt"]]
     scores = {}
     for name, share in (("score, shared prefix", True), ("score, apart", False)):
-        run = lambda: jaxgdn.score(model, seqs, start=prompt_len, batch_size=batch, share_prefixes=share)
-        t0 = time.perf_counter()
-        scores[name] = run()
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        res[name] = dict(first_s=first, median_s=statistics.median(times), times_s=times)
-        log(f"  {tag}: {name}, {batch} x ({prompt_len} + {new_tokens}) tokens: {statistics.median(times) * 1e3:.1f} ms "
-            f"per call (first, compiling: {first:.1f} s)")
+        scores[name], res[name] = _timed_calls(
+            lambda: jaxgdn.score(model, seqs, start=prompt_len, batch_size=batch, share_prefixes=share), reps)
+        log(f"  {tag}: {name}, {batch} x ({prompt_len} + {new_tokens}) tokens: {res[name]['median_s'] * 1e3:.1f} ms "
+            f"per call (first, compiling: {res[name]['first_s']:.1f} s)")
     same = all(np.array_equal(np.array(a, np.float32), np.array(b, np.float32))
                for a, b in zip(scores["score, shared prefix"], scores["score, apart"]))
     res["score shared == apart"] = same
