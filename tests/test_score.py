@@ -192,3 +192,13 @@ def test_shared_prefixes_within_rounding_in_default_mode(tiny, rollouts):
 def test_share_prefixes_must_be_a_bool(det):
     with pytest.raises(jaxgdn.InputError, match="share_prefixes must be a bool"):
         score(det, [[1, 2, 3]], share_prefixes="yes")
+
+
+def test_shared_prefixes_with_replay_decode_states(det, rollouts):
+    """A model whose state keeps the open chunk (replay decode) continues from the shared prefix's state as well:
+    bitwise the logprobs scored apart (the prefix ends on the grid, where the state has no open chunk)."""
+    seqs, starts = rollouts
+    replay = det.with_decode_mode("replay")
+    apart = score(replay, seqs[:3], start=starts[:3], share_prefixes=False)
+    shared = score(replay, seqs[:3], start=starts[:3])
+    assert all(np.array_equal(np.array(a, np.float32), np.array(b, np.float32)) for a, b in zip(apart, shared))
