@@ -3,10 +3,10 @@ their times, interleaved in one process, with and without in-call checkpoints (w
 
 Run on the GPU machine from the repo root (nothing to install):
   PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"default": {}, "stores_tf32": {"recurrence_stores": "tf32"}}'
-      [--stride 256] [--shapes B,T,HK,HV;...] [--out DIR]
+      [--stride 256] [--shapes B,T,HK,HV;...] [--no-stride-timing] [--out DIR]
 Checks (bf16 q / k / v, realistic gates, a random initial state, rows of different lengths, shapes (2, 300, 2, 4),
-(3, 1000, 16, 32), (1, 8192, 16, 32)): each configuration's outputs, final state and checkpoints every --stride tokens
-against the first configuration's, element by element. Timing: the four bar shapes of issue 3 (full rows, no initial
+(3, 1000, 16, 32), (1, 8192, 16, 32)): each configuration's outputs and final state without checkpoints, and its
+outputs, final state and checkpoints every --stride tokens, against the first configuration's, element by element. Timing: the four bar shapes of issue 3 (full rows, no initial
 state), each configuration timed without and with checkpoints every --stride tokens; medians of 7 x 10 back-to-back
 calls (`gpu_kernels.bench_jax`), the configurations taking turns per shape. Exit status 0 whatever it finds (a
 measurement); results.json into --out.
@@ -36,27 +36,31 @@ def prefill(cfg, stride):
 
 
 def checks(configs, stride, shapes, results):
+    """Without and with checkpoints every `stride` tokens (a configuration may take other kernels with them)."""
     names = list(configs)
     for shp in shapes:
         q, k, v, g, beta, s0, lengths = inputs(*shp)
-        outs = {n: prefill(configs[n], stride)(q, k, v, g, beta, initial_state=s0, lengths=lengths) for n in names}
-        for n in names[1:]:
-            rows = [compare(part, a, b) for part, a, b in zip(("o", "final", "checkpoints"), outs[n], outs[names[0]])]
-            for r in rows:
-                log(f"{str(shp):>22s} {n:>14s} {r['name']:>12s} {'EQUAL' if r['equal'] else 'DIFFER'} "
-                    f"{r.get('differ', '')} of {r.get('of', '')}")
-            results["checks"].append(dict(shape=shp, config=n, rows=rows))
+        for st in (None, stride):
+            outs = {n: prefill(configs[n], st)(q, k, v, g, beta, initial_state=s0, lengths=lengths) for n in names}
+            for n in names[1:]:
+                rows = [compare(part, a, b)
+                        for part, a, b in zip(("o", "final", "checkpoints"), outs[n], outs[names[0]])]
+                for r in rows:
+                    log(f"{str(shp):>22s} {n:>14s} {'' if st is None else f'ck{st}':>6s} {r['name']:>12s} "
+                        f"{'EQUAL' if r['equal'] else 'DIFFER'} {r.get('differ', '')} of {r.get('of', '')}")
+                results["checks"].append(dict(shape=shp, config=n, stride=st, rows=rows))
 
 
 def timing(configs, stride, results):
     for shp in TIMING_SHAPES:
         q, k, v, g, beta, _, _ = inputs(*shp)
         row = dict(shape=shp, ms={})
-        for st in (None, stride):
+        for st in (None, stride) if stride else (None,):
             for n, cfg in configs.items():
                 f = prefill(cfg, st)
                 row["ms"][f"{n}{'' if st is None else f' ck{st}'}"] = bench_jax(f, q, k, v, g, beta, n=10) * 1e3
-        base = {st: row["ms"][f"{next(iter(configs))}{'' if st is None else f' ck{st}'}"] for st in (None, stride)}
+        base = {st: row["ms"][f"{next(iter(configs))}{'' if st is None else f' ck{st}'}"]
+                for st in ((None, stride) if stride else (None,))}
         log(f"{str(shp):>22s} " + ", ".join(
             f"{name} {ms:.3f} ms ({ms / base[stride if ' ck' in name else None]:.3f}x)" for name, ms in row["ms"].items()))
         results["timing"].append(row)
@@ -69,6 +73,7 @@ def main():
     ap.add_argument("--stride", type=int, default=256, help="checkpoint stride (a multiple of 64)")
     ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-stride-timing", action="store_true", help="time without checkpoints only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     configs = json.loads(args.configs)
@@ -82,7 +87,7 @@ def main():
         results["meta"]["configs"] = configs
         checks(configs, args.stride, shapes, results)
         if not args.no_timing:
-            timing(configs, args.stride, results)
+            timing(configs, None if args.no_stride_timing else args.stride, results)
 
     run_and_save(args.out, body)
 

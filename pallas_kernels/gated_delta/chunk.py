@@ -59,8 +59,8 @@ from . import wy
 from .arith import fma, mul_rn
 from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
-from .output_mgpu import chunk_output_mgpu, key_norms
-from .recurrence_mgpu import state_recurrence_mgpu
+from .output_mgpu import chunk_intra_mgpu, chunk_output_mgpu, key_norms
+from .recurrence_mgpu import state_recurrence_mgpu, state_recurrence_output_mgpu
 from .wy import CHUNK
 
 
@@ -497,8 +497,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     if cfg["recurrence"] not in ("auto", "triton", "mosaic"):
         raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
-    if cfg["output"] not in ("auto", "triton", "mosaic"):
-        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton' or 'mosaic'")
+    if cfg["output"] not in ("auto", "triton", "mosaic", "fused"):
+        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic' or 'fused'")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
@@ -751,7 +751,16 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     per = 0 if checkpoint_stride is None else checkpoint_stride // CHUNK
     ck_inside = None
-    if _recurrence_kernel(cfg, K, V, w.dtype, interpret) == "mosaic":
+    recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
+    if (cfg["output"] == "fused" and recurrence == "mosaic" and checkpoint_stride is None
+            and cfg.get("stop_after") is None and _output_fits(cfg, K, V, use_l2, (q.dtype, k.dtype), v.dtype)):
+        # the output inside the recurrence: h and v_new never go through memory (`state_recurrence_output_mgpu`)
+        r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
+        qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
+        o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
+                                                interpret=interpret)
+        return (o[:, :T] if tp != T else o), final
+    if recurrence == "mosaic":
         stores = cfg["recurrence_stores"]  # (exact stores: the checkpoints are h's, sliced below)
         h, vn, final, ck_inside = state_recurrence_mgpu(
             w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"], stores=stores,
@@ -787,8 +796,7 @@ def _output_call(q, k, gc, h, vn, lengths, *, scale, use_l2, out_dtype, interpre
     HV, V = vn.shape[1], (vn.shape[2] if _transposed(cfg)[1] else vn.shape[3])
     if _output_kernel(cfg, K, V, use_l2, (q.dtype, k.dtype), out_dtype, interpret) == "mosaic":
         r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
-        return chunk_output_mgpu(q, k, r_q, r_k, gc, h, vn, scale=scale, out_dtype=out_dtype,
-                                 qk_dtype=jnp.float16 if cfg["p_qk"] == "fp16" else jnp.bfloat16,
+        return chunk_output_mgpu(q, k, r_q, r_k, gc, h, vn, scale=scale, out_dtype=out_dtype, qk_dtype=_qk_dtype(cfg),
                                  order=cfg["output_order"], interpret=interpret)
     G = HV // HK
     nt = tp // CHUNK
@@ -815,14 +823,26 @@ def _output_call(q, k, gc, h, vn, lengths, *, scale, use_l2, out_dtype, interpre
     )(lengths, q, k, gc, h, vn)
 
 
-def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype, interpret: bool) -> str:
-    """"triton" or "mosaic": which kernel computes the split design's output (config `output`). "auto" takes the
-    Mosaic GPU kernel on a Hopper GPU where it applies; an explicit "mosaic" where it cannot apply is refused."""
-    fits = (_transposed(cfg) == (True, True) and use_l2 and K in (64, 128) and V in (64, 128)
+def _qk_dtype(cfg: dict):
+    return jnp.float16 if cfg["p_qk"] == "fp16" else jnp.bfloat16
+
+
+def _output_fits(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype) -> bool:
+    """Whether the Mosaic GPU output arithmetic (`output_mgpu`: the output kernel, or inside the recurrence) applies."""
+    return (_transposed(cfg) == (True, True) and use_l2 and K in (64, 128) and V in (64, 128)
             and all(jnp.dtype(d).itemsize == 2 for d in qk_dtypes)
             and output_mgpu.shared_memory_bytes(K, V, qk_dtypes[0], out_dtype) <= output_mgpu.SMEM_BYTES
             and cfg["bv_out"] >= V and cfg["p_qk"] in ("fp16", "bf16") and cfg["p_qs"] == cfg["p_av"] == "tf32")
-    return _triton_or_mosaic("output", cfg["output"], fits, interpret, lambda: (
+
+
+def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype, interpret: bool) -> str:
+    """"triton" or "mosaic": which kernel computes the split design's output (config `output`). "auto" takes the
+    Mosaic GPU kernel on a Hopper GPU where it applies; an explicit "mosaic" where it cannot apply is refused;
+    "fused" where the output is not computed inside the recurrence (`_recurrence_and_output`: with in-call
+    checkpoints, say) takes the Triton kernel (the same bits)."""
+    fits = _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)
+    choice = "triton" if cfg["output"] == "fused" else cfg["output"]
+    return _triton_or_mosaic("output", choice, fits, interpret, lambda: (
         f"needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared memory; at K = V = 128 outputs in "
         f"q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = 'tf32'; got "
         f"states_t={cfg['states_t']!r}, use_qk_l2norm={use_l2}, q and k in {[jnp.dtype(d).name for d in qk_dtypes]}, "

@@ -97,6 +97,30 @@ def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
     plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows], gc_s, gc_bar)
     plgpu.copy_gmem_to_smem(h_gmem.at[b, hv, c], h_s, h_bar)
     plgpu.copy_gmem_to_smem(vn_gmem.at[b, hv, :, rows], vn_s, vn_bar)
+    _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar), scale)
+    wgmma_layout = plgpu.Layout.WGMMA
+    plgpu.barrier_wait(h_bar)
+    for r0 in range(0, h_s.shape[0], CHUNK):  # S_c rounded in place, 64 rows at a time (registers)
+        part = pl.ds(r0, CHUNK)
+        h_s.at[part][...] = _tf32_rna(plgpu.layout_cast(h_s.at[part][...], wgmma_layout))
+    plgpu.barrier_wait(vn_bar)
+    vn_s[...] = _tf32_rna(plgpu.layout_cast(vn_s[...], wgmma_layout))
+    plgpu.commit_smem()
+    o = _out_dots(qg_s, h_s, aqk_s, vn_s, order, interpret)
+    o_s = o_s[0] if o_s else q_s
+    o_s[...] = o.astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_gmem.at[b, rows, hv, :])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, bars, scale: float):
+    """The output's V-independent part of one chunk, into shared memory (module docstring): qg = q~ exp(gc) [C, K] and
+    Aqk [C, C], both rounded to TF32 to nearest (the TF32 wgmmas' operands), from q, k (16-bit, as loaded), their norms'
+    reciprocals and gc, each waited for on its barrier of `bars` (q, k, r_q, r_k, gc)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    q_bar, k_bar, rq_bar, rk_bar, gc_bar = bars
     f32 = jnp.float32
     wgmma_layout = plgpu.Layout.WGMMA
     row_vec, col_vec = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -129,19 +153,6 @@ def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
     gc_j = lax.broadcast_in_dim(plgpu.load(gc_s, layout=col_vec), (CHUNK, CHUNK), [1])
     decay = jnp.exp(jnp.where(lower, gc_i - gc_j, 0.0))  # (`wy.causal_decay`)
     aqk_s[...] = _tf32_rna(jnp.where(lower, qk * decay, 0.0))
-    plgpu.barrier_wait(h_bar)
-    for r0 in range(0, h_s.shape[0], CHUNK):  # S_c rounded in place, 64 rows at a time (registers)
-        part = pl.ds(r0, CHUNK)
-        h_s.at[part][...] = _tf32_rna(plgpu.layout_cast(h_s.at[part][...], wgmma_layout))
-    plgpu.barrier_wait(vn_bar)
-    vn_s[...] = _tf32_rna(plgpu.layout_cast(vn_s[...], wgmma_layout))
-    plgpu.commit_smem()
-    o = _out_dots(qg_s, h_s, aqk_s, vn_s, order, interpret)
-    o_s = o_s[0] if o_s else q_s
-    o_s[...] = o.astype(o_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s, o_gmem.at[b, rows, hv, :])
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _out_dots(qg_s, h_s, aqk_s, vn_s, order: str, interpret: bool):
@@ -230,3 +241,53 @@ def chunk_output_mgpu(q, k, r_q, r_k, gc, h, vn_t, *, scale: float, out_dtype, q
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **params,
     )(q, k, r_q, r_k, gc.astype(f32), h, vn_t)
+
+
+def _intra_kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, qg_gmem, aqk_gmem,
+                  q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, bars, *, groups: int, scale: float):
+    """One program: qg and Aqk of chunk c of value head h of row b (`_intra`, the output kernel's own code), stored."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    c, hv, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
+    hk = hv // groups
+    rows = pl.ds(c * CHUNK, CHUNK)
+    q_bar, k_bar, rq_bar, rk_bar, gc_bar = (bars.at[i] for i in range(5))
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, rows, hk, :], q_s, q_bar)
+    plgpu.copy_gmem_to_smem(rq_gmem.at[b, hk, rows], rq_s, rq_bar)
+    plgpu.copy_gmem_to_smem(k_gmem.at[b, rows, hk, :], k_s, k_bar)
+    plgpu.copy_gmem_to_smem(rk_gmem.at[b, hk, rows], rk_s, rk_bar)
+    plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows], gc_s, gc_bar)
+    _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar), scale)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qg_s, qg_gmem.at[b, hv, rows, :])
+    plgpu.copy_smem_to_gmem(aqk_s, aqk_gmem.at[b, hv, rows, :])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_intra_mgpu(q, k, r_q, r_k, gc, *, scale: float, qk_dtype=jnp.float16, interpret: bool = False):
+    """(qg fp32 [B, HV, Tp, K], Aqk fp32 [B, HV, Tp, C]): the output kernel's V-independent part (`_intra`: the bits
+    `chunk_output_mgpu` computes them with, rounded to TF32 to nearest) for every chunk, for the recurrence that
+    computes the output itself (`recurrence_mgpu.state_recurrence_output_mgpu`). q, k [B, Tp, HK, K] (16-bit),
+    r_q, r_k fp32 [B, HK, Tp] (`key_norms`), gc fp32 [B, HV, Tp]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .recurrence_mgpu import _smem
+
+    B, tp, HK, K = q.shape
+    HV = gc.shape[1]
+    if tp % CHUNK or K % 64 or K > 128:
+        raise ValueError(f"chunk_intra_mgpu: Tp ({tp}) must be a multiple of {CHUNK} and K ({K}) 64 or 128")
+    f32 = jnp.float32
+    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    return plgpu.kernel(
+        functools.partial(_intra_kernel, groups=HV // HK, scale=float(scale)),
+        out_type=[jax.ShapeDtypeStruct((B, HV, tp, K), f32), jax.ShapeDtypeStruct((B, HV, tp, CHUNK), f32)],
+        scratch_types=[_smem(CHUNK, K, dtype=q.dtype), _smem(CHUNK, K, dtype=k.dtype), plgpu.SMEM((CHUNK,), f32),
+                       plgpu.SMEM((CHUNK,), f32), plgpu.SMEM((CHUNK,), f32), _smem(CHUNK, K, dtype=qk_dtype),
+                       _smem(CHUNK, K, dtype=qk_dtype), _smem(CHUNK, K), _smem(CHUNK, CHUNK),
+                       plgpu.Barrier(num_barriers=5)],
+        grid=(tp // CHUNK, HV, B),
+        grid_names=("c", "h", "b"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **params,
+    )(q, k, r_q, r_k, gc.astype(f32))

@@ -153,12 +153,13 @@ class _Stores:
       is still written where a checkpoint needs it: at chunks ck_every, 2 ck_every, ... (< NT) to `ck_gmem`
       [B, HV, n, V, K], through `h_s`.
     With stores="exact" and ck_every > 0, `ck_gmem` takes the same states, from `h_s` as it goes out anyway.
+    stores="none" (the output fused into the kernel): the operands only, nothing stored.
 
     Each store is a TMA bulk group; a buffer is written again once at most one group (the last one issued, which
     never reads it) is pending: `wait_smem_to_gmem(1)` before each write."""
 
     def __init__(self, stores, ck_every, h_gmem, vn_gmem, ck_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols):
-        self.exact, self.ck_every = stores == "exact", ck_every
+        self.exact, self.none, self.ck_every = stores == "exact", stores == "none", ck_every
         self.h_gmem, self.vn_gmem, self.ck_gmem = h_gmem, vn_gmem, ck_gmem
         self.sa_s, self.va_s, self.h_s, self.vn_s = sa_s, va_s, h_s, vn_s
         self.b, self.hv, self.cols = b, hv, cols
@@ -168,6 +169,10 @@ class _Stores:
         Ends with the shared-memory writes committed."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
+        if self.none:
+            self.sa_s[...] = _tf32_rna(s)
+            plgpu.commit_smem()
+            return
         b, hv, cols = self.b, self.hv, self.cols
         at_ck = (c % self.ck_every == 0) & (c > 0) if self.ck_every else None
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # h[c-1]'s and any checkpoint's stores have read their buffers
@@ -190,6 +195,10 @@ class _Stores:
         the shared-memory writes committed."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
+        if self.none:
+            self.va_s[...] = _tf32_rna(v)
+            plgpu.commit_smem()
+            return
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read its buffer
         if self.exact:
             self.vn_s[...] = v
@@ -210,6 +219,12 @@ def _decayed_plus(kv_dot, s, decay, interpret: bool):
     return pl.run_state(kv_dot)(plgpu.ACC.init(s * decay))
 
 
+def _out_dots(*args):
+    """`output_mgpu._out_dots` (imported here, where it is used: output_mgpu imports this module)."""
+    from .output_mgpu import _out_dots as dots
+    return dots(*args)
+
+
 def _store_final(s_final, h_s, dst):
     """The final S^T [BV, K] through h's buffer (once h[NT - 1]'s store has read it) to `dst`; waits for every store."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -221,8 +236,8 @@ def _store_final(s_final, h_s, dst):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem, *refs, nt: int, bv: int,
-               stores: str, ck_every: int, interpret: bool):
+def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, stores: str, ck_every: int,
+               interpret: bool, fused: bool = False):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -233,11 +248,26 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
     With `ut` (`warp_specialised="u"`: ut_s [BV, C] fp32 and gc_s [2, C]) the producer also loads u and gc and
     transposes u into ut_s, which the consumer reads untransposed (`ready` / `free` gain a third barrier for it; gc
     alternates between two slots, so that gc(c + 1) can land while the consumer has yet to read gc(c)).
-    `stores`, `ck_every`: `_Stores`."""
+    `stores`, `ck_every`: `_Stores`.
+
+    `fused` (`state_recurrence_output_mgpu`; the `True` form, no `ut`): the output computed in the kernel instead of h
+    and v_new stored. The refs after the inputs are then qg fp32 [B, HV, Tp, K] and Aqk fp32 [B, HV, Tp, C] (in,
+    TF32-rounded: `output_mgpu.chunk_intra_mgpu`), the final state and o [B, Tp, HV, V] (out), and the buffers
+    qg_s, aqk_s (loaded by the producer, one chunk at a time) and o_s in place of h_s and vn_s; `free` gains a third
+    barrier (the consumer's output dots are done with qg_s and aqk_s). Per chunk, after its second dot, the consumer
+    computes o = qg S_c + Aqk v_new from qg_s, aqk_s and the rounded S^T and v_new^T its own dots read (sa_s, va_s),
+    as `output_mgpu._out_dots` does in the output kernel, and stores it; the final state leaves through qg_s."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ck_gmem, (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut) = _split_refs(
-        refs, ck_every)
+    if fused:
+        (qg_gmem, aqk_gmem, sf_gmem, o_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, qg_s, aqk_s, o_s, bars,
+         ready, free) = refs
+        h_gmem = vn_gmem = ck_gmem = h_s = vn_s = None
+        ut = []
+    else:
+        h_gmem, vn_gmem, sf_gmem, *rest = refs
+        ck_gmem, (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut) = _split_refs(
+            rest, ck_every)
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     cols = pl.ds(j * bv, bv)
@@ -245,6 +275,12 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
     w_ready, kd_ready = ready.at[0], ready.at[1]
     w_free, kd_free = free.at[0], free.at[1]
+    if fused:
+        qg_bar, aqk_bar, out_free = bars.at[5], bars.at[6], free.at[2]
+
+        def load_qg_aqk(c):
+            plgpu.copy_gmem_to_smem(qg_gmem.at[b, hv, pl.ds(c * CHUNK, CHUNK), :], qg_s, qg_bar)
+            plgpu.copy_gmem_to_smem(aqk_gmem.at[b, hv, pl.ds(c * CHUNK, CHUNK), :], aqk_s, aqk_bar)
     ut_s = ut[0] if ut else None
     if ut:
         u_ready, u_free = ready.at[2], free.at[2]
@@ -262,6 +298,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
         if ut:
             load_u_gc(0)
+        if fused:
+            load_qg_aqk(0)
 
         @pl.loop(0, nt)
         def _(c):
@@ -279,6 +317,12 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
             @pl.when(more)
             def _():
                 plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
+
+            if fused:  # qg(c) and Aqk(c), once the output dots of c - 1 are done (after w(c): off the chain)
+                @pl.when(c > 0)
+                def _():
+                    plgpu.barrier_wait(out_free)
+                    load_qg_aqk(c)
 
             if ut:
                 plgpu.barrier_wait(u_bar)
@@ -311,6 +355,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
         plgpu.barrier_wait(kd_free)
         if ut:
             plgpu.barrier_wait(u_free)
+        if fused:
+            plgpu.barrier_wait(out_free)
 
     @pl.when(wg == 0)
     def _consumer():
@@ -357,9 +403,27 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gm
 
             s_next = _decayed_plus(kv_dot, s, decay, interpret)
             plgpu.barrier_arrive(kd_free)
+            if fused:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
+                plgpu.barrier_wait(qg_bar)
+                plgpu.barrier_wait(aqk_bar)
+                o = _out_dots(qg_s, sa_s, aqk_s, va_s, "h_acc", interpret)
+                plgpu.barrier_arrive(out_free)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o(c - 1)'s store has read o_s
+                o_s[...] = o.astype(o_s.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, o_gmem.at[b, rows(c), hv, cols])
             return s_next
 
-        _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[b, hv, cols, :])
+        _store_final(lax.fori_loop(0, nt, body, s_init), qg_s if fused else h_s, sf_gmem.at[b, hv, cols, :])
+
+
+def _smem(*shape, dtype=jnp.float32):
+    """A shared-memory buffer swizzled as the wgmma takes its operands (128-byte rows; narrower at tiny K)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = min(_SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
@@ -393,12 +457,7 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
                          f"got {w.dtype}, {kd.dtype}")
     nt = tp // CHUNK
     f32 = jnp.float32
-
-    def smem(*shape, dtype=f32):  # swizzled as the wgmma takes its operands (128-byte rows; narrower at tiny K)
-        swizzle = min(_SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
-        return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                                                    plgpu.SwizzleTransform(swizzle)))
-
+    smem = _smem
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     if warp_specialised not in (False, True, "u"):
         raise ValueError(f"state_recurrence_mgpu: warp_specialised is False, True or 'u', not {warp_specialised!r}")
@@ -429,3 +488,39 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
     h, vn_t, s_t = outs[:3]
     ck = jnp.swapaxes(outs[3], -1, -2) if n_ck else jnp.zeros((B, HV, 0, K, V), f32)
     return h, vn_t, jnp.swapaxes(s_t, -1, -2), ck
+
+
+def state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, *, out_dtype, bv: int = 64,
+                                 interpret: bool = False):
+    """The recurrence with the output computed inside it (`_kernel_ws`'s `fused`; the warp-specialised form without
+    the producer's u transpose, for shared memory): w, u, kd, gc, initial_state as `state_recurrence_mgpu` takes
+    them, qg fp32 [B, HV, Tp, K] and Aqk fp32 [B, HV, Tp, C] rounded to TF32 (`output_mgpu.chunk_intra_mgpu`).
+    Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32 [B, HV, K, V]): neither h nor v_new goes through
+    memory, and there are no in-call checkpoints (no buffer is left for the exact state on the way)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    B, HV, tp, K = w.shape
+    V = u.shape[-1]
+    _check_shapes(tp, K, V, bv)
+    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:
+        raise ValueError(f"state_recurrence_output_mgpu: w and kd must be fp16; got {w.dtype}, {kd.dtype}")
+    if qg.shape != (B, HV, tp, K) or aqk.shape != (B, HV, tp, CHUNK):
+        raise ValueError(f"state_recurrence_output_mgpu: qg {qg.shape} must be {(B, HV, tp, K)} and Aqk {aqk.shape} "
+                         f"{(B, HV, tp, CHUNK)}")
+    nt = tp // CHUNK
+    f32 = jnp.float32
+    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    o, s_t = plgpu.kernel(
+        functools.partial(_kernel_ws, nt=nt, bv=bv, stores="none", ck_every=0, interpret=interpret, fused=True),
+        out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype)],
+        scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
+                       _smem(K, CHUNK), _smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), _smem(bv, K), _smem(bv, CHUNK),
+                       _smem(CHUNK, K), _smem(CHUNK, CHUNK), _smem(CHUNK, bv, dtype=out_dtype),
+                       plgpu.Barrier(num_barriers=7), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=3)],
+        grid=(V // bv, HV, B),
+        grid_names=("j", "h", "b"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        num_threads=2, thread_name="wg",
+        **params,
+    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), qg.astype(f32), aqk.astype(f32))[::-1]
+    return o, jnp.swapaxes(s_t, -1, -2)

@@ -158,3 +158,60 @@ def test_shared_memory_count_and_refusal():
     with pytest.raises(ValueError, match="out_dtype=float32"):
         chunk_gated_delta_rule_pallas(q, k, v, g, beta, interpret=True, config={"output": "mosaic"})
     chunk_gated_delta_rule_pallas(q, k, v.astype(bf16), g, beta, interpret=True, config={"output": "mosaic"})
+
+
+FUSED = dict(recurrence="mosaic", output="fused")
+
+
+def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case):
+    """config output="fused": the output computed inside the Mosaic GPU recurrence (`state_recurrence_output_mgpu`,
+    from the qg and Aqk `chunk_intra_mgpu` stores and the recurrence's own rounded S^T and v_new^T) gives the outputs
+    and final states of the Mosaic GPU recurrence and output kernels (the same arithmetic on the same operands),
+    bitwise in interpret mode, and within TOL of the default prefill. With in-call checkpoints it takes the unfused
+    kernels (the Triton output), whose outputs it then is exactly."""
+    d = case[0]
+    fused = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
+    unfused = [np.asarray(x) for x in prefill(d, LENGTHS, recurrence="mosaic", output="mosaic")]
+    assert all(np.array_equal(a, b) for a, b in zip(fused, unfused))
+    ref = [np.asarray(x) for x in prefill(d, LENGTHS)]
+    assert rel(fused[0][:, :T], ref[0]) <= TOL and rel(fused[1], ref[1]) <= TOL
+    with_ck = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, **FUSED)]
+    want = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, recurrence="mosaic")]
+    assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
+
+
+def test_output_fused_row_alone_and_split_on_the_grid(case):
+    """The fused kernel's bitwise properties: a row alone equals the row in the batch, and a prefill split at 128
+    (on the grid; the second call continuing from the first's final state) equals the unsplit call's outputs and
+    final state."""
+    d = case[0]
+    batch = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
+    one = {n: d[n][1:2] for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    alone = [np.asarray(x) for x in prefill(one, LENGTHS[1:2], **FUSED)]
+    assert np.array_equal(alone[0], batch[0][1:2]) and np.array_equal(alone[1], batch[1][1:2])
+    first = {n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}
+    o1, s1 = prefill(dict(first, initial_state=d["initial_state"]), [min(n, 128) for n in LENGTHS], **FUSED)
+    rest = {n: d[n][:, 128:] for n in ("q", "k", "v", "g", "beta")}
+    o2, s2 = prefill(dict(rest, initial_state=np.asarray(s1)), [max(n - 128, 0) for n in LENGTHS], **FUSED)
+    for r, n in enumerate(LENGTHS):
+        got = np.concatenate([np.asarray(o1)[r], np.asarray(o2)[r]])[:n]
+        assert np.array_equal(got, batch[0][r, :n]), r
+    assert np.array_equal(np.asarray(s2), batch[1])
+
+
+def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
+    """The recurrence with the output inside it and the qg / Aqk kernel lower for CUDA at K = V = 128, bf16 q, k and
+    outputs (the shared-memory budget: 216 KiB in the fused recurrence)."""
+    from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_mgpu
+
+    sds = jax.ShapeDtypeStruct
+    B, H, T, D = 2, 4, 256, 128
+    rec = (sds((B, H, T, D), jnp.float16), sds((B, H, T, D), jnp.float32), sds((B, H, T, D), jnp.float16),
+           sds((B, H, T), jnp.float32), sds((B, H, D, D), jnp.float32), sds((B, H, T, D), jnp.float32),
+           sds((B, H, T, 64), jnp.float32))
+    fn = jax.jit(functools.partial(state_recurrence_output_mgpu, out_dtype=jnp.bfloat16))
+    assert "mosaic_gpu" in fn.trace(*rec).lower(lowering_platforms=("cuda",)).as_text()
+    intra = (sds((B, T, 2, D), jnp.bfloat16), sds((B, T, 2, D), jnp.bfloat16), sds((B, 2, T), jnp.float32),
+             sds((B, 2, T), jnp.float32), sds((B, H, T), jnp.float32))
+    fn = jax.jit(functools.partial(output_mgpu.chunk_intra_mgpu, scale=D ** -0.5))
+    assert "mosaic_gpu" in fn.trace(*intra).lower(lowering_platforms=("cuda",)).as_text()
