@@ -179,9 +179,15 @@ from .wy import CHUNK
 # of the output fused into the recurrence (docs/speed_gaps.md), where h would not leave the kernel at all.
 # output: which kernel runs the split design's output kernel: "triton" (default: `_out_kernel`), "mosaic" (the same
 # arithmetic as a Pallas Mosaic GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel,
-# `key_norms`, so that their row sums add in Triton's order) or "auto" ("mosaic" on a Hopper GPU where it applies:
-# `_output_kernel`). The same bits as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its
-# time (the output alone, `key_norms` included). output_order: how the Mosaic GPU kernel adds its two dots
+# `key_norms`, so that their row sums add in Triton's order), "auto" ("mosaic" on a Hopper GPU where it applies:
+# `_output_kernel`) or "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the output
+# computed inside the recurrence, `recurrence_mgpu.state_recurrence_output_mgpu`, from the qg and Aqk that
+# `output_mgpu.chunk_intra_mgpu` stores; h and v_new never go through memory; elsewhere as "triton"). "mosaic": the
+# same bits as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output
+# alone, `key_norms` included). "fused": the same bits as the default on an H100 (run 163: outputs and final states
+# in every element on three shapes, with and without checkpoints), the prefill 1.066x / 1.009x / 0.967x / 0.999x the
+# default's time at the four bar shapes: qg and Aqk read from memory cost what h and v_new's stores did
+# (docs/speed_gaps.md, item 0), so not the default. output_order: how the Mosaic GPU kernel adds its two dots
 # (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
 # does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
