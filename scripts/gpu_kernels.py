@@ -1328,10 +1328,10 @@ def main():
         # 2026-12-03 (run 132 on): the output kernel on Mosaic GPU (`output_mgpu.py`) in its default order (qg S_c
         # the accumulator of Aqk v_new), and in the two others ("_add": the dots' results added; "_vn": v_new's
         # term the accumulator)
-        # 2026-12-05 (run 158 on): the Mosaic GPU recurrence storing h and v_new rounded to TF32 as the output's
-        # one-pass TF32 dots read them (48 KiB less written to shared memory per chunk on its chain; the exact state
-        # only at in-call checkpoints): the same outputs, states and checkpoints as the default
-        "stores_tf32": dict(recurrence_stores="tf32"),
+        # run 159 (2026-12-05) timed stores_tf32 (the Mosaic GPU recurrence storing h and v_new rounded to TF32, an
+        # option then): the default's bits, 0.99-1.03x its time — removed. Run 163: "out_fused" (the output computed
+        # inside the recurrence): the default's bits, 0.97-1.07x its time
+        "out_fused": dict(output="fused"),
         "mgpu_out": dict(output="mosaic"),
         "mgpu_out_add": dict(output="mosaic", output_order="add"),
         "mgpu_out_vn": dict(output="mosaic", output_order="vn_acc"),

@@ -7,8 +7,7 @@ For each shape it runs the prefill's prep kernel once (fresh random bf16 q, k, v
 state, rows of different lengths on the check shapes), feeds its w, u, kd, gc to both recurrences and prints, for h
 (the state at every chunk start), v_new and the final state, how many elements differ and the largest difference
 relative to the largest element, for each form of the Mosaic GPU kernel (`FORMS`: on one warpgroup; warp-specialised;
-warp-specialised with u transposed by the producer, the default; that form with h and v_new stored TF32-rounded,
-`stores="tf32"`, checked against the Triton recurrence's h and v_new rounded to nearest here). Then it times, on the sweep's shapes: the
+warp-specialised with u transposed by the producer, the default). Then it times, on the sweep's shapes: the
 Triton recurrence (the prefill stopped after the recurrence, less the prefill stopped after the prep: `stop_after`)
 and each Mosaic GPU form on the prep's outputs (with the XLA transpose of their final state).
 Exit status 0 whatever it finds (a measurement); results.json into --out.
@@ -62,26 +61,14 @@ def prefill(stop, q, k, v, g, beta, s0, lengths):
                                          config=dict(stop_after=stop, recurrence="triton"))
 
 
-FORMS = {"one warpgroup": dict(warp_specialised=False), "warp-specialised": dict(warp_specialised=True),
-         "ws, u by producer": dict(warp_specialised="u"),  # (the default form)
-         "ws u, tf32 stores": dict(warp_specialised="u", stores="tf32")}  # (state_recurrence_mgpu's keywords)
-
-
-def tf32_nearest(x):
-    """x rounded to TF32 to nearest, ties away from zero (float64 frexp / ldexp; finite x): what stores="tf32" writes
-    for the Triton recurrence's exact h and v_new."""
-    m, e = np.frexp(np.asarray(x, np.float64))
-    return np.ldexp(np.sign(m) * np.floor(np.abs(m) * 2.0 ** 11 + 0.5) / 2.0 ** 11, e).astype(np.float32)
+FORMS = {"one warpgroup": False, "warp-specialised": True, "ws, u by producer": "u"}  # (warp_specialised=...)
 
 
 def jitted():
-    """(prep, Triton recurrence, {form: Mosaic GPU recurrence}), each under jax.jit; the forms return (h, v_new^T,
-    final state)."""
-    def form(kw):
-        return jax.jit(lambda *a: state_recurrence_mgpu(*a, **kw)[:3])
-
+    """(prep, Triton recurrence, {form: Mosaic GPU recurrence}), each under jax.jit."""
     return (jax.jit(functools.partial(prefill, "prep")), jax.jit(functools.partial(prefill, "state")),
-            {name: form(kw) for name, kw in FORMS.items()})
+            {name: jax.jit(functools.partial(state_recurrence_mgpu, warp_specialised=ws))
+             for name, ws in FORMS.items()})
 
 
 def compare(name, a, b):
@@ -105,9 +92,7 @@ def checks(shapes, results):
             if out is None:
                 continue
             h_m, vn_m, final_m = out
-            want = ((tf32_nearest(h_t), tf32_nearest(vn_t)) if FORMS[form].get("stores") == "tf32"
-                    else (h_t, vn_t))
-            rows = [compare(n, a, b) for n, a, b in (("h", h_m, want[0]), ("v_new", vn_m, want[1]),
+            rows = [compare(n, a, b) for n, a, b in (("h", h_m, h_t), ("v_new", vn_m, vn_t),
                                                     ("final", final_m, final_t))]
             again = mgpu(w, u, kd, gc, s0)
             rows.append(dict(name="mgpu twice", equal=all(np.array_equal(np.asarray(x), np.asarray(y))

@@ -2,7 +2,7 @@
 their times, interleaved in one process, with and without in-call checkpoints (what the prefix cache asks for).
 
 Run on the GPU machine from the repo root (nothing to install):
-  PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"default": {}, "stores_tf32": {"recurrence_stores": "tf32"}}'
+  PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"default": {}, "fused": {"output": "fused"}}'
       [--stride 256] [--shapes B,T,HK,HV;...] [--no-stride-timing] [--out DIR]
 Checks (bf16 q / k / v, realistic gates, a random initial state, rows of different lengths, shapes (2, 300, 2, 4),
 (3, 1000, 16, 32), (1, 8192, 16, 32)): each configuration's outputs and final state without checkpoints, and its

@@ -168,15 +168,8 @@ from .wy import CHUNK
 # transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
 # alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
-# recurrence_stores: how the Mosaic GPU recurrence writes h and v_new (`recurrence_mgpu._Stores`): "exact" (default:
-# as the Triton recurrence does) or "tf32" (rounded to TF32 to nearest: the operands its own dots take, which the
-# output kernel's one-pass TF32 dots round to anyway, so the outputs keep their bits; 48 KiB less written to shared
-# memory per chunk on the chain, the exact state written only where in-call checkpoints need it; needs p_qs = p_av =
-# "tf32"; in interpret mode the output's dots are fp32, so there it changes the outputs). Runs 158-159 (H100): the
-# outputs, final states and checkpoints equal the default's bit for bit and the six chunk bitwise checks PASS; the
-# recurrence alone 0.87x / 0.99x / 0.95x at (1, 8192) / (8, 4096) / (1, 32768), but the whole prefill only 0.987-1.015x
-# the default without checkpoints and 0.99-1.03x with them every 256 tokens: not the default. It is the first step
-# of the output fused into the recurrence (docs/speed_gaps.md), where h would not leave the kernel at all.
+# (Runs 158-159, 2026-12-05: the Mosaic GPU recurrence storing h and v_new TF32-rounded, config recurrence_stores="tf32"
+# then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
 # output: which kernel runs the split design's output kernel: "triton" (default: `_out_kernel`), "mosaic" (the same
 # arithmetic as a Pallas Mosaic GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel,
 # `key_norms`, so that their row sums add in Triton's order), "auto" ("mosaic" on a Hopper GPU where it applies:
@@ -213,7 +206,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", recurrence_stores="exact", output="triton", output_order="h_acc",
+    recurrence="auto", recurrence_ws="u", output="triton", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -509,11 +502,6 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
-    if cfg["recurrence_stores"] not in ("exact", "tf32"):
-        raise ValueError(f"recurrence_stores={cfg['recurrence_stores']!r}: expected 'exact' or 'tf32'")
-    if cfg["recurrence_stores"] == "tf32" and not (cfg["p_qs"] == cfg["p_av"] == "tf32"):
-        raise ValueError(f"recurrence_stores='tf32' needs p_qs = p_av = 'tf32' (one-pass TF32 dots, which round h and "
-                         f"v_new themselves); got p_qs={cfg['p_qs']!r}, p_av={cfg['p_av']!r}")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
@@ -755,8 +743,6 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     nt = tp // CHUNK
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
-    per = 0 if checkpoint_stride is None else checkpoint_stride // CHUNK
-    ck_inside = None
     recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
     if (cfg["output"] == "fused" and recurrence == "mosaic" and checkpoint_stride is None
             and cfg.get("stop_after") is None and _output_fits(cfg, K, V, use_l2, (q.dtype, k.dtype), v.dtype)):
@@ -767,11 +753,8 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
                                                 interpret=interpret)
         return (o[:, :T] if tp != T else o), final
     if recurrence == "mosaic":
-        stores = cfg["recurrence_stores"]  # (exact stores: the checkpoints are h's, sliced below)
-        h, vn, final, ck_inside = state_recurrence_mgpu(
-            w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"], stores=stores,
-            checkpoint_every=per if stores == "tf32" else 0, interpret=interpret)
-        ck_inside = ck_inside if stores == "tf32" else None
+        h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
+                                             interpret=interpret)
     else:
         h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
     if cfg.get("stop_after") == "state":
@@ -783,12 +766,9 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     if checkpoint_stride is None:
         return o, final
     # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
-    # (from h, or with TF32 stores from the Mosaic GPU recurrence's own checkpoint output, which is exact)
+    per = checkpoint_stride // CHUNK
     idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
-    if ck_inside is not None:
-        parts = [ck_inside[:, :, m] for m, i in enumerate(i for i in idx if i < nt)]
-    else:
-        parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]) for i in idx if i < nt]
+    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]) for i in idx if i < nt]
     parts += [final for i in idx if i >= nt]
     ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
     return o, final, ck

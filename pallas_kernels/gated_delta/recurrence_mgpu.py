@@ -20,9 +20,8 @@ Three forms (`warp_specialised`, chunk config `recurrence_ws`): one warpgroup pe
 converting w and kd in shared memory between its own dots; or two (`_kernel_ws`), a producer warpgroup loading and
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
-Each form stores h and v_new either exact (`stores="exact"`, what the Triton recurrence stores) or as the TF32-rounded
-operands of the chain's dots (`stores="tf32"`, 48 KiB less written to shared memory per chunk, with the exact state
-still written at in-call checkpoints): `_Stores`.
+`state_recurrence_output_mgpu` runs the `True` form with the output computed in the kernel instead of h and v_new
+stored (`_kernel_ws`'s `fused`; config `output="fused"`).
 
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
 runs 126-130): every element is the same products summed over the same axis in the same k order by TF32 wgmma
@@ -53,8 +52,8 @@ def _tf32_rna(x):
     return lax.bitcast_convert_type((bits + 0x1000) & jnp.int32(-0x2000), jnp.float32)
 
 
-def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem, *refs, nt: int, bv: int,
-            stores: str, ck_every: int, interpret: bool):
+def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
+            w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int, interpret: bool):
     """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs, the
     Triton recurrence's layouts: w, kd fp16 [B, HV, Tp, K] (as the prep stores them), u fp32 [B, HV, Tp, V], gc fp32
     [B, HV, Tp], S0 fp32 [B, HV, K, V]; outputs h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp] and the final S^T
@@ -62,13 +61,12 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
 
     Per chunk c the loads of chunk c + 1 are in flight (TMA) while c computes; w and kd arrive in fp16 and are
     converted to fp32 (TF32 values) in shared memory, each while a dot runs that does not read its buffer: kd(c)
-    during the first dot of c, w(c + 1) during the second (w(0) before the loop). `stores`, `ck_every`: `_Stores`."""
+    during the first dot of c, w(c + 1) during the second (w(0) before the loop)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ck_gmem, (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars) = _split_refs(refs, ck_every)
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     cols = pl.ds(j * bv, bv)
-    out = _Stores(stores, ck_every, h_gmem, vn_gmem, ck_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
+    out = _Stores(h_gmem, vn_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
 
     def rows(c):
@@ -135,77 +133,45 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
     _store_final(lax.fori_loop(0, nt, body, s_init), h_s, sf_gmem.at[b, hv, cols, :])
 
 
-def _split_refs(refs, ck_every: int):
-    """(the checkpoint output or None, the scratch refs): the kernels' refs after their fixed outputs."""
-    return (refs[0], refs[1:]) if ck_every else (None, refs)
-
-
 class _Stores:
-    """How a program writes h[c] (the state at chunk c's start, S^T) and v_new[c]^T, each on its way to the chain's
-    next dot, whose A operand (`sa_s`, `va_s`) is the value rounded to TF32 to nearest:
-
-    - stores="exact": the unrounded values go out through buffers of their own (`h_s`, `vn_s`): what the Triton
-      recurrence stores.
-    - stores="tf32": the dot's rounded operand goes out as it is, so per chunk 48 KiB less is written to shared memory
-      on the chain (32 for S^T, 16 for v_new^T) — what every reader of h and v_new off the checkpoints computes from
-      anyway when its dots are one-pass TF32 (the output kernel's q S_c and A v_new at p_qs = p_av = "tf32", which
-      round their operands to nearest themselves, and rounding twice to nearest is rounding once). The exact state
-      is still written where a checkpoint needs it: at chunks ck_every, 2 ck_every, ... (< NT) to `ck_gmem`
-      [B, HV, n, V, K], through `h_s`.
-    With stores="exact" and ck_every > 0, `ck_gmem` takes the same states, from `h_s` as it goes out anyway.
-    stores="none" (the output fused into the kernel): the operands only, nothing stored.
+    """How a program hands on S^T (the state at chunk c's start) and v_new[c]^T: each rounded to TF32 to nearest into
+    its dot's A operand buffer (`sa_s`, `va_s`), and, unrounded, out through a buffer of its own (`h_s`, `vn_s`) to h and
+    v_new in memory, as the Triton recurrence stores them. With no outputs for them (`h_gmem` None: the output
+    computed in the kernel, `_kernel_ws`'s `fused`) the operands only.
 
     Each store is a TMA bulk group; a buffer is written again once at most one group (the last one issued, which
-    never reads it) is pending: `wait_smem_to_gmem(1)` before each write."""
+    never reads it) is pending: `wait_smem_to_gmem(1)` before each write. Each method ends with its shared-memory
+    writes committed. (Run 158 measured h and v_new stored from the rounded buffers instead, 48 KiB less written per
+    chunk: the same bits downstream but no faster in the prefill, run 159; removed, BENCHMARKS.md.)"""
 
-    def __init__(self, stores, ck_every, h_gmem, vn_gmem, ck_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols):
-        self.exact, self.none, self.ck_every = stores == "exact", stores == "none", ck_every
-        self.h_gmem, self.vn_gmem, self.ck_gmem = h_gmem, vn_gmem, ck_gmem
+    def __init__(self, h_gmem, vn_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols):
+        self.h_gmem, self.vn_gmem = h_gmem, vn_gmem
         self.sa_s, self.va_s, self.h_s, self.vn_s = sa_s, va_s, h_s, vn_s
         self.b, self.hv, self.cols = b, hv, cols
 
     def h(self, c, s):
-        """S^T [BV, K] at chunk c's start: the first dot's operand (rounded) into `sa_s`, h[c] and any checkpoint out.
-        Ends with the shared-memory writes committed."""
+        """S^T [BV, K] at chunk c's start: the first dot's operand and h[c]."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        if self.none:
-            self.sa_s[...] = _tf32_rna(s)
-            plgpu.commit_smem()
-            return
-        b, hv, cols = self.b, self.hv, self.cols
-        at_ck = (c % self.ck_every == 0) & (c > 0) if self.ck_every else None
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # h[c-1]'s and any checkpoint's stores have read their buffers
-        if self.exact:
+        if self.h_gmem is not None:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # h[c-1]'s store has read h_s
             self.h_s[...] = s
-        elif self.ck_every:
-            @pl.when(at_ck)
-            def _():
-                self.h_s[...] = s
         self.sa_s[...] = _tf32_rna(s)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(self.h_s if self.exact else self.sa_s, self.h_gmem.at[b, hv, c, cols, :])
-        if self.ck_every:
-            @pl.when(at_ck)
-            def _():
-                plgpu.copy_smem_to_gmem(self.h_s, self.ck_gmem.at[b, hv, c // self.ck_every - 1, cols, :])
+        if self.h_gmem is not None:
+            plgpu.copy_smem_to_gmem(self.h_s, self.h_gmem.at[self.b, self.hv, c, self.cols, :])
 
     def v_new(self, c, v):
-        """v_new^T [BV, C] of chunk c: the second dot's operand (rounded) into `va_s`, and v_new[c]^T out. Ends with
-        the shared-memory writes committed."""
+        """v_new^T [BV, C] of chunk c: the second dot's operand and v_new[c]^T."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        if self.none:
-            self.va_s[...] = _tf32_rna(v)
-            plgpu.commit_smem()
-            return
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read its buffer
-        if self.exact:
+        if self.vn_gmem is not None:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read vn_s
             self.vn_s[...] = v
         self.va_s[...] = _tf32_rna(v)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(self.vn_s if self.exact else self.va_s,
-                                self.vn_gmem.at[self.b, self.hv, self.cols, pl.ds(c * CHUNK, CHUNK)])
+        if self.vn_gmem is not None:
+            plgpu.copy_smem_to_gmem(self.vn_s, self.vn_gmem.at[self.b, self.hv, self.cols, pl.ds(c * CHUNK, CHUNK)])
 
 
 def _decayed_plus(kv_dot, s, decay, interpret: bool):
@@ -236,8 +202,8 @@ def _store_final(s_final, h_s, dst):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, stores: str, ck_every: int,
-               interpret: bool, fused: bool = False):
+def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, interpret: bool,
+               fused: bool = False):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -248,7 +214,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     With `ut` (`warp_specialised="u"`: ut_s [BV, C] fp32 and gc_s [2, C]) the producer also loads u and gc and
     transposes u into ut_s, which the consumer reads untransposed (`ready` / `free` gain a third barrier for it; gc
     alternates between two slots, so that gc(c + 1) can land while the consumer has yet to read gc(c)).
-    `stores`, `ck_every`: `_Stores`.
 
     `fused` (`state_recurrence_output_mgpu`; the `True` form, no `ut`): the output computed in the kernel instead of h
     and v_new stored. The refs after the inputs are then qg fp32 [B, HV, Tp, K] and Aqk fp32 [B, HV, Tp, C] (in,
@@ -262,16 +227,14 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     if fused:
         (qg_gmem, aqk_gmem, sf_gmem, o_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, qg_s, aqk_s, o_s, bars,
          ready, free) = refs
-        h_gmem = vn_gmem = ck_gmem = h_s = vn_s = None
+        h_gmem = vn_gmem = h_s = vn_s = None
         ut = []
     else:
-        h_gmem, vn_gmem, sf_gmem, *rest = refs
-        ck_gmem, (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut) = _split_refs(
-            rest, ck_every)
+        h_gmem, vn_gmem, sf_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut = refs
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     cols = pl.ds(j * bv, bv)
-    out = _Stores(stores, ck_every, h_gmem, vn_gmem, ck_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
+    out = _Stores(h_gmem, vn_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
     w_ready, kd_ready = ready.at[0], ready.at[1]
     w_free, kd_free = free.at[0], free.at[1]
@@ -433,25 +396,17 @@ def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
 
 
 def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_specialised: bool | str = "u",
-                          stores: str = "exact", checkpoint_every: int = 0, interpret: bool = False):
+                          interpret: bool = False):
     """The split design's recurrence on the Triton recurrence's inputs (`chunk._state_split_kernel`): w [B, HV, Tp, K]
     and kd [B, HV, Tp, K] in fp16 as the prep stores them on the GPU, u fp32 [B, HV, Tp, V], gc fp32 [B, HV, Tp], the
-    initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True` — h [B, HV, NT, V, K]
-    (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V] — and
-    the exact states at chunks m * checkpoint_every < NT (m = 1, 2, ...), [B, HV, n, K, V] (n = 0 when
-    checkpoint_every is 0).
-    `warp_specialised`: the kernel's form (module docstring), False, True or "u" (default); the same bits.
-    `stores`: "exact" (default; h and v_new as the Triton recurrence stores them) or "tf32" (both rounded to TF32 to
-    nearest, as one-pass TF32 dots read them: `_Stores`); the final state and the checkpoints are exact either way."""
+    initial state fp32 [B, HV, K, V]. Returns what that kernel returns with `states_t=True`: h [B, HV, NT, V, K]
+    (the state at each chunk's start, transposed), v_new^T [B, HV, V, Tp] and the final state [B, HV, K, V].
+    `warp_specialised`: the kernel's form (module docstring), False, True or "u" (default); the same bits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
     V = u.shape[-1]
     _check_shapes(tp, K, V, bv)
-    if stores not in ("exact", "tf32"):
-        raise ValueError(f"state_recurrence_mgpu: stores is 'exact' or 'tf32', not {stores!r}")
-    if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-        raise ValueError(f"state_recurrence_mgpu: checkpoint_every is a chunk count >= 0, not {checkpoint_every!r}")
     if w.dtype != jnp.float16 or kd.dtype != jnp.float16:  # (fp32 staging buffers would not fit shared memory)
         raise ValueError(f"state_recurrence_mgpu: w and kd must be fp16 (the prep's GPU storage, `chunk._wk_dtype`); "
                          f"got {w.dtype}, {kd.dtype}")
@@ -470,13 +425,10 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
             extra.append(smem(bv, CHUNK))
             gc_shape = (2, CHUNK)
         params.update(num_threads=2, thread_name="wg")
-    n_ck = len(range(checkpoint_every, nt, checkpoint_every)) if checkpoint_every else 0
-    ck_every = checkpoint_every if n_ck else 0  # (no checkpoint inside the call: no output for them)
-    outs = plgpu.kernel(
-        functools.partial(body, nt=nt, bv=bv, stores=stores, ck_every=ck_every, interpret=interpret),
+    h, vn_t, s_t = plgpu.kernel(
+        functools.partial(body, nt=nt, bv=bv, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((B, HV, nt, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32),
-                  jax.ShapeDtypeStruct((B, HV, V, K), f32),
-                  *([jax.ShapeDtypeStruct((B, HV, n_ck, V, K), f32)] if n_ck else [])],
+                  jax.ShapeDtypeStruct((B, HV, V, K), f32)],
         scratch_types=[smem(CHUNK, K, dtype=w.dtype), smem(CHUNK, K), smem(CHUNK, K, dtype=w.dtype), smem(K, CHUNK),
                        smem(CHUNK, bv), plgpu.SMEM(gc_shape, f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
                        smem(bv, CHUNK), plgpu.Barrier(num_barriers=5), *extra],
@@ -485,9 +437,7 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **params,
     )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32))
-    h, vn_t, s_t = outs[:3]
-    ck = jnp.swapaxes(outs[3], -1, -2) if n_ck else jnp.zeros((B, HV, 0, K, V), f32)
-    return h, vn_t, jnp.swapaxes(s_t, -1, -2), ck
+    return h, vn_t, jnp.swapaxes(s_t, -1, -2)
 
 
 def state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, *, out_dtype, bv: int = 64,
@@ -511,7 +461,7 @@ def state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, *, out_dt
     f32 = jnp.float32
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     o, s_t = plgpu.kernel(
-        functools.partial(_kernel_ws, nt=nt, bv=bv, stores="none", ck_every=0, interpret=interpret, fused=True),
+        functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, fused=True),
         out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype)],
         scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
                        _smem(K, CHUNK), _smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), _smem(bv, K), _smem(bv, CHUNK),

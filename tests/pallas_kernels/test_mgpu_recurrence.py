@@ -45,19 +45,7 @@ _mgpu_interpreted = jax.jit(functools.partial(state_recurrence_mgpu, interpret=T
 
 
 def mgpu(w, u, kd, gc, s0):
-    """(h, v_new^T, final state) of the default form, interpret mode (no checkpoints asked: the fourth output is
-    empty)."""
-    *out, ck = _mgpu_interpreted(w, u, kd, gc, s0)
-    assert ck.shape[2] == 0
-    return tuple(np.asarray(x) for x in out)
-
-
-def tf32_nearest(x):
-    """x rounded to TF32 (10 explicit mantissa bits) to nearest, ties away from zero, by frexp / ldexp in float64 (an
-    implementation independent of the kernel's bit arithmetic); x finite, normal."""
-    m, e = np.frexp(np.asarray(x, np.float64))  # |m| in [0.5, 1): 11 significant bits are m * 2^11 rounded
-    r = np.sign(m) * np.floor(np.abs(m) * 2.0 ** 11 + 0.5)
-    return np.ldexp(r / 2.0 ** 11, e).astype(np.float32)
+    return tuple(np.asarray(x) for x in _mgpu_interpreted(w, u, kd, gc, s0))
 
 
 def oracle(w, u, kd, gc, s0):
@@ -87,16 +75,14 @@ def case():
     return d, lengths, prep_outputs(d, lengths)
 
 
-@pytest.mark.parametrize("warp_specialised,kw", [(False, {}), (True, {}), ("u", {}),
-                                                  ("u", dict(stores="tf32", checkpoint_every=2)),
-                                                  (False, dict(stores="tf32", checkpoint_every=1))])
-def test_lowers_for_an_h200_at_the_models_head_size(warp_specialised, kw):
+@pytest.mark.parametrize("warp_specialised", [False, True, "u"])
+def test_lowers_for_an_h200_at_the_models_head_size(warp_specialised):
     """The kernel lowers for CUDA at K = V = 128 (the shared-memory budget and wgmma shapes are checked here), in
-    each form, and with TF32 stores and in-call checkpoints."""
+    each form."""
     sds = jax.ShapeDtypeStruct
     args = (sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256, 128), jnp.float32),
             sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256), jnp.float32), sds((2, 4, 128, 128), jnp.float32))
-    fn = jax.jit(functools.partial(state_recurrence_mgpu, warp_specialised=warp_specialised, **kw))
+    fn = jax.jit(functools.partial(state_recurrence_mgpu, warp_specialised=warp_specialised))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -127,34 +113,8 @@ def test_every_form_is_bitwise_the_default_one(case, form):
     transposes u) run the same arithmetic: the same bits."""
     d, _, (w, u, kd, gc) = case
     other = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=form))
-    got = [np.asarray(x) for x in other(w, u, kd, gc, d["initial_state"])[:3]]
+    got = [np.asarray(x) for x in other(w, u, kd, gc, d["initial_state"])]
     assert all(np.array_equal(x, y) for x, y in zip(got, mgpu(w, u, kd, gc, d["initial_state"])))
-
-
-@pytest.mark.parametrize("form,every", [("u", 1), (False, 2)])
-def test_tf32_stores_round_h_and_v_new_and_keep_exact_checkpoints(case, form, every):
-    """stores="tf32" writes h and v_new rounded to TF32 to nearest (what the output's one-pass TF32 dots read of
-    them), the final state unchanged; the checkpoints (chunks every, 2 every, ... before the last) are the exact
-    states at those chunk starts with either kind of stores. T = 150: three chunks."""
-    d, _, (w, u, kd, gc) = case
-    s0 = d["initial_state"]
-
-    def run(stores):
-        fn = jax.jit(functools.partial(state_recurrence_mgpu, interpret=True, warp_specialised=form, stores=stores,
-                                       checkpoint_every=every))
-        return [np.asarray(x) for x in fn(w, u, kd, gc, s0)]
-
-    h, vn, final, ck = run("exact")
-    h32, vn32, final32, ck32 = run("tf32")
-    want_h, want_vn, want_final = mgpu(w, u, kd, gc, s0)
-    assert np.array_equal(h, want_h) and np.array_equal(vn, want_vn) and np.array_equal(final, want_final)
-    assert np.array_equal(h32, tf32_nearest(h)) and np.array_equal(vn32, tf32_nearest(vn))
-    assert not np.array_equal(h32, h) and not np.array_equal(vn32, vn)  # (the rounding is not a no-op here)
-    assert np.array_equal(final32, final)
-    chunks = list(range(every, 3, every))
-    for got in (ck, ck32):
-        assert got.shape == (3, HV, len(chunks), K, V)
-        assert np.array_equal(got, np.swapaxes(h[:, :, chunks], -1, -2))
 
 
 def test_row_alone_equals_row_in_batch(case):
@@ -192,30 +152,19 @@ def test_bad_inputs_are_refused(shape, dtype, match):
         state_recurrence_mgpu(w, jnp.zeros((B, H, T, V)), w, jnp.zeros((B, H, T)), jnp.zeros((B, H, k, V)))
 
 
-@pytest.mark.parametrize("kw,match", [(dict(stores="bf16"), "stores"), (dict(checkpoint_every=-1), "checkpoint_every"),
-                                      (dict(checkpoint_every=1.5), "checkpoint_every")])
-def test_bad_store_options_are_refused(kw, match):
-    w = jnp.zeros((1, 2, 128, K), jnp.float16)
-    with pytest.raises(ValueError, match=match):
-        state_recurrence_mgpu(w, jnp.zeros((1, 2, 128, V)), w, jnp.zeros((1, 2, 128)), jnp.zeros((1, 2, K, V)), **kw)
-
-
-def run_prefill(d, lengths, recurrence, stores="exact", **kw):
+def run_prefill(d, lengths, recurrence, **kw):
     out = chunk_gated_delta_rule_pallas(
         *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
-        lengths=jnp.asarray(lengths, jnp.int32), interpret=True,
-        config=dict(recurrence=recurrence, recurrence_stores=stores, **WK16), **kw)
+        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(recurrence=recurrence, **WK16), **kw)
     return [np.asarray(x) for x in out]
 
 
-@pytest.mark.parametrize("stores", ["exact", "tf32"])
-def test_prefill_with_the_mosaic_recurrence(case, stores):
+def test_prefill_with_the_mosaic_recurrence(case):
     """config recurrence="mosaic" (interpret mode: Mosaic GPU's interpreter) gives the prefill's outputs and states
     within the tolerance of the default, and its in-call checkpoints equal the final states of calls that end there,
-    bit for bit — also with h and v_new stored TF32-rounded (recurrence_stores="tf32": then the checkpoints come from
-    the kernel's own exact stores; the outputs move within the tolerance, interpret mode's output dots being fp32)."""
+    bit for bit."""
     d, lengths, _ = case
-    o, final, ck = run_prefill(d, lengths, "mosaic", checkpoint_stride=64, stores=stores)
+    o, final, ck = run_prefill(d, lengths, "mosaic", checkpoint_stride=64)
     o_ref, final_ref, ck_ref = run_prefill(d, lengths, "triton", checkpoint_stride=64)
     assert rel(o, o_ref) <= TOL and rel(final, final_ref) <= TOL and rel(ck, ck_ref) <= TOL
     part = {n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}
@@ -233,9 +182,7 @@ def test_auto_takes_the_triton_recurrence_off_a_hopper_gpu(case):
 @pytest.mark.parametrize("config,match", [({"recurrence": "cuda"}, "recurrence="),
                                           ({"recurrence": "mosaic", "states_t": False, **WK16}, "states_t=True"),
                                           ({"recurrence": "mosaic"}, "fp16"),  # (interpret mode stores fp32)
-                                          ({"recurrence_ws": "yes"}, "recurrence_ws="),
-                                          ({"recurrence_stores": "bf16"}, "recurrence_stores="),
-                                          ({"recurrence_stores": "tf32", "p_qs": "ieee"}, "p_qs = p_av")])
+                                          ({"recurrence_ws": "yes"}, "recurrence_ws=")])
 def test_bad_recurrence_configs_are_refused(case, config, match):
     d, lengths, _ = case
     with pytest.raises(ValueError, match=match):
