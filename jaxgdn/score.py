@@ -141,6 +141,7 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
     with mesh_context(model):  # a model placed on a mesh (jaxgdn.sharding): its Pallas kernels run per shard
         held: dict[int, Checkpoint] = {}  # prefix group -> the state after its prefix, while a request needs it
         order = plan.order()
+        last_batch = {plan.group[j]: n // batch_size for n, j in enumerate(order)}  # (group -> its last batch)
         for k in range(0, len(order), batch_size):
             idx = order[k:k + batch_size]
             rows = min(next_pow2(len(idx)), next_pow2(batch_size))
@@ -154,8 +155,9 @@ def score(model: Model, sequences: Sequence[Sequence[int]], start: int | Sequenc
                 i = plan.distinct[j]
                 off = hits[r].position if hits[r] is not None else 0
                 scored[j] = lp[r, starts[i] - 1 - off:len(seqs[i]) - 1 - off].tolist()
-            for g in plan.done_after(idx):
-                del held[g]
+            for g in groups:
+                if last_batch[g] == k // batch_size:
+                    del held[g]
     return [list(scored[j]) for j in plan.copy_of]
 
 
@@ -186,7 +188,6 @@ class _SharingPlan:
         for g, m in enumerate(self.members):
             for j in m:
                 self.group[j] = g
-        self.left = {g: len(m) for g, m in enumerate(self.members)}  # requests of each group not yet scored
 
     def prefix(self, g: int) -> list[int]:
         j = self.members[g][0]
@@ -201,17 +202,13 @@ class _SharingPlan:
         return sorted(range(len(self.distinct)),
                       key=lambda j: (span[j], -1 if self.group[j] is None else self.group[j], length[j], j))
 
-    def done_after(self, idx: list[int]) -> list[int]:
-        """Counts the requests of `idx` as scored; returns the groups whose last request that was (each request is
-        counted once: `score` passes every batch of `order()` once)."""
-        done = []
-        for j in idx:
-            g = self.group[j]
-            if g is not None:
-                self.left[g] -= 1
-                if self.left[g] == 0:
-                    done.append(g)
-        return done
+
+def _windows(longest: int, window: int) -> tuple[int, int]:
+    """(width, step): a batch whose longest row has `longest` tokens is prefilled in calls of `step` columns (a
+    multiple of 64, at most `window`), `width` columns in all (a multiple of `step`)."""
+    width = _round_up(longest)
+    step = min(width, window)
+    return _round_up(width, step), step
 
 
 def _prefix_states(model: Model, prefixes: dict[int, list[int]], window: int) -> dict[int, Checkpoint]:
@@ -221,9 +218,7 @@ def _prefix_states(model: Model, prefixes: dict[int, list[int]], window: int) ->
     n = next_pow2(len(prefixes))
     lengths = np.zeros((n,), np.int32)
     lengths[:len(prefixes)] = [len(p) for p in prefixes.values()]
-    width = _round_up(int(lengths.max()))
-    step = min(width, window)
-    width = _round_up(width, step)
+    width, step = _windows(int(lengths.max()), window)
     tokens = np.zeros((n, width), np.int32)
     for r, p in enumerate(prefixes.values()):
         tokens[r, :len(p)] = p
@@ -241,9 +236,7 @@ def _score_batch(model: Model, seqs: list[list[int]], hits: list[Checkpoint | No
     offsets = np.array([h.position if h is not None else 0 for h in hits], np.int32)
     lengths = np.zeros((rows,), np.int32)
     lengths[:len(seqs)] = [len(s) for s in seqs] - offsets
-    width = _round_up(int(lengths.max()))
-    step = min(width, window)
-    width = _round_up(width, step)
+    width, step = _windows(int(lengths.max()), window)
     tokens = np.zeros((rows, width), np.int32)
     targets = np.zeros((rows, width), np.int32)
     for r, (s, off) in enumerate(zip(seqs, offsets)):

@@ -151,27 +151,26 @@ class _Stores:
 
     def h(self, c, s):
         """S^T [BV, K] at chunk c's start: the first dot's operand and h[c]."""
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        if self.h_gmem is not None:
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # h[c-1]'s store has read h_s
-            self.h_s[...] = s
-        self.sa_s[...] = _tf32_rna(s)
-        plgpu.commit_smem()
-        if self.h_gmem is not None:
-            plgpu.copy_smem_to_gmem(self.h_s, self.h_gmem.at[self.b, self.hv, c, self.cols, :])
+        self._hand_on(s, self.sa_s, self.h_s,
+                      None if self.h_gmem is None else self.h_gmem.at[self.b, self.hv, c, self.cols, :])
 
     def v_new(self, c, v):
         """v_new^T [BV, C] of chunk c: the second dot's operand and v_new[c]^T."""
+        self._hand_on(v, self.va_s, self.vn_s, None if self.vn_gmem is None
+                      else self.vn_gmem.at[self.b, self.hv, self.cols, pl.ds(c * CHUNK, CHUNK)])
+
+    @staticmethod
+    def _hand_on(x, operand_s, own_s, dst):
+        """x rounded into `operand_s`; unrounded through `own_s` to `dst` (a GMEM slice) unless `dst` is None."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        if self.vn_gmem is not None:
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # v_new[c-1]'s store has read vn_s
-            self.vn_s[...] = v
-        self.va_s[...] = _tf32_rna(v)
+        if dst is not None:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the previous store from own_s has read it
+            own_s[...] = x
+        operand_s[...] = _tf32_rna(x)
         plgpu.commit_smem()
-        if self.vn_gmem is not None:
-            plgpu.copy_smem_to_gmem(self.vn_s, self.vn_gmem.at[self.b, self.hv, self.cols, pl.ds(c * CHUNK, CHUNK)])
+        if dst is not None:
+            plgpu.copy_smem_to_gmem(own_s, dst)
 
 
 def _decayed_plus(kv_dot, s, decay, interpret: bool):
