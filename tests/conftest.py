@@ -65,9 +65,10 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from tests.xla_threads import ensure_xla_cpu_threads
+from tests.xla_threads import ensure_xla_cpu_threads, single_threaded_blas
 
 ensure_xla_cpu_threads()  # before JAX starts: Mosaic GPU's interpret mode needs >= 3 pool threads (tests/xla_threads.py)
+single_threaded_blas()  # before JAX loads scipy's OpenBLAS: its idle threads spin on the cores compiles need
 
 import jax  # noqa: E402
 import numpy as np

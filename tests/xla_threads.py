@@ -30,6 +30,21 @@ def ensure_xla_cpu_threads() -> None:
         os.environ["PJRT_NPROC"] = str(max(MIN_XLA_CPU_THREADS, cpus))
 
 
+def single_threaded_blas() -> None:
+    """One OpenBLAS thread (OPENBLAS_NUM_THREADS=1) in the test processes and the scripts they start, unless set
+    already. Only effective before the library loads: scipy's OpenBLAS, which JAX's CPU linear algebra calls (the
+    reference GDN prefill's `solve_triangular`), loads with JAX; numpy's own is loaded before `conftest.py` runs.
+
+    Why: after each call OpenBLAS's worker threads spin, waiting for the next one. With two xdist workers on CI's
+    two cores that spinning took the cores the other worker's XLA compiles needed: 12% of a `generate` call's CPU
+    time was `blas_thread_server` (perf, 2026-12-05), and two test modules on two workers took 75 s with one thread
+    against 86 s without (user time 133 against 155 s). The claims do not depend on it: every bitwise test compares
+    two programs run in one process, and `solve_triangular` on the reference's shapes ([64, 4, 64, 64] unit lower
+    triangular systems, and a [8, 64, 300] right-hand side) gave the same bits with 1, 2 and 4 OpenBLAS threads
+    (2026-12-05)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def xla_cpu_pool_threads() -> int | None:
     """The threads of XLA:CPU's intra-op pool in this process (Linux: threads named tf_XLAEigen), or None where that
     cannot be read."""
