@@ -58,6 +58,20 @@ the kernel body, so the program's size comes from the kernel, not from the shape
 differed from the prefill's in its last bits (at another optimisation level XLA:CPU rounds some operation of one of
 the two programs differently; which one was not looked for), so the CPU bitwise tests hold for XLA:CPU's default
 code generation — which is what a user's CPU runs.
+
+Measured again on 2026-12-05 (e87f399's 1237 tests, the README's command with `--durations=0` and every compile
+logged, 22 min 28 s on two cores, 2,576 s of test time): XLA compiles 1,573 s, tracing 115 s and lowering 227 s (74%
+between them); test_replay 341 s, test_chunk_kernel 273, test_replay_kernel 262, test_sharding's 8-device worker
+227, test_cache 202, test_deterministic_kernels 197, test_gpu_scripts' script runs 157. What did not help:
+- a persistent cache per worker: in the six heaviest modules (657 s of compiles) only 24 s were programs a worker
+  had compiled before (the same MLIR module hashed), so nearly every compile is a program the suite needs once;
+- XLA:CPU flags that keep the default code generation's arithmetic: `--xla_llvm_disable_expensive_passes`,
+  `--xla_cpu_use_thunk_runtime=false`, `--xla_cpu_parallel_codegen_split_count=1` (the same time or slower on one
+  kernel's first call and on eight replay-kernel tests), `PJRT_NPROC` 3 or 8 instead of 4, glibc malloc tunables, and
+  Python's cycle collector run less often (~3%, within the noise; not kept).
+What did, a little: one OpenBLAS thread (`tests/xla_threads.py`: `single_threaded_blas`), ~4% of the CPU time.
+So the suite's time is its compiles, and only fewer or smaller programs (fewer configurations, shapes or layers per
+bitwise check) would bring it to the brief's 15 min.
 """
 
 from __future__ import annotations

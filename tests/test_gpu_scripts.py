@@ -33,11 +33,28 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
+    ("gpu_compile_times.py", "--layers", "4,x", "--layers must be a comma list of integers"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
     r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)
     assert r.returncode != 0 and known in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "model_bench.json").exists() and not (tmp_path / "results.json").exists()
+
+
+def test_compile_times_script(tmp_path, monkeypatch):
+    """scripts/gpu_compile_times.py in this process at the tiny preset's first one and two layers: every entry point's
+    first call (its compile included) and warm call recorded, the first the longer."""
+    from scripts import gpu_compile_times
+
+    monkeypatch.setattr(sys, "argv", ["gpu_compile_times.py", "--preset", "tiny", "--layers", "1,2",
+                                      "--prefill-tokens", "64", "--decode-batch", "2", "--prompt-tokens", "10",
+                                      "--new-tokens", "2", "--out", str(tmp_path / "new")])
+    gpu_compile_times.main()
+    res = json.loads((tmp_path / "new" / "compile_times.json").read_text())
+    assert res["meta"]["device"] == "cpu" and set(res["by_layers"]) == {"1", "2"}
+    for by_name in res["by_layers"].values():
+        assert set(by_name) == {"prefill", "decode", "generate"}
+        assert all(t["first_s"] > t["warm_s"] > 0 for t in by_name.values()), by_name
 
 
 def test_model_bench_prefill_profile_stage(tmp_path):

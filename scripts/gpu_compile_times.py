@@ -1,0 +1,111 @@
+"""How long a user waits for the first call: compile + first run of the model's entry points, by depth.
+
+For each layer count in --layers (the first N layers of the preset, random bf16 weights: `gpu_model_bench.build`), in
+one process: `jaxgdn.prefill_chunk` (B = 1, --prefill-tokens tokens), `jaxgdn.decode_step` (B = --decode-batch) and
+`jaxgdn.generate` (one prompt of --prompt-tokens, --new-tokens new tokens), each called through `jaxgdn.model.jit`
+(prefill, decode) or as the user calls it (generate). It prints, per entry point, the first call (trace, compile and
+run) and the median of three later calls, so the difference is the compile's share; then how the first call grows
+with depth. The model's layers are a Python loop, so XLA compiles every layer's program: the first call grows with
+the layer count.
+  PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--out DIR]
+On a CPU it runs with `--preset tiny --layers 2,4` (how it is tested). Writes compile_times.json into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxgdn  # noqa: E402
+from scripts.gpu_model_bench import build  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def first_and_warm(run, reps: int = 3) -> dict:
+    """{first_s, warm_s}: `run()` once (it compiles), then the median of `reps` more calls; each waited on."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(run())
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    return {"first_s": first, "warm_s": statistics.median(times)}
+
+
+def entry_points(model, T: int, B: int, prompt: int, new: int) -> dict:
+    """First and warm call times of prefill, decode and generate on `model`."""
+    V = model.config.vocab_size
+    toks = jax.random.randint(jax.random.key(1), (1, T), 0, V, jnp.int32)
+    prefill = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))
+    decode = jaxgdn.model.jit(jaxgdn.decode_step)
+    state1 = model.init_state(1, T)
+    stateB = model.init_state(B, 64)
+    nxt = jnp.arange(B, dtype=jnp.int32) % V
+    rng = np.random.default_rng(0)
+    prompt_toks = rng.integers(0, V, prompt).tolist()
+    return {
+        "prefill": first_and_warm(lambda: prefill(model, state1, toks, jnp.array([T], jnp.int32))),
+        "decode": first_and_warm(lambda: decode(model, stateB, nxt)),
+        "generate": first_and_warm(
+            lambda: [r.logprobs for r in jaxgdn.generate(model, [prompt_toks], max_new_tokens=new)]),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--layers", default="4,8,32", help="comma list of layer counts (the preset's first N layers)")
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    try:
+        layer_counts = [int(n) for n in args.layers.split(",") if n.strip()]
+    except ValueError:
+        ap.error(f"--layers must be a comma list of integers; got {args.layers!r}")
+    if not layer_counts or min(layer_counts) < 1:
+        ap.error(f"--layers must name at least one layer count >= 1; got {args.layers!r}")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind, "host": platform.node(),
+            "argv": vars(args)}
+    log(json.dumps(meta))
+    results = {"meta": meta, "by_layers": {}}
+    for n in layer_counts:
+        model = build(args.preset, n)
+        r = entry_points(model, args.prefill_tokens, args.decode_batch, args.prompt_tokens, args.new_tokens)
+        results["by_layers"][str(n)] = r
+        for name, t in r.items():
+            log(f"layers {n:3d} {name:9s} first call {t['first_s']:8.2f} s, warm {t['warm_s'] * 1e3:9.1f} ms")
+        del model
+    names = ("prefill", "decode", "generate")
+    lo, hi = str(layer_counts[0]), str(layer_counts[-1])
+    if lo != hi:
+        for name in names:
+            a, b = results["by_layers"][lo][name]["first_s"], results["by_layers"][hi][name]["first_s"]
+            log(f"{name}: first call {b / a:.2f}x from {lo} to {hi} layers ({a:.2f} -> {b:.2f} s)")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compile_times.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
