@@ -65,10 +65,13 @@ between them); test_replay 341 s, test_chunk_kernel 273, test_replay_kernel 262,
 227, test_cache 202, test_deterministic_kernels 197, test_gpu_scripts' script runs 157. What did not help:
 - a persistent cache per worker: in the six heaviest modules (657 s of compiles) only 24 s were programs a worker
   had compiled before (the same MLIR module hashed), so nearly every compile is a program the suite needs once;
-- XLA:CPU flags that keep the default code generation's arithmetic: `--xla_llvm_disable_expensive_passes`,
-  `--xla_cpu_use_thunk_runtime=false`, `--xla_cpu_parallel_codegen_split_count=1` (the same time or slower on one
-  kernel's first call and on eight replay-kernel tests), `PJRT_NPROC` 3 or 8 instead of 4, glibc malloc tunables, and
-  Python's cycle collector run less often (~3%, within the noise; not kept).
+- XLA:CPU flags (each timed once; whether they keep the default code generation's arithmetic was not checked):
+  eight of test_replay_kernel's replay-step tests on two workers took 86 s with `--xla_llvm_disable_expensive_passes`
+  as without it and 78 s with `--xla_cpu_parallel_codegen_split_count=1` (a full run with it on 2026-12-01 was
+  slower); one chunked-kernel call's first call (2.36 s) took 2.29 s with `--xla_cpu_use_thunk_runtime=false`
+  (within the noise); `--xla_cpu_use_fusion_emitters` is not a flag of this XLA;
+- `PJRT_NPROC` 3 or 8 instead of 4, glibc malloc tunables, and Python's cycle collector run less often (~3%, within
+  the noise) — none kept.
 What did, a little: one OpenBLAS thread (`tests/xla_threads.py`: `single_threaded_blas`), ~4% of the CPU time.
 So the suite's time is its compiles, and only fewer or smaller programs (fewer configurations, shapes or layers per
 bitwise check) would bring it to the brief's 15 min.
