@@ -73,8 +73,9 @@ between them); test_replay 341 s, test_chunk_kernel 273, test_replay_kernel 262,
 - `PJRT_NPROC` 3 or 8 instead of 4, glibc malloc tunables, and Python's cycle collector run less often (~3%, within
   the noise) — none kept.
 What did, a little: one OpenBLAS thread (`tests/xla_threads.py`: `single_threaded_blas`), ~4% of the CPU time.
-So the suite's time is its compiles, and only fewer or smaller programs (fewer configurations, shapes or layers per
-bitwise check) would bring it to the brief's 15 min.
+So the suite's time is its compiles, and only fewer programs (fewer model variants, configurations or shapes per
+bitwise check) would bring it to the brief's 15 min; fewer layers would not (the tiny preset's kernel-backed prefill
+compiled in 4.44 s with one GDN layer against 4.81 s with three).
 """
 
 from __future__ import annotations
