@@ -72,7 +72,8 @@ between them); test_replay 341 s, test_chunk_kernel 273, test_replay_kernel 262,
   (within the noise); `--xla_cpu_use_fusion_emitters` is not a flag of this XLA;
 - `PJRT_NPROC` 3 or 8 instead of 4, glibc malloc tunables, and Python's cycle collector run less often (~3%, within
   the noise) — none kept.
-What did, a little: one OpenBLAS thread (`tests/xla_threads.py`: `single_threaded_blas`), ~4% of the CPU time.
+Kept, though its gain on the whole suite is within the runs' spread: one OpenBLAS thread (`tests/xla_threads.py`:
+`single_threaded_blas`).
 So the suite's time is its compiles, and only fewer programs (fewer model variants, configurations or shapes per
 bitwise check) would bring it to the brief's 15 min; fewer layers would not (the tiny preset's kernel-backed prefill
 compiled in 4.44 s with one GDN layer against 4.81 s with three).
