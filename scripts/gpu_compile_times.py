@@ -9,7 +9,7 @@ with depth. The model's layers are a Python loop, so the traced program holds ev
 compile pays for is what this measures (on CPU, the tiny preset's kernel-backed prefill took 4.81 s to its first
 result with three GDN layers and 4.44 s with one: 2026-12-05).
   PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--out DIR]
-On a CPU it runs with `--preset tiny --layers 2,4` (how it is tested). Writes compile_times.json into --out.
+On a CPU it runs with `--preset tiny` (the test uses `--layers 1,2`). Writes compile_times.json into --out.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import functools
 import json
 import os
 import platform
-import statistics
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -30,7 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxgdn  # noqa: E402
-from scripts.gpu_model_bench import build  # noqa: E402
+from jaxgdn.config import PRESETS  # noqa: E402
+from scripts.gpu_model_bench import build, timed_calls  # noqa: E402
 
 
 def log(*a):
@@ -38,16 +37,10 @@ def log(*a):
 
 
 def first_and_warm(run, reps: int = 3) -> dict:
-    """{first_s, warm_s}: `run()` once (it compiles), then the median of `reps` more calls; each waited on."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - t0)
-    return {"first_s": first, "warm_s": statistics.median(times)}
+    """{first_s, warm_s}: `run()` once (it compiles), then the median of `reps` more calls; each waited on
+    (`gpu_model_bench.timed_calls`)."""
+    _, t = timed_calls(lambda: jax.block_until_ready(run()), reps)
+    return {"first_s": t["first_s"], "warm_s": t["median_s"]}
 
 
 def entry_points(model, T: int, B: int, prompt: int, new: int) -> dict:
@@ -83,8 +76,11 @@ def main():
         layer_counts = [int(n) for n in args.layers.split(",") if n.strip()]
     except ValueError:
         ap.error(f"--layers must be a comma list of integers; got {args.layers!r}")
-    if not layer_counts or min(layer_counts) < 1:
-        ap.error(f"--layers must name at least one layer count >= 1; got {args.layers!r}")
+    if args.preset not in PRESETS:
+        ap.error(f"--preset: unknown {args.preset!r}; choose from {sorted(PRESETS)}")
+    depth = len(PRESETS[args.preset]().layer_types)
+    if not layer_counts or min(layer_counts) < 1 or max(layer_counts) > depth:
+        ap.error(f"--layers must name layer counts from 1 to the preset's {depth}; got {args.layers!r}")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "jax": jax.__version__, "device": jax.devices()[0].device_kind, "host": platform.node(),
             "argv": vars(args)}

@@ -365,7 +365,7 @@ def stage_replay_bitwise(model, prompt_len: int = 100, new_tokens: int = 210, ba
     return all(checks.values())
 
 
-def _timed_calls(run, reps: int):
+def timed_calls(run, reps: int):
     """(the first call's result, {first_s, median_s, times_s}): `run()` once (it compiles), then `reps` times."""
     t0 = time.perf_counter()
     out = run()
@@ -396,7 +396,7 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     seeds = list(range(batch))
     outs = {}
     for name, prompts in cases.items():
-        outs[name], res[name] = _timed_calls(
+        outs[name], res[name] = timed_calls(
             lambda: jaxgdn.generate(model, prompts, max_new_tokens=new_tokens, temperature=0.8, seed=seeds), reps)
         log(f"  {tag}: {name}, {batch} x {prompt_len} tokens + {new_tokens} new: {res[name]['median_s'] * 1e3:.1f} "
             f"ms per call (first, compiling: {res[name]['first_s']:.1f} s)")
@@ -412,7 +412,7 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     seqs = [one + r.tokens for r in outs["one prompt"]]
     scores = {}
     for name, share in (("score, shared prefix", True), ("score, apart", False)):
-        scores[name], res[name] = _timed_calls(
+        scores[name], res[name] = timed_calls(
             lambda: jaxgdn.score(model, seqs, start=prompt_len, batch_size=batch, share_prefixes=share), reps)
         log(f"  {tag}: {name}, {batch} x ({prompt_len} + {new_tokens}) tokens: {res[name]['median_s'] * 1e3:.1f} ms "
             f"per call (first, compiling: {res[name]['first_s']:.1f} s)")

@@ -34,11 +34,12 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
     ("gpu_compile_times.py", "--layers", "4,x", "--layers must be a comma list of integers"),
+    ("gpu_compile_times.py", "--layers", "4,33", "--layers must name layer counts from 1 to the preset's 32"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
     r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)
     assert r.returncode != 0 and known in r.stderr, r.stderr[-2000:]
-    assert not (tmp_path / "model_bench.json").exists() and not (tmp_path / "results.json").exists()
+    assert not any((tmp_path / name).exists() for name in ("model_bench.json", "results.json", "compile_times.json"))
 
 
 def test_compile_times_script(tmp_path, monkeypatch):
