@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import platform
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -43,8 +44,22 @@ def first_and_warm(run, reps: int = 3) -> dict:
     return {"first_s": t["first_s"], "warm_s": t["median_s"]}
 
 
+def phases(jitted, *args) -> dict:
+    """Where a first call's wait goes, through jax's ahead-of-time stages: {trace_s, lower_s, compile_s} (each
+    `jax.stages` step timed alone; the compile is XLA's, the Pallas kernels' own compiles included)."""
+    t0 = time.perf_counter()
+    traced = jitted.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    return {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
+
+
 def entry_points(model, T: int, B: int, prompt: int, new: int) -> dict:
-    """First and warm call times of prefill, decode and generate on `model`."""
+    """First and warm call times of prefill, decode and generate on `model`; for prefill and decode also the first
+    call's trace, lower and compile (`phases`, on a fresh jit of the same function, after the timed calls)."""
     V = model.config.vocab_size
     toks = jax.random.randint(jax.random.key(1), (1, T), 0, V, jnp.int32)
     prefill = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))
@@ -54,12 +69,18 @@ def entry_points(model, T: int, B: int, prompt: int, new: int) -> dict:
     nxt = jnp.arange(B, dtype=jnp.int32) % V
     rng = np.random.default_rng(0)
     prompt_toks = rng.integers(0, V, prompt).tolist()
-    return {
-        "prefill": first_and_warm(lambda: prefill(model, state1, toks, jnp.array([T], jnp.int32))),
+    lens = jnp.array([T], jnp.int32)
+    out = {
+        "prefill": first_and_warm(lambda: prefill(model, state1, toks, lens)),
         "decode": first_and_warm(lambda: decode(model, stateB, nxt)),
         "generate": first_and_warm(
             lambda: [r.logprobs for r in jaxgdn.generate(model, [prompt_toks], max_new_tokens=new)]),
     }
+    out["prefill"].update(phases(jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True)),
+                                 model, state1, toks, lens))
+    # a new function object (functools.partial), so that none of jax's caches from the timed calls answers
+    out["decode"].update(phases(jaxgdn.model.jit(functools.partial(jaxgdn.decode_step)), model, stateB, nxt))
+    return out
 
 
 def main():
@@ -91,16 +112,23 @@ def main():
         r = entry_points(model, args.prefill_tokens, args.decode_batch, args.prompt_tokens, args.new_tokens)
         results["by_layers"][str(n)] = r
         for name, t in r.items():
-            log(f"layers {n:3d} {name:9s} first call {t['first_s']:8.2f} s, warm {t['warm_s'] * 1e3:9.1f} ms")
+            split = (f" (trace {t['trace_s']:.2f}, lower {t['lower_s']:.2f}, compile {t['compile_s']:.2f} s)"
+                     if "trace_s" in t else "")
+            log(f"layers {n:3d} {name:9s} first call {t['first_s']:8.2f} s, warm {t['warm_s'] * 1e3:9.1f} ms{split}")
         del model
+        write(args.out, results)  # after every depth: a run cut short keeps what it measured
     names = ("prefill", "decode", "generate")
     lo, hi = str(layer_counts[0]), str(layer_counts[-1])
     if lo != hi:
         for name in names:
             a, b = results["by_layers"][lo][name]["first_s"], results["by_layers"][hi][name]["first_s"]
             log(f"{name}: first call {b / a:.2f}x from {lo} to {hi} layers ({a:.2f} -> {b:.2f} s)")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compile_times.json"), "w") as fh:
+    write(args.out, results)
+
+
+def write(out: str, results: dict):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "compile_times.json"), "w") as fh:
         json.dump(results, fh, indent=1)
 
 

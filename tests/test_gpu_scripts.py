@@ -44,7 +44,8 @@ def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, ba
 
 def test_compile_times_script(tmp_path, monkeypatch):
     """scripts/gpu_compile_times.py in this process at the tiny preset's first one and two layers: every entry point's
-    first call (its compile included) and warm call recorded, the first the longer."""
+    first call (its compile included) and warm call recorded, the first the longer; prefill's and decode's trace,
+    lower and compile times recorded, the compile longer than a warm call."""
     from scripts import gpu_compile_times
 
     monkeypatch.setattr(sys, "argv", ["gpu_compile_times.py", "--preset", "tiny", "--layers", "1,2",
@@ -56,6 +57,10 @@ def test_compile_times_script(tmp_path, monkeypatch):
     for by_name in res["by_layers"].values():
         assert set(by_name) == {"prefill", "decode", "generate"}
         assert all(t["first_s"] > t["warm_s"] > 0 for t in by_name.values()), by_name
+        for name in ("prefill", "decode"):
+            t = by_name[name]
+            assert t["trace_s"] > 0 and t["lower_s"] > 0 and t["compile_s"] > t["warm_s"], t
+        assert "trace_s" not in by_name["generate"]
 
 
 def test_model_bench_prefill_profile_stage(tmp_path):
