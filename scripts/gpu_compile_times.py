@@ -8,7 +8,10 @@ run) and the median of three later calls, so the difference is the compile's sha
 with depth. The model's layers are a Python loop, so the traced program holds every layer; how much of that the
 compile pays for is what this measures (on CPU, the tiny preset's kernel-backed prefill took 4.81 s to its first
 result with three GDN layers and 4.44 s with one: 2026-12-05).
-  PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--out DIR]
+  PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--compile-cache DIR]
+      [--out DIR]
+With --compile-cache, JAX's persistent compilation cache holds every program in DIR: a second process with the same
+DIR shows what a user's restart waits for.
 On a CPU it runs with `--preset tiny` (the test uses `--layers 1,2`). Writes compile_times.json into --out.
 """
 
@@ -91,6 +94,8 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="JAX's persistent compilation cache in DIR (every program cached): run twice to see a warm one")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     try:
@@ -102,7 +107,8 @@ def main():
     depth = len(PRESETS[args.preset]().layer_types)
     if not layer_counts or min(layer_counts) < 1 or max(layer_counts) > depth:
         ap.error(f"--layers must name layer counts from 1 to the preset's {depth}; got {args.layers!r}")
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    cached = use_compile_cache(args.compile_cache) if args.compile_cache else None
+    meta = {"compile_cache": args.compile_cache, "cache_entries_before": cached, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "jax": jax.__version__, "device": jax.devices()[0].device_kind, "host": platform.node(),
             "argv": vars(args)}
     log(json.dumps(meta))
@@ -124,6 +130,18 @@ def main():
             a, b = results["by_layers"][lo][name]["first_s"], results["by_layers"][hi][name]["first_s"]
             log(f"{name}: first call {b / a:.2f}x from {lo} to {hi} layers ({a:.2f} -> {b:.2f} s)")
     write(args.out, results)
+
+
+def use_compile_cache(path: str):
+    """JAX's persistent compilation cache in `path`, keeping every program however small or quick to compile; the
+    count of entries already there (0: a cold cache) is logged and returned."""
+    os.makedirs(path, exist_ok=True)
+    entries = len(os.listdir(path))
+    log(f"compile cache {path}: {entries} entries before this run")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return entries
 
 
 def write(out: str, results: dict):

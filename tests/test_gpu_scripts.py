@@ -63,6 +63,19 @@ def test_compile_times_script(tmp_path, monkeypatch):
         assert "trace_s" not in by_name["generate"]
 
 
+def test_compile_times_script_fills_a_compile_cache(tmp_path):
+    """--compile-cache DIR (a subprocess: JAX's cache settings are the process's): the programs land in DIR, and the
+    JSON records the directory and that it was empty before."""
+    cache = tmp_path / "xla"
+    r = _run([str(ROOT / "scripts" / "gpu_compile_times.py"), "--preset", "tiny", "--layers", "1", "--prefill-tokens",
+              "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache),
+              "--out", str(tmp_path)], tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    meta = json.loads((tmp_path / "compile_times.json").read_text())["meta"]
+    assert meta["compile_cache"] == str(cache) and meta["cache_entries_before"] == 0
+    assert len(list(cache.iterdir())) >= 3  # prefill, decode and generate's programs at least
+
+
 def test_model_bench_prefill_profile_stage(tmp_path):
     r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages",
               "ceilings,digest,prefill_profile", "--prefill-tokens", "128", "--out", str(tmp_path)], tmp_path)
