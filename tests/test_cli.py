@@ -248,10 +248,18 @@ def test_compare_states(capsys, tmp_path, preset):
     assert "split at 64 (on grid)" in out
 
 
-def test_compare_states_progress_bar(capsys, preset):
+def test_compare_states_progress_bar(capsys, preset, monkeypatch):
     """A bar over the positions on stderr when asked (on a terminal by default; off here, where stderr is not one),
-    and nothing on stderr when not asked."""
+    and nothing on stderr when not asked. The bar redraws at every step here: tqdm's default redraws at most every
+    0.1 s, so with the programs already compiled (another test ran them first) the loop could end before it drew
+    "14/14" (seen with two xdist workers, 2026-12-05)."""
+    import functools
+
+    import tqdm.auto
+
     from jaxgdn.cli import state_gap_records
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", functools.partial(tqdm.auto.tqdm, mininterval=0, miniters=1))
 
     tokens = np.random.default_rng(4).integers(0, 256, 70).tolist()
     capsys.readouterr()
