@@ -5,14 +5,15 @@ one process: `jaxgdn.prefill_chunk` (B = 1, --prefill-tokens tokens), `jaxgdn.de
 `jaxgdn.generate` (one prompt of --prompt-tokens, --new-tokens new tokens), each called through `jaxgdn.model.jit`
 (prefill, decode) or as the user calls it (generate). It prints, per entry point, the first call (trace, compile and
 run) and the median of three later calls, so the difference is the compile's share; then how the first call grows
-with depth. The model's layers are a Python loop, so the traced program holds every layer; how much of that the
-compile pays for is what this measures (on CPU, the tiny preset's kernel-backed prefill took 4.81 s to its first
-result with three GDN layers and 4.44 s with one: 2026-12-05).
+with depth, and prefill's and decode's trace, lower and compile (a second compile, `phases`). The model's layers are
+a Python loop, so the traced program holds every layer; how much of that the compile pays for is what this measures
+(runs 165-167, an H100, BENCHMARKS.md "How long a first call waits": 17-19 s for the prefill's first call at 4 layers,
+38 s at 32, 2.8 s with the cache warm).
   PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--compile-cache DIR]
-      [--out DIR]
+      [--backend reference|pallas|interpret] [--out DIR]
 With --compile-cache, JAX's persistent compilation cache holds every program in DIR: a second process with the same
-DIR shows what a user's restart waits for.
-On a CPU it runs with `--preset tiny` (the test uses `--layers 1,2`). Writes compile_times.json into --out.
+DIR shows what a user's restart waits for. On a CPU it runs with `--preset tiny` (the test uses `--layers 1,2`).
+Writes compile_times.json into --out after every depth.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np  # noqa: E402
 
 import jaxgdn  # noqa: E402
 from jaxgdn.config import PRESETS  # noqa: E402
+from pallas_kernels.backend import BACKENDS  # noqa: E402
 from scripts.gpu_model_bench import build, timed_calls  # noqa: E402
 
 
@@ -94,6 +96,8 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--backend", choices=BACKENDS, default=None,
+                    help="the GDN layers' kernel backend (default: the device's; 'reference' shows the kernels' share)")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache in DIR (every program cached): run twice to see a warm one")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -114,7 +118,7 @@ def main():
     log(json.dumps(meta))
     results = {"meta": meta, "by_layers": {}}
     for n in layer_counts:
-        model = build(args.preset, n)
+        model = build(args.preset, n).with_backend(args.backend)
         r = entry_points(model, args.prefill_tokens, args.decode_batch, args.prompt_tokens, args.new_tokens)
         results["by_layers"][str(n)] = r
         for name, t in r.items():
