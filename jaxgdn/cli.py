@@ -1,7 +1,8 @@
 """Command line `jaxgdn`: demo, generate, score, compare-states, check-determinism, bench.
 
 Every command but `demo` (which takes `--preset`) takes `--model DIR|tiny|tiny-next` (a Hugging Face checkpoint
-directory, or an embedded random preset), and every command `--help`. Text goes in and out through the checkpoint's
+directory, or an embedded random preset) and `--compile-cache DIR` (JAX's persistent compilation cache, for the
+command's duration: a later command with the same DIR skips most compiles), and every command `--help`. Text goes in and out through the checkpoint's
 tokenizer.json (UTF-8 bytes for the presets, whose vocabulary is 256); `--tokens 1,2,3` passes token ids directly. Bad
 input exits 2: jaxgdn's own checks print one line on stderr (`jaxgdn: error: ...`), argparse's its usage and an error
 line. `check-determinism` exits 1 when a check fails and still writes its report. Output files are written to temporary
@@ -25,6 +26,41 @@ from .errors import CapacityError, CheckpointError, InputError, JaxGDNError
 
 PRESETS = ("tiny", "tiny-next")
 PRESET_MAX_LENGTH = 4096  # the CLI's capacity limit for the embedded presets (they have no max_position_embeddings)
+
+
+# ---- the persistent compilation cache (--compile-cache) ----------------------------------------------------------
+
+_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes")
+
+
+@contextlib.contextmanager
+def _compile_cache(path: str | None):
+    """JAX's persistent compilation cache in `path` (every program kept) for the command's duration; then JAX's
+    settings as they were and its cache handle dropped, so an in-process caller (`main([...])`) is left as it was.
+    None: nothing changes (a cache JAX_COMPILATION_CACHE_DIR names stays in use)."""
+    if path is None:
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--compile-cache {path}: cannot make the directory ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"--compile-cache {path}: the directory is not writable")
+    before = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+    compilation_cache.reset_cache()  # JAX opens its cache once per process: make it open this one
+    try:
+        for name, value in zip(_CACHE_SETTINGS, (os.path.abspath(path), 0.0, 0)):
+            jax.config.update(name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 # ---- output files: temp file beside the target, renamed on success ---------------------------------------------
@@ -116,6 +152,12 @@ def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, deco
                             "bitwise what a prefill computes (slower over the chunked GDN prefill: each step "
                             "computes its token's part of the open 64-token chunk with the prefill's arithmetic; "
                             "about as fast as recurrent with --gdn-prefill recurrent)")
+    g.add_argument("--compile-cache", metavar="DIR",
+                   help="keep the compiled programs in DIR (JAX's persistent compilation cache, made if missing) so "
+                        "that the next command with the same DIR skips most compiles: on an H100 at the 9B shape, "
+                        "`generate`'s first call took 33 s in a new process and 5.5 s with the cache warm (BENCHMARKS.md)."
+                        " JAX_COMPILATION_CACHE_DIR does the same with JAX's defaults (programs that compile in under "
+                        "1 s not kept)")
     if gdn_prefill:
         g.add_argument("--gdn-prefill", choices=("chunked", "recurrent"), default="chunked",
                        help="GDN prefill arithmetic: chunked (fast prefill) or recurrent (token by token with the "
@@ -966,7 +1008,8 @@ def main(argv=None) -> int:
                                     f"preset's capacity of {PRESET_MAX_LENGTH} tokens")
             rc = _demo(args)
         else:
-            rc = _COMMANDS[args.command](args, out)
+            with _compile_cache(getattr(args, "compile_cache", None)):
+                rc = _COMMANDS[args.command](args, out)
         sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's exit flush (a message, status 120)
         out.commit()
         return rc

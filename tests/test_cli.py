@@ -377,3 +377,26 @@ def test_bench(capsys, tmp_path):
 def test_bench_bad_input(capsys, tmp_path):
     rc, _, err = run(capsys, "bench", "--batch-size", 0, "--output", tmp_path / "b.json")
     assert_clean_error(rc, err, "--batch-size must be >= 1", tmp_path)
+
+
+def test_compile_cache_keeps_programs_and_restores_jax_settings(capsys, tmp_path):
+    """--compile-cache DIR: the command's compiled programs land in DIR (bf16: programs no other test here compiled,
+    so they compile now), its output is the output without the flag, and JAX's cache settings are as before after."""
+    import jax
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = [getattr(jax.config, n) for n in names]
+    cache = tmp_path / "xla" / "new"  # made by the command, parents included
+    argv = ("score", "--tokens", "5,6,7,8,9", "--start", 2, "--quiet", "--dtype", "bfloat16")
+    rc, cached, _ = run(capsys, *argv, "--compile-cache", cache)
+    assert rc == 0 and len(list(cache.iterdir())) >= 1
+    assert [getattr(jax.config, n) for n in names] == before
+    rc, plain, _ = run(capsys, *argv)
+    assert rc == 0 and plain == cached and len(list(cache.iterdir())) >= 1
+
+
+def test_compile_cache_bad_directory(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    rc, _, err = run(capsys, "score", "--tokens", "5,6,7", "--compile-cache", tmp_path / "file" / "xla")
+    assert_clean_error(rc, err, f"--compile-cache {tmp_path / 'file' / 'xla'}: cannot make the directory")
