@@ -35,6 +35,7 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
     ("gpu_compile_times.py", "--layers", "4,x", "--layers must be a comma list of integers"),
     ("gpu_compile_times.py", "--layers", "4,33", "--layers must name layer counts from 1 to the preset's 32"),
+    ("gpu_compile_times.py", "--order", "generate,prefill", "--order must name prefill, decode, generate once each"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
     r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)
@@ -65,14 +66,16 @@ def test_compile_times_script(tmp_path, monkeypatch):
 
 def test_compile_times_script_fills_a_compile_cache(tmp_path):
     """--compile-cache DIR (a subprocess: JAX's cache settings are the process's): the programs land in DIR, and the
-    JSON records the directory and that it was empty before."""
+    JSON records the directory and that it was empty before; --order sets the order of the first calls."""
     cache = tmp_path / "xla"
     r = _run([str(ROOT / "scripts" / "gpu_compile_times.py"), "--preset", "tiny", "--layers", "1", "--prefill-tokens",
-              "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache),
+              "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache), "--order", "generate,decode,prefill",
               "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    meta = json.loads((tmp_path / "compile_times.json").read_text())["meta"]
+    res = json.loads((tmp_path / "compile_times.json").read_text())
+    meta = res["meta"]
     assert meta["compile_cache"] == str(cache) and meta["cache_entries_before"] == 0
+    assert list(res["by_layers"]["1"]) == ["generate", "decode", "prefill"]  # --order: the order they were called in
     assert len(list(cache.iterdir())) >= 3  # prefill, decode and generate's programs at least
 
 
