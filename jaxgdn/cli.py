@@ -2,13 +2,13 @@
 
 Every command but `demo` (which takes `--preset`) takes `--model DIR|tiny|tiny-next` (a Hugging Face checkpoint
 directory, or an embedded random preset) and `--compile-cache DIR` (JAX's persistent compilation cache, for the
-command's duration: a later command with the same DIR skips most compiles), and every command `--help`. Text goes in and out through the checkpoint's
-tokenizer.json (UTF-8 bytes for the presets, whose vocabulary is 256); `--tokens 1,2,3` passes token ids directly. Bad
-input exits 2: jaxgdn's own checks print one line on stderr (`jaxgdn: error: ...`), argparse's its usage and an error
-line. `check-determinism` exits 1 when a check fails and still writes its report. Output files are written to temporary
-files and renamed into place only when the command returns (a report of a failed check included), so an error leaves
-none behind. A stdout closed early (`jaxgdn score ... | head`) ends the command quietly with status 141, a shell's
-status for SIGPIPE, and no output file.
+command's duration: a later command with the same DIR skips most compiles), and every command `--help`. Text goes in and
+out through the checkpoint's tokenizer.json (UTF-8 bytes for the presets, whose vocabulary is 256); `--tokens 1,2,3`
+passes token ids directly. Bad input exits 2: jaxgdn's own checks print one line on stderr (`jaxgdn: error: ...`),
+argparse's its usage and an error line. `check-determinism` exits 1 when a check fails and still writes its report.
+Output files are written to temporary files and renamed into place only when the command returns (a report of a failed
+check included), so an error leaves none behind. A stdout closed early (`jaxgdn score ... | head`) ends the command
+quietly with status 141, a shell's status for SIGPIPE, and no output file.
 """
 
 from __future__ import annotations
@@ -155,9 +155,9 @@ def _add_model_args(p: argparse.ArgumentParser, deterministic: bool = True, deco
     g.add_argument("--compile-cache", metavar="DIR",
                    help="keep the compiled programs in DIR (JAX's persistent compilation cache, made if missing) so "
                         "that the next command with the same DIR skips most compiles: on an H100 at the 9B shape, "
-                        "`generate`'s first call took 33 s in a new process and 5.5 s with the cache warm (BENCHMARKS.md)."
-                        " JAX_COMPILATION_CACHE_DIR does the same with JAX's defaults (programs that compile in under "
-                        "1 s not kept)")
+                        "`generate`'s first call took 33 s in a new process and 5.5 s with the cache warm "
+                        "(BENCHMARKS.md). JAX_COMPILATION_CACHE_DIR does the same with JAX's defaults (programs that "
+                        "compile in under 1 s not kept)")
     if gdn_prefill:
         g.add_argument("--gdn-prefill", choices=("chunked", "recurrent"), default="chunked",
                        help="GDN prefill arithmetic: chunked (fast prefill) or recurrent (token by token with the "

@@ -104,9 +104,9 @@ def main():
                     help="the order the entry points are first called in (a cache entry holds the Mosaic GPU kernels' "
                          "names, which number the kernels a process lowered before it: jax 0.11.2)")
     ap.add_argument("--backend", choices=BACKENDS, default=None,
-                    help="the GDN layers' kernel backend (default: the device's; 'reference' shows the kernels' share)")
+                    help="the GDN layers' kernel backend (default: the device's; 'reference': the kernels' share)")
     ap.add_argument("--compile-cache", metavar="DIR",
-                    help="JAX's persistent compilation cache in DIR (every program cached): run twice to see a warm one")
+                    help="JAX's persistent compilation cache in DIR (every program kept): run twice to see a warm one")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     try:
@@ -122,9 +122,9 @@ def main():
     if not layer_counts or min(layer_counts) < 1 or max(layer_counts) > depth:
         ap.error(f"--layers must name layer counts from 1 to the preset's {depth}; got {args.layers!r}")
     cached = use_compile_cache(args.compile_cache) if args.compile_cache else None
-    meta = {"compile_cache": args.compile_cache, "cache_entries_before": cached, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "device": jax.devices()[0].device_kind, "host": platform.node(),
-            "argv": vars(args)}
+    meta = {"compile_cache": args.compile_cache, "cache_entries_before": cached,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind, "host": platform.node(), "argv": vars(args)}
     log(json.dumps(meta))
     results = {"meta": meta, "by_layers": {}}
     for n in layer_counts:

@@ -69,8 +69,8 @@ def test_compile_times_script_fills_a_compile_cache(tmp_path):
     JSON records the directory and that it was empty before; --order sets the order of the first calls."""
     cache = tmp_path / "xla"
     r = _run([str(ROOT / "scripts" / "gpu_compile_times.py"), "--preset", "tiny", "--layers", "1", "--prefill-tokens",
-              "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache), "--order", "generate,decode,prefill",
-              "--out", str(tmp_path)], tmp_path)
+              "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache),
+              "--order", "generate,decode,prefill", "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     res = json.loads((tmp_path / "compile_times.json").read_text())
     meta = res["meta"]
