@@ -139,6 +139,24 @@ def test_chunk_with_the_mosaic_recurrence_lowers_for_h200(K, V, stride):
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
 
 
+def test_mosaic_gpu_kernels_are_numbered_by_the_process():
+    """A canary for a documented caveat (README, "First calls compile"): jax 0.11.2 names every Mosaic GPU kernel it
+    lowers with a per-process count (the module's `mosaic_gpu.dump_basename`), and the kernel's hash and module are
+    part of the program, so the same prefill lowered twice in one process is two programs to XLA and to JAX's
+    persistent compilation cache, and a new process finds a cached program only if it lowered as many Mosaic GPU
+    kernels before it. The Triton kernels' lowering is the same both times. When this fails, jax lowers a kernel
+    alike each time: drop the caveat."""
+    f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
+                                                                   config={"recurrence": "mosaic"})
+    args = chunk_args(1, 128, 2, 4, 64, 64, jnp.bfloat16)
+    (one, triton_one), (two, triton_two) = lower_for_h200(f, *args), lower_for_h200(f, *args)
+    assert [str(m) for m in triton_one] == [str(m) for m in triton_two]
+    hashes = [re.findall(r'kernel_hash = "(.*?)", module', x.as_text()) for x in (one, two)]
+    assert len(hashes[0]) == len(hashes[1]) == 1 and hashes[0] != hashes[1]
+    names = [re.findall(r"\\00([A-Za-z_]+_\d+)\\00stable_mosaic_gpu", x.as_text()) for x in (one, two)]
+    assert len(names[0]) == 1 and len(names[1]) == 1 and names[0] != names[1], names
+
+
 @pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
                                                (2, 130, 64, {"bv": 64, "num_warps": 4}), (3, 7, None, {"bv": 16}),
                                                (1, 300, 64, {"bv": 8, "ahead": 4})])
