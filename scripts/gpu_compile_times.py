@@ -10,7 +10,7 @@ a Python loop, so the traced program holds every layer; how much of that the com
 (runs 165-167, an H100, BENCHMARKS.md "How long a first call waits": 17-19 s for the prefill's first call at 4 layers,
 38 s at 32, 2.8 s with the cache warm).
   PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--compile-cache DIR]
-      [--backend reference|pallas|interpret] [--out DIR]
+      [--backend reference|pallas|interpret] [--order prefill,decode,generate] [--out DIR]
 With --compile-cache, JAX's persistent compilation cache holds every program in DIR: a second process with the same
 DIR shows what a user's restart waits for. On a CPU it runs with `--preset tiny` (the test uses `--layers 1,2`).
 Writes compile_times.json into --out after every depth.
@@ -87,7 +87,8 @@ def entry_points(model, T: int, B: int, prompt: int, new: int, order=ENTRY_POINT
     out = {name: first_and_warm(calls[name]) for name in order}
     out["prefill"].update(phases(jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True)),
                                  model, state1, toks, lens))
-    # a new function object (functools.partial), so that none of jax's caches from the timed calls answers
+    # a new function object (functools.partial), so that jax's in-memory caches from the timed calls do not answer
+    # (the persistent cache, when on, may: run 165's decode)
     out["decode"].update(phases(jaxgdn.model.jit(functools.partial(jaxgdn.decode_step)), model, stateB, nxt))
     return out
 
@@ -137,10 +138,9 @@ def main():
             log(f"layers {n:3d} {name:9s} first call {t['first_s']:8.2f} s, warm {t['warm_s'] * 1e3:9.1f} ms{split}")
         del model
         write(args.out, results)  # after every depth: a run cut short keeps what it measured
-    names = ENTRY_POINTS
     lo, hi = str(layer_counts[0]), str(layer_counts[-1])
     if lo != hi:
-        for name in names:
+        for name in ENTRY_POINTS:
             a, b = results["by_layers"][lo][name]["first_s"], results["by_layers"][hi][name]["first_s"]
             log(f"{name}: first call {b / a:.2f}x from {lo} to {hi} layers ({a:.2f} -> {b:.2f} s)")
     write(args.out, results)
