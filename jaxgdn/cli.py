@@ -54,7 +54,7 @@ def _compile_cache(path: str | None):
     before = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
     compilation_cache.reset_cache()  # JAX opens its cache once per process: make it open this one
     try:
-        for name, value in zip(_CACHE_SETTINGS, (os.path.abspath(path), 0.0, 0)):
+        for name, value in zip(_CACHE_SETTINGS, (os.path.abspath(path), 0.0, -1)):  # -1: no size floor
             jax.config.update(name, value)
         yield
     finally:

@@ -154,7 +154,7 @@ def use_compile_cache(path: str):
     log(f"compile cache {path}: {entries} entries before this run")
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, none set for us
     return entries
 
 
