@@ -35,10 +35,11 @@ _CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compil
 
 
 @contextlib.contextmanager
-def _compile_cache(path: str | None):
+def compile_cache(path: str | None):
     """JAX's persistent compilation cache in `path` (every program kept) for the command's duration; then JAX's
     settings as they were and its cache handle dropped, so an in-process caller (`main([...])`) is left as it was.
-    None: nothing changes (a cache JAX_COMPILATION_CACHE_DIR names stays in use)."""
+    None: nothing changes (a cache JAX_COMPILATION_CACHE_DIR names stays in use). `--compile-cache` of every command;
+    `scripts/gpu_compile_times.py` uses it too."""
     if path is None:
         yield
         return
@@ -1008,7 +1009,7 @@ def main(argv=None) -> int:
                                     f"preset's capacity of {PRESET_MAX_LENGTH} tokens")
             rc = _demo(args)
         else:
-            with _compile_cache(getattr(args, "compile_cache", None)):
+            with compile_cache(getattr(args, "compile_cache", None)):
                 rc = _COMMANDS[args.command](args, out)
         sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's exit flush (a message, status 120)
         out.commit()

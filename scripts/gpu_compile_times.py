@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxgdn  # noqa: E402
+from jaxgdn.cli import compile_cache  # noqa: E402
 from jaxgdn.config import PRESETS  # noqa: E402
 from pallas_kernels.backend import BACKENDS  # noqa: E402
 from scripts.gpu_model_bench import build, timed_calls  # noqa: E402
@@ -122,12 +123,18 @@ def main():
     depth = len(PRESETS[args.preset]().layer_types)
     if not layer_counts or min(layer_counts) < 1 or max(layer_counts) > depth:
         ap.error(f"--layers must name layer counts from 1 to the preset's {depth}; got {args.layers!r}")
-    cached = use_compile_cache(args.compile_cache) if args.compile_cache else None
+    cached = cache_entries(args.compile_cache) if args.compile_cache else None
     meta = {"compile_cache": args.compile_cache, "cache_entries_before": cached,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "jax": jax.__version__,
             "device": jax.devices()[0].device_kind, "host": platform.node(), "argv": vars(args)}
     log(json.dumps(meta))
     results = {"meta": meta, "by_layers": {}}
+    with compile_cache(args.compile_cache):  # the CLI's --compile-cache: every program kept in DIR
+        measure(args, layer_counts, order, results)
+
+
+def measure(args, layer_counts, order, results: dict):
+    """The entry points at each depth, logged and written (into `results`) after every depth; then the growth."""
     for n in layer_counts:
         model = build(args.preset, n).with_backend(args.backend)
         r = entry_points(model, args.prefill_tokens, args.decode_batch, args.prompt_tokens, args.new_tokens, order)
@@ -146,15 +153,10 @@ def main():
     write(args.out, results)
 
 
-def use_compile_cache(path: str):
-    """JAX's persistent compilation cache in `path`, keeping every program however small or quick to compile; the
-    count of entries already there (0: a cold cache) is logged and returned."""
-    os.makedirs(path, exist_ok=True)
-    entries = len(os.listdir(path))
+def cache_entries(path: str) -> int:
+    """Entries already in the compile cache `path` (0: a cold cache, or no directory yet), logged."""
+    entries = len(os.listdir(path)) if os.path.isdir(path) else 0
     log(f"compile cache {path}: {entries} entries before this run")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, none set for us
     return entries
 
 

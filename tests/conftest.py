@@ -74,9 +74,12 @@ between them); test_replay 341 s, test_chunk_kernel 273, test_replay_kernel 262,
   the noise) — none kept.
 Kept, though its gain on the whole suite is within the runs' spread: one OpenBLAS thread (`tests/xla_threads.py`:
 `single_threaded_blas`).
-So the suite's time is its compiles, and only fewer programs (fewer model variants, configurations or shapes per
-bitwise check) would bring it to the brief's 15 min; fewer layers would not (the tiny preset's kernel-backed prefill
-compiled in 4.44 s with one GDN layer against 4.81 s with three).
+So the suite's time is its compiles; fewer layers would not shorten it (the tiny preset's kernel-backed prefill
+compiled in 4.44 s with one GDN layer against 4.81 s with three), fewer programs would (fewer model variants,
+configurations or shapes per bitwise check). Later fresh-clone runs came in at 15 min 0 s and 14 min 55 s (1b90280,
+697be00) against 19 min 16 s (61e7d49) with about the same CPU time (user 28:44, 28:30 against 30:02): how long a run
+takes is also the machine's. Retiring the chunk kernel's legacy designs (`fused`, `split2`, `block16`) would save
+~40 s of test_chunk_kernel's 125 s of test time (2026-12-05): not worth the coverage.
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ def single_threaded_blas() -> None:
     against 86 s without (one run each; 79 s in a later run with it). On the whole suite no gain stands out of the
     runs' spread: three fresh-clone CI runs with it took 20 min 51 s, 20 min 22 s and 22 min 10 s (user 37:55,
     37:56, 41:17) against 21 min 5 s (user 39:22) for the commit before, the same afternoon. The claims do not
-    depend on it: every bitwise test compares two programs run in one process, and `solve_triangular` on the reference's shapes ([64, 4, 64, 64] unit lower
-    triangular systems, and a [8, 64, 300] right-hand side) gave the same bits with 1, 2 and 4 OpenBLAS threads
-    (2026-12-05)."""
+    depend on it: every bitwise test compares two programs run in one process, and `solve_triangular` on the
+    reference's shapes ([64, 4, 64, 64] unit lower triangular systems, and a [8, 64, 300] right-hand side) gave the
+    same bits with 1, 2 and 4 OpenBLAS threads (2026-12-05)."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
