@@ -1332,6 +1332,9 @@ def main():
         # option then): the default's bits, 0.99-1.03x its time — removed. Run 163: "out_fused" (the output computed
         # inside the recurrence): the default's bits, 0.97-1.07x its time
         "out_fused": dict(output="fused"),
+        # 2026-12-06 (run 168 on): qg and Aqk computed inside the recurrence too, by its producer warpgroup
+        # (docs/speed_gaps.md, item 0's form B)
+        "out_fused_intra": dict(output="fused_intra"),
         "mgpu_out": dict(output="mosaic"),
         "mgpu_out_add": dict(output="mosaic", output_order="add"),
         "mgpu_out_vn": dict(output="mosaic", output_order="vn_acc"),

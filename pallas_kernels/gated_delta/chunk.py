@@ -60,7 +60,7 @@ from .arith import fma, mul_rn
 from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
 from .output_mgpu import chunk_intra_mgpu, chunk_output_mgpu, key_norms
-from .recurrence_mgpu import state_recurrence_mgpu, state_recurrence_output_mgpu
+from .recurrence_mgpu import state_recurrence_mgpu, state_recurrence_output_intra_mgpu, state_recurrence_output_mgpu
 from .wy import CHUNK
 
 
@@ -496,8 +496,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     if cfg["recurrence"] not in ("auto", "triton", "mosaic"):
         raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
-    if cfg["output"] not in ("auto", "triton", "mosaic", "fused"):
-        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic' or 'fused'")
+    if cfg["output"] not in ("auto", "triton", "mosaic", "fused", "fused_intra"):
+        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic', 'fused' or 'fused_intra'")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
@@ -744,13 +744,19 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
-    if (cfg["output"] == "fused" and recurrence == "mosaic" and checkpoint_stride is None
+    if (cfg["output"] in ("fused", "fused_intra") and recurrence == "mosaic" and checkpoint_stride is None
             and cfg.get("stop_after") is None and _output_fits(cfg, K, V, use_l2, (q.dtype, k.dtype), v.dtype)):
-        # the output inside the recurrence: h and v_new never go through memory (`state_recurrence_output_mgpu`)
+        # the output inside the recurrence: h and v_new never go through memory (`state_recurrence_output_mgpu`;
+        # "fused_intra": qg and Aqk computed there too, `state_recurrence_output_intra_mgpu`)
         r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
-        qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
-        o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
-                                                interpret=interpret)
+        if cfg["output"] == "fused_intra":
+            o, final = state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale,
+                                                          out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
+                                                          interpret=interpret)
+        else:
+            qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
+            o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
+                                                    interpret=interpret)
         return (o[:, :T] if tp != T else o), final
     if recurrence == "mosaic":
         h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
@@ -827,7 +833,7 @@ def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype
     "fused" where the output is not computed inside the recurrence (`_recurrence_and_output`: with in-call
     checkpoints, say) takes the Triton kernel (the same bits)."""
     fits = _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)
-    choice = "triton" if cfg["output"] == "fused" else cfg["output"]
+    choice = "triton" if cfg["output"] in ("fused", "fused_intra") else cfg["output"]
     return _triton_or_mosaic("output", choice, fits, interpret, lambda: (
         f"needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared memory; at K = V = 128 outputs in "
         f"q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = 'tf32'; got "

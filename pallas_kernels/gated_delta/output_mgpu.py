@@ -97,7 +97,8 @@ def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
     plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows], gc_s, gc_bar)
     plgpu.copy_gmem_to_smem(h_gmem.at[b, hv, c], h_s, h_bar)
     plgpu.copy_gmem_to_smem(vn_gmem.at[b, hv, :, rows], vn_s, vn_bar)
-    _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar), scale)
+    qg_s[...], aqk_s[...] = _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar),
+                                   scale)
     wgmma_layout = plgpu.Layout.WGMMA
     plgpu.barrier_wait(h_bar)
     for r0 in range(0, h_s.shape[0], CHUNK):  # S_c rounded in place, 64 rows at a time (registers)
@@ -114,10 +115,13 @@ def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, bars, scale: float):
-    """The output's V-independent part of one chunk, into shared memory (module docstring): qg = q~ exp(gc) [C, K] and
-    Aqk [C, C], both rounded to TF32 to nearest (the TF32 wgmmas' operands), from q, k (16-bit, as loaded), their norms'
-    reciprocals and gc, each waited for on its barrier of `bars` (q, k, r_q, r_k, gc)."""
+def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, bars, scale: float, *, aliased: bool = False):
+    """The output's V-independent part of one chunk (module docstring): (qg = q~ exp(gc) [C, K], Aqk [C, C]) in
+    registers, for the caller to store where and when it can, both rounded to TF32 to nearest (the TF32 wgmmas'
+    operands), from q, k (16-bit, as loaded), their norms' reciprocals and gc, each waited for on its barrier of
+    `bars` (q, k, r_q, r_k, gc). q~ and k~ go to `q16_s` and `k16_s` for the 16-bit q k^T wgmma.
+    `aliased`: those two share memory with `q_s` and `k_s` (a `plgpu.RefUnion` each), so each copy is written once the
+    whole warpgroup has read the tile it replaces (`commit_smem`'s warpgroup barrier)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     q_bar, k_bar, rq_bar, rk_bar, gc_bar = bars
@@ -132,13 +136,18 @@ def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, bars, scale: f
         r = lax.broadcast_in_dim(plgpu.load(r_s, layout=row_vec), x.shape, [0])
         return jnp.where(r >= 0.0, x * r, 0.0)
 
+    def read_before_overwrite():
+        if aliased:
+            plgpu.commit_smem()
+
     k_n = normalised(k_s, rk_s, k_bar, rk_bar)
+    read_before_overwrite()
     k16_s[...] = k_n.astype(k16_s.dtype)
     q_n = normalised(q_s, rq_s, q_bar, rq_bar) * scale
     plgpu.barrier_wait(gc_bar)
     gc_row = plgpu.load(gc_s, layout=row_vec)
+    read_before_overwrite()
     q16_s[...] = q_n.astype(q16_s.dtype)
-    qg_s[...] = _tf32_rna(q_n * lax.broadcast_in_dim(jnp.exp(gc_row), q_n.shape, [0]))
     plgpu.commit_smem()
 
     def qk_dot(acc):  # q~ k~^T [C, C], 16-bit operands (`p_qk`)
@@ -152,7 +161,8 @@ def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, bars, scale: f
     gc_i = lax.broadcast_in_dim(gc_row, (CHUNK, CHUNK), [0])
     gc_j = lax.broadcast_in_dim(plgpu.load(gc_s, layout=col_vec), (CHUNK, CHUNK), [1])
     decay = jnp.exp(jnp.where(lower, gc_i - gc_j, 0.0))  # (`wy.causal_decay`)
-    aqk_s[...] = _tf32_rna(jnp.where(lower, qk * decay, 0.0))
+    return (_tf32_rna(q_n * lax.broadcast_in_dim(jnp.exp(gc_row), q_n.shape, [0])),
+            _tf32_rna(jnp.where(lower, qk * decay, 0.0)))
 
 
 def _out_dots(qg_s, h_s, aqk_s, vn_s, order: str, interpret: bool):
@@ -257,7 +267,8 @@ def _intra_kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, qg_gmem, aqk_gmem,
     plgpu.copy_gmem_to_smem(k_gmem.at[b, rows, hk, :], k_s, k_bar)
     plgpu.copy_gmem_to_smem(rk_gmem.at[b, hk, rows], rk_s, rk_bar)
     plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows], gc_s, gc_bar)
-    _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, qg_s, aqk_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar), scale)
+    qg_s[...], aqk_s[...] = _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar),
+                                   scale)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qg_s, qg_gmem.at[b, hv, rows, :])
     plgpu.copy_smem_to_gmem(aqk_s, aqk_gmem.at[b, hv, rows, :])

@@ -190,6 +190,12 @@ def _out_dots(*args):
     return dots(*args)
 
 
+def _intra(*args, **kwargs):
+    """`output_mgpu._intra` (imported here, where it is used, as `_out_dots` is)."""
+    from .output_mgpu import _intra as intra
+    return intra(*args, **kwargs)
+
+
 def _store_final(s_final, h_s, dst):
     """The final S^T [BV, K] through h's buffer (once h[NT - 1]'s store has read it) to `dst`; waits for every store."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -202,7 +208,7 @@ def _store_final(s_final, h_s, dst):
 
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, interpret: bool,
-               fused: bool = False):
+               fused: bool = False, intra: bool = False, groups: int = 1, scale: float = 1.0):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -220,10 +226,25 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     qg_s, aqk_s (loaded by the producer, one chunk at a time) and o_s in place of h_s and vn_s; `free` gains a third
     barrier (the consumer's output dots are done with qg_s and aqk_s). Per chunk, after its second dot, the consumer
     computes o = qg S_c + Aqk v_new from qg_s, aqk_s and the rounded S^T and v_new^T its own dots read (sa_s, va_s),
-    as `output_mgpu._out_dots` does in the output kernel, and stores it; the final state leaves through qg_s."""
+    as `output_mgpu._out_dots` does in the output kernel, and stores it; the final state leaves through qg_s.
+
+    `intra` (with `fused`; `state_recurrence_output_intra_mgpu`): qg and Aqk computed by the producer instead of
+    loaded (`output_mgpu._intra`, the output kernel's own code, for value head hv's key head hv // `groups`, q scaled
+    by `scale`). The refs after the inputs are then q, k [B, Tp, HK, K] (16-bit), r_q, r_k fp32 [B, HK, Tp]
+    (`output_mgpu.key_norms`; in), the final state and o (out), and the buffers: the `True` form's, with qg held in
+    w's fp32 buffer (free from chunk c's first dot until w(c + 1) is written, which waits for c's output dots), then
+    aqk_s, o_s, q and k as loaded each in a `RefUnion` with its 16-bit copy for q k^T, the producer's own r_q, r_k
+    and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if fused:
+    if intra:
+        (q_gmem, k_gmem, rq_gmem, rk_gmem, sf_gmem, o_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, aqk_s,
+         o_s, q_union, k_union, rq_s, rk_s, gcp_s, bars, ready, free) = refs
+        (q_s, q16_s), (k_s, k16_s) = q_union, k_union
+        qg_s = w_s
+        h_gmem = vn_gmem = h_s = vn_s = None
+        ut = []
+    elif fused:
         (qg_gmem, aqk_gmem, sf_gmem, o_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, qg_s, aqk_s, o_s, bars,
          ready, free) = refs
         h_gmem = vn_gmem = h_s = vn_s = None
@@ -237,7 +258,17 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
     w_ready, kd_ready = ready.at[0], ready.at[1]
     w_free, kd_free = free.at[0], free.at[1]
-    if fused:
+    if intra:
+        intra_bars = tuple(bars.at[i] for i in range(5, 10))  # q, k, r_q, r_k, gc (the producer's)
+        intra_ready, out_free = ready.at[2], free.at[2]
+        hk = hv // groups
+
+        def load_intra(c):
+            for src, dst, bar in zip((q_gmem.at[b, rows(c), hk, :], k_gmem.at[b, rows(c), hk, :],
+                                      rq_gmem.at[b, hk, rows(c)], rk_gmem.at[b, hk, rows(c)], gc_gmem.at[b, hv, rows(c)]),
+                                     (q_s, k_s, rq_s, rk_s, gcp_s), intra_bars):
+                plgpu.copy_gmem_to_smem(src, dst, bar)
+    elif fused:
         qg_bar, aqk_bar, out_free = bars.at[5], bars.at[6], free.at[2]
 
         def load_qg_aqk(c):
@@ -254,7 +285,64 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
         plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s.at[c % 2] if ut else gc_s, gc_bar)
 
-    @pl.when(wg == 1)
+    def _intra_producer():
+        """The producer of the `intra` form, a chunk ahead: qg(c + 1) and Aqk(c + 1) are computed (in registers) while
+        the consumer finishes chunk c; w(c + 1) and Aqk(c + 1) are written once c's output dots are done with w_s
+        (where qg(c) is) and aqk_s, kd(c + 1) once c's second dot is done with kd_s, qg(c + 1) once the first dot of
+        c + 1 is done with w_s. The loads of chunk c + 2's q, k, norms and gc follow the computation of c + 1 (the
+        last chunk is loaded and computed again at the end: every load is waited for)."""
+        last = nt - 1
+        plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
+        plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
+        load_intra(0)
+
+        def intra_then_load(c):  # (qg, Aqk) of chunk c, whose loads were issued; then chunk c + 1's loads
+            qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, q16_s, k16_s, intra_bars, scale, aliased=True)
+            plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
+            load_intra(jnp.minimum(c + 1, last))
+            return qg, aqk
+
+        def body(c, qg_aqk):
+            qg, aqk = qg_aqk
+            more = c + 1 < nt
+            plgpu.barrier_wait(w_bar)
+            w = w16_s[...].astype(jnp.float32)  # w [C, K] (fp16 values are TF32's)
+
+            @pl.when(c > 0)
+            def _():
+                plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with w_s (qg) and aqk_s
+
+            w_s[...] = w
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(w_ready)
+
+            @pl.when(more)
+            def _():
+                plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
+
+            aqk_s[...] = aqk
+            plgpu.barrier_wait(kd_bar)
+            plgpu.barrier_wait(kd_free)  # the consumer's second dot of c - 1 (at c = 0: its read of S0) is done
+            kd_s[...] = kd16_s.T[...].astype(jnp.float32)  # kd^T [K, C]
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(kd_ready)
+
+            @pl.when(more)
+            def _():
+                plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c + 1), :], kd16_s, kd_bar)
+
+            plgpu.barrier_wait(w_free)  # the first dot of c is done with w_s
+            qg_s[...] = qg
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(intra_ready)
+            return intra_then_load(jnp.minimum(c + 1, last))
+
+        lax.fori_loop(0, nt, body, intra_then_load(0))
+        for bar in intra_bars:  # the last loads issued
+            plgpu.barrier_wait(bar)
+        plgpu.barrier_wait(kd_free)
+        plgpu.barrier_wait(out_free)
+
     def _producer():
         plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
@@ -320,6 +408,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         if fused:
             plgpu.barrier_wait(out_free)
 
+    pl.when(wg == 1)(_intra_producer if intra else _producer)
+
     @pl.when(wg == 0)
     def _consumer():
         plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
@@ -366,8 +456,11 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             s_next = _decayed_plus(kv_dot, s, decay, interpret)
             plgpu.barrier_arrive(kd_free)
             if fused:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
-                plgpu.barrier_wait(qg_bar)
-                plgpu.barrier_wait(aqk_bar)
+                if intra:
+                    plgpu.barrier_wait(intra_ready)
+                else:
+                    plgpu.barrier_wait(qg_bar)
+                    plgpu.barrier_wait(aqk_bar)
                 o = _out_dots(qg_s, sa_s, aqk_s, va_s, "h_acc", interpret)
                 plgpu.barrier_arrive(out_free)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o(c - 1)'s store has read o_s
@@ -472,4 +565,49 @@ def state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, *, out_dt
         num_threads=2, thread_name="wg",
         **params,
     )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), qg.astype(f32), aqk.astype(f32))[::-1]
+    return o, jnp.swapaxes(s_t, -1, -2)
+
+
+def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, *, scale: float, out_dtype,
+                                       qk_dtype=jnp.float16, bv: int = 64, interpret: bool = False):
+    """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`): as
+    `state_recurrence_output_mgpu`, but qg and Aqk are computed by the producer warpgroup from q, k [B, Tp, HK, K]
+    (16-bit, as the prep reads them) and their norms' reciprocals r_q, r_k fp32 [B, HK, Tp]
+    (`output_mgpu.key_norms`), with the output kernel's own code (`output_mgpu._intra`: `scale` on q, `qk_dtype` the
+    q k^T operands), instead of read from memory. Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32
+    [B, HV, K, V]); no in-call checkpoints."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    B, HV, tp, K = w.shape
+    V = u.shape[-1]
+    HK = q.shape[2]
+    _check_shapes(tp, K, V, bv)
+    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:
+        raise ValueError(f"state_recurrence_output_intra_mgpu: w and kd must be fp16; got {w.dtype}, {kd.dtype}")
+    if (q.shape != k.shape or q.shape[:2] != (B, tp) or q.shape[3] != K or HV % HK
+            or r_q.shape != (B, HK, tp) or r_k.shape != r_q.shape or jnp.dtype(q.dtype).itemsize != 2):
+        raise ValueError(f"state_recurrence_output_intra_mgpu: q, k must be 16-bit [{B}, {tp}, HK, {K}] with HK "
+                         f"dividing {HV}, r_q, r_k [{B}, HK, {tp}]; got q {q.shape} {q.dtype}, k {k.shape}, r_q "
+                         f"{r_q.shape}, r_k {r_k.shape}")
+    nt = tp // CHUNK
+    f32 = jnp.float32
+    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    vec = plgpu.SMEM((CHUNK,), f32)
+    o, s_t = plgpu.kernel(
+        functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, fused=True, intra=True, groups=HV // HK,
+                          scale=float(scale)),
+        out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype)],
+        scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
+                       _smem(K, CHUNK), _smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), _smem(bv, K), _smem(bv, CHUNK),
+                       _smem(CHUNK, CHUNK), _smem(CHUNK, bv, dtype=out_dtype),
+                       plgpu.RefUnion(_smem(CHUNK, K, dtype=q.dtype), _smem(CHUNK, K, dtype=qk_dtype)),
+                       plgpu.RefUnion(_smem(CHUNK, K, dtype=k.dtype), _smem(CHUNK, K, dtype=qk_dtype)),
+                       vec, vec, vec,
+                       plgpu.Barrier(num_barriers=10), plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3)],
+        grid=(V // bv, HV, B),
+        grid_names=("j", "h", "b"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        num_threads=2, thread_name="wg",
+        **params,
+    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), q, k, r_q, r_k)[::-1]
     return o, jnp.swapaxes(s_t, -1, -2)

@@ -160,16 +160,19 @@ def test_shared_memory_count_and_refusal():
     chunk_gated_delta_rule_pallas(q, k, v.astype(bf16), g, beta, interpret=True, config={"output": "mosaic"})
 
 
-FUSED = dict(recurrence="mosaic", output="fused")
+FUSED_OUTPUTS = ("fused", "fused_intra")
 
 
-def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case):
+@pytest.mark.parametrize("output", FUSED_OUTPUTS)
+def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case, output):
     """config output="fused": the output computed inside the Mosaic GPU recurrence (`state_recurrence_output_mgpu`,
-    from the qg and Aqk `chunk_intra_mgpu` stores and the recurrence's own rounded S^T and v_new^T) gives the outputs
-    and final states of the Mosaic GPU recurrence and output kernels (the same arithmetic on the same operands),
-    bitwise in interpret mode, and within TOL of the default prefill. With in-call checkpoints it takes the unfused
-    kernels (the Triton output), whose outputs it then is exactly."""
+    from the qg and Aqk `chunk_intra_mgpu` stores and the recurrence's own rounded S^T and v_new^T); "fused_intra":
+    qg and Aqk computed there too, by its producer warpgroup (`state_recurrence_output_intra_mgpu`). Each gives the
+    outputs and final states of the Mosaic GPU recurrence and output kernels (the same arithmetic on the same
+    operands), bitwise in interpret mode, and within TOL of the default prefill. With in-call checkpoints it takes the
+    unfused kernels (the Triton output), whose outputs it then is exactly."""
     d = case[0]
+    FUSED = dict(recurrence="mosaic", output=output)
     fused = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
     unfused = [np.asarray(x) for x in prefill(d, LENGTHS, recurrence="mosaic", output="mosaic")]
     assert all(np.array_equal(a, b) for a, b in zip(fused, unfused))
@@ -180,11 +183,13 @@ def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case):
     assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
 
 
-def test_output_fused_row_alone_and_split_on_the_grid(case):
-    """The fused kernel's bitwise properties: a row alone equals the row in the batch, and a prefill split at 128
+@pytest.mark.parametrize("output", FUSED_OUTPUTS)
+def test_output_fused_row_alone_and_split_on_the_grid(case, output):
+    """The fused kernels' bitwise properties: a row alone equals the row in the batch, and a prefill split at 128
     (on the grid; the second call continuing from the first's final state) equals the unsplit call's outputs and
     final state."""
     d = case[0]
+    FUSED = dict(recurrence="mosaic", output=output)
     batch = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
     one = {n: d[n][1:2] for n in ("q", "k", "v", "g", "beta", "initial_state")}
     alone = [np.asarray(x) for x in prefill(one, LENGTHS[1:2], **FUSED)]
@@ -200,9 +205,12 @@ def test_output_fused_row_alone_and_split_on_the_grid(case):
 
 
 def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
-    """The recurrence with the output inside it and the qg / Aqk kernel lower for CUDA at K = V = 128, bf16 q, k and
-    outputs (the shared-memory budget: 216 KiB in the fused recurrence)."""
-    from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_mgpu
+    """The recurrence with the output inside it, the qg / Aqk kernel, and the recurrence that computes qg and Aqk
+    itself lower for CUDA at K = V = 128, bf16 q, k and outputs (the shared-memory budget, which the lowering checks:
+    216 KiB in the fused recurrence, ~219 KiB with qg and Aqk computed inside, q and k unioned with their fp16
+    copies and qg held in w's buffer)."""
+    from pallas_kernels.gated_delta.recurrence_mgpu import (state_recurrence_output_intra_mgpu,
+                                                            state_recurrence_output_mgpu)
 
     sds = jax.ShapeDtypeStruct
     B, H, T, D = 2, 4, 256, 128
@@ -215,3 +223,5 @@ def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
              sds((B, 2, T), jnp.float32), sds((B, H, T), jnp.float32))
     fn = jax.jit(functools.partial(output_mgpu.chunk_intra_mgpu, scale=D ** -0.5))
     assert "mosaic_gpu" in fn.trace(*intra).lower(lowering_platforms=("cuda",)).as_text()
+    fn = jax.jit(functools.partial(state_recurrence_output_intra_mgpu, out_dtype=jnp.bfloat16, scale=D ** -0.5))
+    assert "mosaic_gpu" in fn.trace(*rec[:5], *intra[:4]).lower(lowering_platforms=("cuda",)).as_text()
