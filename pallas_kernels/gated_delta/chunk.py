@@ -744,19 +744,28 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
-    if (cfg["output"] in ("fused", "fused_intra") and recurrence == "mosaic" and checkpoint_stride is None
+    if (cfg["output"] in ("fused", "fused_intra") and recurrence == "mosaic"
+            and (checkpoint_stride is None or cfg["output"] == "fused_intra")
             and cfg.get("stop_after") is None and _output_fits(cfg, K, V, use_l2, (q.dtype, k.dtype), v.dtype)):
         # the output inside the recurrence: h and v_new never go through memory (`state_recurrence_output_mgpu`;
-        # "fused_intra": qg and Aqk computed there too, `state_recurrence_output_intra_mgpu`)
+        # "fused_intra": qg and Aqk computed there too, and the in-call checkpoints stored by it,
+        # `state_recurrence_output_intra_mgpu`)
         r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
         if cfg["output"] == "fused_intra":
-            o, final = state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale,
-                                                          out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
-                                                          interpret=interpret)
-        else:
-            qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
-            o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
-                                                    interpret=interpret)
+            per = None if checkpoint_stride is None else checkpoint_stride // CHUNK
+            o, final, *inside = state_recurrence_output_intra_mgpu(
+                w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
+                checkpoint_chunks=per, interpret=interpret)
+            o = o[:, :T] if tp != T else o
+            if per is None:
+                return o, final
+            # the state after m * per chunks: the kernel's state at the start of chunk m * per, or the final state
+            idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
+            parts = [inside[0][:, i // per - 1] if i < nt else final for i in idx]
+            return o, final, (jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32))
+        qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
+        o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
+                                                interpret=interpret)
         return (o[:, :T] if tp != T else o), final
     if recurrence == "mosaic":
         h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],

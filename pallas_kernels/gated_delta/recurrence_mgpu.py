@@ -208,7 +208,7 @@ def _store_final(s_final, h_s, dst):
 
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, interpret: bool,
-               fused: bool = False, intra: bool = False, groups: int = 1, scale: float = 1.0):
+               fused: bool = False, intra: bool = False, groups: int = 1, scale: float = 1.0, ck_per: int = 0):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -234,12 +234,17 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     (`output_mgpu.key_norms`; in), the final state and o (out), and the buffers: the `True` form's, with qg held in
     w's fp32 buffer (free from chunk c's first dot until w(c + 1) is written, which waits for c's output dots), then
     aqk_s, o_s, q and k as loaded each in a `RefUnion` with its 16-bit copy for q k^T, the producer's own r_q, r_k
-    and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done)."""
+    and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done). With
+    `ck_per` (> 0) an output after o, ck [B, HV, M, V, K], takes the exact state S^T at the start of every chunk
+    c = m ck_per (0 < c < NT; M = (NT - 1) // ck_per), as h[c] holds it: written unrounded through sa_s and stored
+    before sa_s takes the rounded S^T (the consumer waits for that store to read it)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if intra:
-        (q_gmem, k_gmem, rq_gmem, rk_gmem, sf_gmem, o_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, aqk_s,
-         o_s, q_union, k_union, rq_s, rk_s, gcp_s, bars, ready, free) = refs
+        q_gmem, k_gmem, rq_gmem, rk_gmem, sf_gmem, o_gmem, *refs = refs
+        ck_gmem = refs.pop(0) if ck_per else None
+        (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, aqk_s, o_s, q_union, k_union, rq_s, rk_s, gcp_s, bars,
+         ready, free) = refs
         (q_s, q16_s), (k_s, k16_s) = q_union, k_union
         qg_s = w_s
         h_gmem = vn_gmem = h_s = vn_s = None
@@ -420,6 +425,14 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.barrier_arrive(kd_free)
 
         def body(c, s):
+            if intra and ck_per:
+                @pl.when(jnp.logical_and(c % ck_per == 0, c > 0))
+                def _():  # the exact state at a checkpoint (sa_s is free: c - 1's output dots are done)
+                    sa_s[...] = s
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(sa_s, ck_gmem.at[b, hv, c // ck_per - 1, cols, :])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
             out.h(c, s)
             plgpu.barrier_wait(w_ready)
 
@@ -569,13 +582,15 @@ def state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, *, out_dt
 
 
 def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, *, scale: float, out_dtype,
-                                       qk_dtype=jnp.float16, bv: int = 64, interpret: bool = False):
+                                       qk_dtype=jnp.float16, checkpoint_chunks: int | None = None, bv: int = 64,
+                                       interpret: bool = False):
     """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`): as
     `state_recurrence_output_mgpu`, but qg and Aqk are computed by the producer warpgroup from q, k [B, Tp, HK, K]
     (16-bit, as the prep reads them) and their norms' reciprocals r_q, r_k fp32 [B, HK, Tp]
     (`output_mgpu.key_norms`), with the output kernel's own code (`output_mgpu._intra`: `scale` on q, `qk_dtype` the
     q k^T operands), instead of read from memory. Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32
-    [B, HV, K, V]); no in-call checkpoints."""
+    [B, HV, K, V]), and with `checkpoint_chunks` (n > 0) the exact state at the start of every chunk c = m n inside
+    the call (0 < c < NT), fp32 [B, (NT - 1) // n, HV, K, V]: the states the unfused recurrence stores in h there."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
@@ -590,13 +605,20 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
                          f"dividing {HV}, r_q, r_k [{B}, HK, {tp}]; got q {q.shape} {q.dtype}, k {k.shape}, r_q "
                          f"{r_q.shape}, r_k {r_k.shape}")
     nt = tp // CHUNK
+    if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
+        raise ValueError(f"state_recurrence_output_intra_mgpu: checkpoint_chunks must be a positive int or None; got "
+                         f"{checkpoint_chunks!r}")
+    n_ck = (nt - 1) // checkpoint_chunks if checkpoint_chunks else 0
+    per = checkpoint_chunks if n_ck else 0  # (none inside the call: the kernel stores none)
     f32 = jnp.float32
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     vec = plgpu.SMEM((CHUNK,), f32)
-    o, s_t = plgpu.kernel(
+    ck_type = [jax.ShapeDtypeStruct((B, HV, n_ck, V, K), f32)] if per else []
+    s_t, o, *ck = plgpu.kernel(
         functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, fused=True, intra=True, groups=HV // HK,
-                          scale=float(scale)),
-        out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype)],
+                          scale=float(scale), ck_per=per),
+        out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype),
+                  *ck_type],
         scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
                        _smem(K, CHUNK), _smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), _smem(bv, K), _smem(bv, CHUNK),
                        _smem(CHUNK, CHUNK), _smem(CHUNK, bv, dtype=out_dtype),
@@ -609,5 +631,8 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         num_threads=2, thread_name="wg",
         **params,
-    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), q, k, r_q, r_k)[::-1]
-    return o, jnp.swapaxes(s_t, -1, -2)
+    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), q, k, r_q, r_k)
+    out = (o, jnp.swapaxes(s_t, -1, -2))
+    if checkpoint_chunks is None:
+        return out
+    return out + (jnp.swapaxes(ck[0], -1, -2).transpose(0, 2, 1, 3, 4) if per else jnp.zeros((B, 0, HV, K, V), f32),)

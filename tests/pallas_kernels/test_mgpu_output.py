@@ -170,7 +170,10 @@ def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case, out
     qg and Aqk computed there too, by its producer warpgroup (`state_recurrence_output_intra_mgpu`). Each gives the
     outputs and final states of the Mosaic GPU recurrence and output kernels (the same arithmetic on the same
     operands), bitwise in interpret mode, and within TOL of the default prefill. With in-call checkpoints it takes the
-    unfused kernels (the Triton output), whose outputs it then is exactly."""
+    unfused kernels (the Triton output), whose outputs it then is exactly; "fused_intra" stores the checkpoints itself
+    (the exact state at their chunks' starts) and keeps computing the output inside: its outputs, final states and
+    checkpoints equal the unfused Mosaic GPU kernels' bit for bit, a checkpoint at the call's end (T = 128 with
+    stride 64: the final state) included."""
     d = case[0]
     FUSED = dict(recurrence="mosaic", output=output)
     fused = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
@@ -178,9 +181,18 @@ def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case, out
     assert all(np.array_equal(a, b) for a, b in zip(fused, unfused))
     ref = [np.asarray(x) for x in prefill(d, LENGTHS)]
     assert rel(fused[0][:, :T], ref[0]) <= TOL and rel(fused[1], ref[1]) <= TOL
+    unfused = dict(recurrence="mosaic", output="mosaic" if output == "fused_intra" else "triton")
     with_ck = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, **FUSED)]
-    want = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, recurrence="mosaic")]
+    want = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, **unfused)]
+    assert with_ck[2].shape == (3, 2, HV, K, V)
     assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
+    if output == "fused_intra":
+        first = dict({n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}, initial_state=d["initial_state"])
+        lengths = [min(n, 128) for n in LENGTHS]
+        with_ck = [np.asarray(x) for x in prefill(first, lengths, checkpoint_stride=64, **FUSED)]
+        want = [np.asarray(x) for x in prefill(first, lengths, checkpoint_stride=64, **unfused)]
+        assert with_ck[2].shape == (3, 2, HV, K, V) and np.array_equal(with_ck[2][:, 1], with_ck[1])
+        assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
 
 
 @pytest.mark.parametrize("output", FUSED_OUTPUTS)
@@ -223,5 +235,7 @@ def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
              sds((B, 2, T), jnp.float32), sds((B, H, T), jnp.float32))
     fn = jax.jit(functools.partial(output_mgpu.chunk_intra_mgpu, scale=D ** -0.5))
     assert "mosaic_gpu" in fn.trace(*intra).lower(lowering_platforms=("cuda",)).as_text()
-    fn = jax.jit(functools.partial(state_recurrence_output_intra_mgpu, out_dtype=jnp.bfloat16, scale=D ** -0.5))
-    assert "mosaic_gpu" in fn.trace(*rec[:5], *intra[:4]).lower(lowering_platforms=("cuda",)).as_text()
+    for per in (None, 2):  # (with in-call checkpoints every 2 chunks)
+        fn = jax.jit(functools.partial(state_recurrence_output_intra_mgpu, out_dtype=jnp.bfloat16, scale=D ** -0.5,
+                                       checkpoint_chunks=per))
+        assert "mosaic_gpu" in fn.trace(*rec[:5], *intra[:4]).lower(lowering_platforms=("cuda",)).as_text()
