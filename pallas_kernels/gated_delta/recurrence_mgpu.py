@@ -466,16 +466,31 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             def kv_dot(acc):
                 plgpu.wgmma(acc, va_s, kd_s.T)  # += v_new^T kd = (kd^T v_new)^T [BV, K]
 
-            s_next = _decayed_plus(kv_dot, s, decay, interpret)
-            plgpu.barrier_arrive(kd_free)
+            if intra and not interpret:  # the second dot and the output's two in flight together, one wait for all
+                plgpu.barrier_wait(intra_ready)
+
+                def three_dots(accs):
+                    acc_s, acc_o = accs
+                    kv_dot(acc_s)
+                    plgpu.wgmma(acc_o, qg_s, sa_s.T)  # o = qg S_c (onto zeros, as a fresh accumulator) ...
+                    plgpu.wgmma(acc_o, aqk_s, va_s.T)  # ... + Aqk v_new: `_out_dots`' "h_acc" order
+
+                s_next, o = pl.run_state(three_dots)((plgpu.ACC.init(s * decay),
+                                                      plgpu.ACC.init(jnp.zeros((CHUNK, bv), jnp.float32))))
+                plgpu.barrier_arrive(kd_free)
+                plgpu.barrier_arrive(out_free)
+            else:
+                s_next = _decayed_plus(kv_dot, s, decay, interpret)
+                plgpu.barrier_arrive(kd_free)
             if fused:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
-                if intra:
-                    plgpu.barrier_wait(intra_ready)
-                else:
+                if not intra:
                     plgpu.barrier_wait(qg_bar)
                     plgpu.barrier_wait(aqk_bar)
-                o = _out_dots(qg_s, sa_s, aqk_s, va_s, "h_acc", interpret)
-                plgpu.barrier_arrive(out_free)
+                if not intra or interpret:
+                    if intra:
+                        plgpu.barrier_wait(intra_ready)
+                    o = _out_dots(qg_s, sa_s, aqk_s, va_s, "h_acc", interpret)
+                    plgpu.barrier_arrive(out_free)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o(c - 1)'s store has read o_s
                 o_s[...] = o.astype(o_s.dtype)
                 plgpu.commit_smem()
