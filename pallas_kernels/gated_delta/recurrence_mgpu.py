@@ -478,19 +478,15 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                 s_next, o = pl.run_state(three_dots)((plgpu.ACC.init(s * decay),
                                                       plgpu.ACC.init(jnp.zeros((CHUNK, bv), jnp.float32))))
                 plgpu.barrier_arrive(kd_free)
-                plgpu.barrier_arrive(out_free)
             else:
                 s_next = _decayed_plus(kv_dot, s, decay, interpret)
                 plgpu.barrier_arrive(kd_free)
-            if fused:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
-                if not intra:
-                    plgpu.barrier_wait(qg_bar)
-                    plgpu.barrier_wait(aqk_bar)
-                if not intra or interpret:
-                    if intra:
-                        plgpu.barrier_wait(intra_ready)
+                if fused:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
+                    for bar in (intra_ready,) if intra else (qg_bar, aqk_bar):
+                        plgpu.barrier_wait(bar)
                     o = _out_dots(qg_s, sa_s, aqk_s, va_s, "h_acc", interpret)
-                    plgpu.barrier_arrive(out_free)
+            if fused:
+                plgpu.barrier_arrive(out_free)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o(c - 1)'s store has read o_s
                 o_s[...] = o.astype(o_s.dtype)
                 plgpu.commit_smem()
