@@ -170,19 +170,27 @@ from .wy import CHUNK
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
 # (Runs 158-159, 2026-12-05: the Mosaic GPU recurrence storing h and v_new TF32-rounded, config recurrence_stores="tf32"
 # then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
-# output: which kernel runs the split design's output kernel: "triton" (default: `_out_kernel`), "mosaic" (the same
-# arithmetic as a Pallas Mosaic GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel,
-# `key_norms`, so that their row sums add in Triton's order), "auto" ("mosaic" on a Hopper GPU where it applies:
-# `_output_kernel`) or "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the output
+# output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
+# "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (512)
+# programs, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic GPU kernel,
+# `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel, `key_norms`, so that their row sums add in
+# Triton's order), "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the output
 # computed inside the recurrence, `recurrence_mgpu.state_recurrence_output_mgpu`, from the qg and Aqk that
-# `output_mgpu.chunk_intra_mgpu` stores; h and v_new never go through memory; elsewhere as "triton"). "mosaic": the
-# same bits as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output
+# `output_mgpu.chunk_intra_mgpu` stores; h and v_new never go through memory; elsewhere as "triton") or
+# "fused_intra" (where the Mosaic GPU recurrence runs: the output and qg and Aqk computed inside it, and the in-call
+# checkpoints stored by it, `recurrence_mgpu.state_recurrence_output_intra_mgpu`; elsewhere as "triton"). "mosaic":
+# the same bits as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output
 # alone, `key_norms` included). "fused": the same bits as the default on an H100 (run 163: outputs and final states
 # in every element on three shapes, with and without checkpoints), the prefill 1.066x / 1.009x / 0.967x / 0.999x the
 # default's time at the four bar shapes: qg and Aqk read from memory cost what h and v_new's stores did
-# (docs/speed_gaps.md, item 0), so not the default. output_order: how the Mosaic GPU kernel adds its two dots
-# (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
-# does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
+# (docs/speed_gaps.md, item 0). "fused_intra": the same bits as "triton" (outputs, final states and in-call
+# checkpoints in every element on three shapes on an H100 and an H200, runs 168-169, and the chunk bitwise checks on
+# the H200: five of the six; the sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill time at (8, 4096, 16, 32) on an H100 / an H200 (512 programs)
+# but 1.15x at the three B = 1 shapes (64 programs: the chain is latency-bound, and the output kernel's own grid
+# fills the GPU); hence "auto"'s rule (between 64 and 512 programs nothing was measured). output_order: how the
+# Mosaic GPU kernels add the output's two dots (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial
+# accumulator of Aqk v_new, as the H200's Triton code does), "add" or "vn_acc" (each differs from Triton's bits in a
+# few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -206,7 +214,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", output="triton", output_order="h_acc",
+    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=512, output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -498,6 +506,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
     if cfg["output"] not in ("auto", "triton", "mosaic", "fused", "fused_intra"):
         raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic', 'fused' or 'fused_intra'")
+    if type(cfg["fused_min_programs"]) is not int or cfg["fused_min_programs"] < 1:
+        raise ValueError(f"fused_min_programs={cfg['fused_min_programs']!r}: expected a positive int")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
@@ -744,14 +754,14 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
-    if (cfg["output"] in ("fused", "fused_intra") and recurrence == "mosaic"
-            and (checkpoint_stride is None or cfg["output"] == "fused_intra")
-            and cfg.get("stop_after") is None and _output_fits(cfg, K, V, use_l2, (q.dtype, k.dtype), v.dtype)):
+    fused = _output_in_recurrence(cfg, recurrence, B, HV, K, V, use_l2, (q.dtype, k.dtype), v.dtype,
+                                  checkpoint_stride, interpret)
+    if fused:
         # the output inside the recurrence: h and v_new never go through memory (`state_recurrence_output_mgpu`;
         # "fused_intra": qg and Aqk computed there too, and the in-call checkpoints stored by it,
         # `state_recurrence_output_intra_mgpu`)
         r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
-        if cfg["output"] == "fused_intra":
+        if fused == "fused_intra":
             per = None if checkpoint_stride is None else checkpoint_stride // CHUNK
             o, final, *inside = state_recurrence_output_intra_mgpu(
                 w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
@@ -836,13 +846,31 @@ def _output_fits(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype) 
             and cfg["bv_out"] >= V and cfg["p_qk"] in ("fp16", "bf16") and cfg["p_qs"] == cfg["p_av"] == "tf32")
 
 
+def _output_in_recurrence(cfg: dict, recurrence: str, B: int, HV: int, K: int, V: int, use_l2: bool, qk_dtypes,
+                          out_dtype, checkpoint_stride, interpret: bool) -> str | None:
+    """"fused" or "fused_intra" where the output is computed inside the Mosaic GPU recurrence (config `output`), else
+    None (the recurrence stores h and v_new and an output kernel runs). Only where the Mosaic GPU recurrence runs and
+    the output's arithmetic fits (`_output_fits`); "fused" without in-call checkpoints; "auto" (default) takes
+    "fused_intra" on the GPU where the recurrence's grid (V / 64, HV, B) has at least `fused_min_programs` programs
+    (where it was measured faster: BENCHMARKS.md runs 168-169; on smaller grids the chain is latency-bound and the
+    output kernel's own grid is faster)."""
+    choice = cfg["output"]
+    if (recurrence != "mosaic" or cfg.get("stop_after") is not None
+            or not _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)):
+        return None
+    if choice == "auto":
+        choice = "fused_intra" if not interpret and B * HV * (V // 64) >= cfg["fused_min_programs"] else None
+    if choice == "fused" and checkpoint_stride is not None:
+        return None
+    return choice if choice in ("fused", "fused_intra") else None
+
+
 def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype, interpret: bool) -> str:
-    """"triton" or "mosaic": which kernel computes the split design's output (config `output`). "auto" takes the
-    Mosaic GPU kernel on a Hopper GPU where it applies; an explicit "mosaic" where it cannot apply is refused;
-    "fused" where the output is not computed inside the recurrence (`_recurrence_and_output`: with in-call
-    checkpoints, say) takes the Triton kernel (the same bits)."""
+    """"triton" or "mosaic": which kernel computes the split design's output where it is not computed inside the
+    recurrence (`_output_in_recurrence`; config `output`). "mosaic" where asked (refused where it cannot apply);
+    otherwise, "auto", "fused" and "fused_intra" included, the Triton kernel (the same bits)."""
     fits = _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)
-    choice = "triton" if cfg["output"] in ("fused", "fused_intra") else cfg["output"]
+    choice = "triton" if cfg["output"] in ("auto", "fused", "fused_intra") else cfg["output"]
     return _triton_or_mosaic("output", choice, fits, interpret, lambda: (
         f"needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared memory; at K = V = 128 outputs in "
         f"q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = 'tf32'; got "

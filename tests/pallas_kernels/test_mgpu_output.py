@@ -239,3 +239,29 @@ def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
         fn = jax.jit(functools.partial(state_recurrence_output_intra_mgpu, out_dtype=jnp.bfloat16, scale=D ** -0.5,
                                        checkpoint_chunks=per))
         assert "mosaic_gpu" in fn.trace(*rec[:5], *intra[:4]).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
+    """output="auto" (default): "fused_intra" where the Mosaic GPU recurrence runs (not in interpret mode) on a grid
+    of at least `fused_min_programs` programs (V / 64 x HV x B), else the output kernel (None); explicit "fused"
+    gives way to the output kernel where in-call checkpoints are asked, "fused_intra" does not; neither applies off
+    the Mosaic GPU recurrence or where the output's arithmetic does not fit (fp32 q and k here)."""
+    from pallas_kernels.gated_delta import chunk
+
+    bf16 = jnp.bfloat16
+
+    def pick(B, HV=32, V=128, recurrence="mosaic", stride=None, interpret=False, dtypes=(bf16, bf16), **config):
+        cfg = chunk._checked_config(dict(config), V)
+        return chunk._output_in_recurrence(cfg, recurrence, B, HV, 128, V, True, dtypes, bf16, stride, interpret)
+
+    assert pick(8) == "fused_intra" and pick(8, stride=256) == "fused_intra"  # 512 programs
+    assert pick(7) is None and pick(1) is None  # 448, 64
+    assert pick(1, fused_min_programs=64) == "fused_intra" and pick(1, V=64, fused_min_programs=64) is None
+    assert pick(8, interpret=True) is None and pick(8, recurrence="triton") is None
+    assert pick(8, dtypes=(jnp.float32, jnp.float32)) is None
+    assert pick(1, output="fused") == "fused" and pick(1, output="fused", stride=256) is None
+    assert pick(1, output="fused_intra", interpret=True, stride=64) == "fused_intra"
+    assert pick(8, output="triton") is None and pick(8, output="mosaic") is None
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="fused_min_programs"):
+            chunk._checked_config(dict(fused_min_programs=bad), 128)
