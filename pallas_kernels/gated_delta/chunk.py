@@ -22,6 +22,10 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
    Config `output="mosaic"` runs it as a Pallas Mosaic GPU kernel instead (`output_mgpu.py`: the same bits on the
    H200, slower). In-call checkpoints are exact copies of h at the requested chunk starts (or of the final state).
+   On a Hopper GPU, on grids of at least `fused_min_programs` recurrence programs (config `output="auto"`, the
+   default), 2. and 3. are one Mosaic GPU kernel instead (`recurrence_mgpu.state_recurrence_output_intra_mgpu`):
+   the output, its qg and Aqk and the checkpoints computed inside the recurrence, h and v_new never in memory; the
+   same bits.
 
 "fused" (two kernels: the output computed inside the recurrence, four dots per chunk on the sequential path):
 1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
