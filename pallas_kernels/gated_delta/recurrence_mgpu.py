@@ -21,7 +21,9 @@ converting w and kd in shared memory between its own dots; or two (`_kernel_ws`)
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
 `state_recurrence_output_mgpu` runs the `True` form with the output computed in the kernel instead of h and v_new
-stored (`_kernel_ws`'s `fused`; config `output="fused"`).
+stored (`_kernel_ws`'s `fused`; config `output="fused"`), from qg and Aqk read from memory;
+`state_recurrence_output_intra_mgpu` computes those too, on the producer warpgroup (`intra`; config
+`output="fused_intra"`, and the prefill's default on large grids: `chunk._output_in_recurrence`).
 
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
 runs 126-130): every element is the same products summed over the same axis in the same k order by TF32 wgmma
