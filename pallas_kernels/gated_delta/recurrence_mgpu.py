@@ -292,6 +292,17 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
         plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows(c)], gc_s.at[c % 2] if ut else gc_s, gc_bar)
 
+    def convert_kd_then_load(c, more):  # (the producers') kd(c) into kd^T's fp32 buffer, then kd(c + 1)'s load
+        plgpu.barrier_wait(kd_bar)
+        plgpu.barrier_wait(kd_free)  # the consumer's second dot of c - 1 (at c = 0: its read of S0) is done
+        kd_s[...] = kd16_s.T[...].astype(jnp.float32)  # kd^T [K, C]
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(kd_ready)
+
+        @pl.when(more)
+        def _():
+            plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c + 1), :], kd16_s, kd_bar)
+
     def _intra_producer():
         """The producer of the `intra` form, a chunk ahead: qg(c + 1) and Aqk(c + 1) are computed (in registers) while
         the consumer finishes chunk c; w(c + 1) and Aqk(c + 1) are written once c's output dots are done with w_s
@@ -328,15 +339,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                 plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
 
             aqk_s[...] = aqk
-            plgpu.barrier_wait(kd_bar)
-            plgpu.barrier_wait(kd_free)  # the consumer's second dot of c - 1 (at c = 0: its read of S0) is done
-            kd_s[...] = kd16_s.T[...].astype(jnp.float32)  # kd^T [K, C]
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(kd_ready)
-
-            @pl.when(more)
-            def _():
-                plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c + 1), :], kd16_s, kd_bar)
+            convert_kd_then_load(c, more)
 
             plgpu.barrier_wait(w_free)  # the first dot of c is done with w_s
             qg_s[...] = qg
@@ -398,15 +401,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                 def _():
                     load_u_gc(c + 1)
 
-            plgpu.barrier_wait(kd_bar)
-            plgpu.barrier_wait(kd_free)  # the consumer's second dot of c - 1 (at c = 0: its read of S0) is done
-            kd_s[...] = kd16_s.T[...].astype(jnp.float32)  # kd^T [K, C]
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(kd_ready)
-
-            @pl.when(more)
-            def _():
-                plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c + 1), :], kd16_s, kd_bar)
+            convert_kd_then_load(c, more)
 
         plgpu.barrier_wait(w_free)  # the last chunk's dots (every arrival observed before the barriers go)
         plgpu.barrier_wait(kd_free)
