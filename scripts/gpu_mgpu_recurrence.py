@@ -20,6 +20,8 @@ import datetime
 import functools
 import json
 import os
+import signal
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -163,7 +165,8 @@ def script_args(extra=None):
 
 def run_and_save(out: str, body) -> None:
     """`body(results)` with results = {meta, checks: [], timing: []}, then results.json in `out` (also when body
-    raises: what ran is kept)."""
+    raises, or the process gets SIGTERM, as `timeout` sends: what ran is kept)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     results = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                              jax=jax.__version__, device=jax.devices()[0].device_kind), checks=[], timing=[])
     log(json.dumps(results["meta"]))

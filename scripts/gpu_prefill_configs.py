@@ -2,14 +2,16 @@
 their times, interleaved in one process, with and without in-call checkpoints (what the prefix cache asks for).
 
 Run on the GPU machine from the repo root (nothing to install):
-  PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"default": {}, "fused": {"output": "fused"}}'
-      [--stride 256] [--shapes B,T,HK,HV;...] [--no-stride-timing] [--out DIR]
+  PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"triton": {"output": "triton"}, "default": {}}'
+      [--stride 256] [--shapes B,T,HK,HV;...] [--timing-shapes B,T,HK,HV;...] [--no-checks] [--no-stride-timing]
+      [--out DIR]
 Checks (bf16 q / k / v, realistic gates, a random initial state, rows of different lengths, shapes (2, 300, 2, 4),
 (3, 1000, 16, 32), (1, 8192, 16, 32)): each configuration's outputs and final state without checkpoints, and its
-outputs, final state and checkpoints every --stride tokens, against the first configuration's, element by element. Timing: the four bar shapes of issue 3 (full rows, no initial
-state), each configuration timed without and with checkpoints every --stride tokens; medians of 7 x 10 back-to-back
-calls (`gpu_kernels.bench_jax`), the configurations taking turns per shape. Exit status 0 whatever it finds (a
-measurement); results.json into --out.
+outputs, final state and checkpoints every --stride tokens, against the first configuration's, element by element.
+Timing: the four bar shapes of issue 3, or --timing-shapes (full rows, no initial state), each configuration timed
+without and with checkpoints every --stride tokens; medians of 7 x 10 back-to-back calls (`gpu_kernels.bench_jax`),
+the configurations taking turns per shape. Exit status 0 whatever it finds (a measurement); results.json into --out,
+also when a `timeout` stops it (what ran is kept).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def checks(configs, stride, shapes, results):
                 results["checks"].append(dict(shape=shp, config=n, stride=st, rows=rows))
 
 
-def timing(configs, stride, results):
-    for shp in TIMING_SHAPES:
+def timing(configs, stride, shapes, results):
+    for shp in shapes:
         q, k, v, g, beta, _, _ = inputs(*shp)
         row = dict(shape=shp, ms={})
         for st in (None, stride) if stride else (None,):
@@ -67,11 +69,27 @@ def timing(configs, stride, results):
         del q, k, v, g, beta
 
 
+def _shapes(text: str, default, flag: str):
+    """'B,T,HK,HV;...' as a list of 4-tuples of positive ints (HK dividing HV), or `default` for ''."""
+    if not text:
+        return default
+    try:
+        shapes = [tuple(int(x) for x in part.split(",")) for part in text.split(";")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 4 or min(s) < 1 or s[3] % s[2] for s in shapes):
+        raise SystemExit(f"{flag} {text!r}: shapes B,T,HK,HV (positive ints, HK dividing HV) separated by ';'")
+    return shapes
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", required=True, help="JSON {name: config overrides}; the first is the baseline")
     ap.add_argument("--stride", type=int, default=256, help="checkpoint stride (a multiple of 64)")
     ap.add_argument("--shapes", default="", help="check shapes B,T,HK,HV separated by ';' (default: a fixed set)")
+    ap.add_argument("--timing-shapes", default="",
+                    help="timing shapes B,T,HK,HV separated by ';' (default: issue 3's four bar shapes)")
+    ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-stride-timing", action="store_true", help="time without checkpoints only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -81,13 +99,15 @@ def main():
         raise SystemExit("--configs: a JSON object of at least two {name: {config key: value}} entries")
     if args.stride <= 0 or args.stride % 64:
         raise SystemExit(f"--stride {args.stride}: a positive multiple of 64")
-    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else CHECK_SHAPES)
+    shapes = _shapes(args.shapes, CHECK_SHAPES, "--shapes")
+    timing_shapes = _shapes(args.timing_shapes, TIMING_SHAPES, "--timing-shapes")
 
     def body(results):
         results["meta"]["configs"] = configs
-        checks(configs, args.stride, shapes, results)
+        if not args.no_checks:
+            checks(configs, args.stride, shapes, results)
         if not args.no_timing:
-            timing(configs, None if args.no_stride_timing else args.stride, results)
+            timing(configs, None if args.no_stride_timing else args.stride, timing_shapes, results)
 
     run_and_save(args.out, body)
 

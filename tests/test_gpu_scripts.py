@@ -36,9 +36,11 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_compile_times.py", "--layers", "4,x", "--layers must be a comma list of integers"),
     ("gpu_compile_times.py", "--layers", "4,33", "--layers must name layer counts from 1 to the preset's 32"),
     ("gpu_compile_times.py", "--order", "generate,prefill", "--order must name prefill, decode, generate once each"),
+    ("gpu_prefill_configs.py", "--timing-shapes", "8,4096,16,30", "--timing-shapes '8,4096,16,30': shapes B,T,HK,HV"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
-    r = _run([str(ROOT / "scripts" / script), flag, bad, "--out", str(tmp_path)], tmp_path)
+    more = ["--configs", '{"a": {}, "b": {}}'] if script == "gpu_prefill_configs.py" else []
+    r = _run([str(ROOT / "scripts" / script), flag, bad, *more, "--out", str(tmp_path)], tmp_path)
     assert r.returncode != 0 and known in r.stderr, r.stderr[-2000:]
     assert not any((tmp_path / name).exists() for name in ("model_bench.json", "results.json", "compile_times.json"))
 
@@ -238,3 +240,20 @@ def test_cache_memory_script(tmp_path):
     assert (cold["entries"], cold["positions"], warm["cached_tokens"]) == (5, [64, 320], 320)
     for row in (cold, warm):
         assert row["gdn_bytes"] < row["cache_nbytes"] < row["own_copies_bytes"]
+
+
+def test_gpu_results_are_kept_when_a_timeout_stops_the_script(tmp_path):
+    """`run_and_save` (the Mosaic GPU scripts' and gpu_prefill_configs.py's results.json): a SIGTERM, as `timeout`
+    sends at its limit, still writes what ran."""
+    code = (
+        "import os, signal, sys\n"
+        "from scripts.gpu_mgpu_recurrence import run_and_save\n"
+        "def body(results):\n"
+        "    results['timing'].append({'shape': [1, 64, 1, 1], 'ms': 1.0})\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    results['timing'].append('never')\n"
+        f"run_and_save({str(tmp_path)!r}, body)\n")
+    r = _run(["-c", code], tmp_path)
+    assert r.returncode == 128 + 15, r.stderr[-2000:]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["timing"] == [{"shape": [1, 64, 1, 1], "ms": 1.0}] and saved["seconds"] >= 0
