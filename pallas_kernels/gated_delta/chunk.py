@@ -176,7 +176,7 @@ from .wy import CHUNK
 # then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
 # output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
 # "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (512)
-# programs, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic GPU kernel,
+# programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic GPU kernel,
 # `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel, `key_norms`, so that their row sums add in
 # Triton's order), "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the output
 # computed inside the recurrence, `recurrence_mgpu.state_recurrence_output_mgpu`, from the qg and Aqk that
@@ -856,14 +856,15 @@ def _output_in_recurrence(cfg: dict, recurrence: str, B: int, HV: int, K: int, V
     None (the recurrence stores h and v_new and an output kernel runs). Only where the Mosaic GPU recurrence runs and
     the output's arithmetic fits (`_output_fits`); "fused" without in-call checkpoints; "auto" (default) takes
     "fused_intra" on the GPU where the recurrence's grid (V / 64, HV, B) has at least `fused_min_programs` programs
-    (where it was measured faster: BENCHMARKS.md runs 168-169; on smaller grids the chain is latency-bound and the
-    output kernel's own grid is faster)."""
+    and K = V = 128 (where it was measured, and faster: BENCHMARKS.md runs 168-169; on smaller grids the chain is
+    latency-bound and the output kernel's own grid is faster; other head sizes were not run on a GPU)."""
     choice = cfg["output"]
     if (recurrence != "mosaic" or cfg.get("stop_after") is not None
             or not _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)):
         return None
     if choice == "auto":
-        choice = "fused_intra" if not interpret and B * HV * (V // 64) >= cfg["fused_min_programs"] else None
+        big = B * HV * (V // 64) >= cfg["fused_min_programs"]
+        choice = "fused_intra" if not interpret and K == V == 128 and big else None
     if choice == "fused" and checkpoint_stride is not None:
         return None
     return choice if choice in ("fused", "fused_intra") else None

@@ -243,20 +243,23 @@ def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
 
 def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
     """output="auto" (default): "fused_intra" where the Mosaic GPU recurrence runs (not in interpret mode) on a grid
-    of at least `fused_min_programs` programs (V / 64 x HV x B), else the output kernel (None); explicit "fused"
+    of at least `fused_min_programs` programs (V / 64 x HV x B) at K = V = 128, else the output kernel (None); explicit "fused"
     gives way to the output kernel where in-call checkpoints are asked, "fused_intra" does not; neither applies off
     the Mosaic GPU recurrence or where the output's arithmetic does not fit (fp32 q and k here)."""
     from pallas_kernels.gated_delta import chunk
 
     bf16 = jnp.bfloat16
 
-    def pick(B, HV=32, V=128, recurrence="mosaic", stride=None, interpret=False, dtypes=(bf16, bf16), **config):
+    def pick(B, HV=32, K=128, V=128, recurrence="mosaic", stride=None, interpret=False, dtypes=(bf16, bf16),
+             **config):
         cfg = chunk._checked_config(dict(config), V)
-        return chunk._output_in_recurrence(cfg, recurrence, B, HV, 128, V, True, dtypes, bf16, stride, interpret)
+        return chunk._output_in_recurrence(cfg, recurrence, B, HV, K, V, True, dtypes, bf16, stride, interpret)
 
     assert pick(8) == "fused_intra" and pick(8, stride=256) == "fused_intra"  # 512 programs
     assert pick(7) is None and pick(1) is None  # 448, 64
-    assert pick(1, fused_min_programs=64) == "fused_intra" and pick(1, V=64, fused_min_programs=64) is None
+    assert pick(1, fused_min_programs=64) == "fused_intra" and pick(1, V=64, fused_min_programs=32) is None
+    assert pick(8, K=64) is None and pick(16, V=64) is None  # (head sizes not run on a GPU)
+    assert pick(8, K=64, output="fused_intra") == "fused_intra"
     assert pick(8, interpret=True) is None and pick(8, recurrence="triton") is None
     assert pick(8, dtypes=(jnp.float32, jnp.float32)) is None
     assert pick(1, output="fused") == "fused" and pick(1, output="fused", stride=256) is None
