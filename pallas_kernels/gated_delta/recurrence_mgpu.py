@@ -612,6 +612,9 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         raise ValueError(f"state_recurrence_output_intra_mgpu: q, k must be 16-bit [{B}, {tp}, HK, {K}] with HK "
                          f"dividing {HV}, r_q, r_k [{B}, HK, {tp}]; got q {q.shape} {q.dtype}, k {k.shape}, r_q "
                          f"{r_q.shape}, r_k {r_k.shape}")
+    if jnp.dtype(qk_dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"state_recurrence_output_intra_mgpu: qk_dtype is float16 or bfloat16 (q and k's copies share "
+                         f"their memory), not {jnp.dtype(qk_dtype).name}")
     nt = tp // CHUNK
     if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
         raise ValueError(f"state_recurrence_output_intra_mgpu: checkpoint_chunks must be a positive int or None; got "

@@ -268,3 +268,23 @@ def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="fused_min_programs"):
             chunk._checked_config(dict(fused_min_programs=bad), 128)
+
+
+@pytest.mark.parametrize("change,match", [(dict(qk_dtype=jnp.float32), "qk_dtype"),
+                                          (dict(checkpoint_chunks=0), "checkpoint_chunks"),
+                                          (dict(q_shape=(1, 128, 3, 64)), "HK dividing")])
+def test_fused_intra_refuses_bad_inputs(change, match):
+    """`state_recurrence_output_intra_mgpu` refuses a 4-byte qk_dtype, a checkpoint interval below 1 and key heads
+    that do not divide the value heads, before any lowering."""
+    from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_intra_mgpu
+
+    B, H, T, D = 1, 4, 128, 64
+    f16, f32 = jnp.float16, jnp.float32
+    qs = change.pop("q_shape", (B, T, 2, D))
+    w = jnp.zeros((B, H, T, D), f16)
+    q = jnp.zeros(qs, jnp.bfloat16)
+    r = jnp.zeros((B, qs[2], T), f32)
+    with pytest.raises(ValueError, match=match):
+        state_recurrence_output_intra_mgpu(w, jnp.zeros((B, H, T, D), f32), w, jnp.zeros((B, H, T), f32),
+                                           jnp.zeros((B, H, D, D), f32), q, q, r, r, scale=D ** -0.5,
+                                           out_dtype=jnp.bfloat16, **change)
