@@ -176,25 +176,25 @@ from .wy import CHUNK
 # then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
 # output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
 # "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (512)
-# programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic GPU kernel,
-# `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel, `key_norms`, so that their row sums add in
-# Triton's order), "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the output
-# computed inside the recurrence, `recurrence_mgpu.state_recurrence_output_mgpu`, from the qg and Aqk that
-# `output_mgpu.chunk_intra_mgpu` stores; h and v_new never go through memory; elsewhere as "triton") or
-# "fused_intra" (where the Mosaic GPU recurrence runs: the output and qg and Aqk computed inside it, and the in-call
-# checkpoints stored by it, `recurrence_mgpu.state_recurrence_output_intra_mgpu`; elsewhere as "triton"). "mosaic":
-# the same bits as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output
-# alone, `key_norms` included). "fused": the same bits as the default on an H100 (run 163: outputs and final states
-# in every element on three shapes, with and without checkpoints), the prefill 1.066x / 1.009x / 0.967x / 0.999x the
-# default's time at the four bar shapes: qg and Aqk read from memory cost what h and v_new's stores did
-# (docs/speed_gaps.md, item 0). "fused_intra": the same bits as "triton" (outputs, final states and in-call
-# checkpoints in every element on three shapes on an H100 and an H200, runs 168-169, and the chunk bitwise checks on
-# the H200: five of the six; the sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill time at (8, 4096, 16, 32) on an H100 / an H200 (512 programs)
-# but 1.15x at the three B = 1 shapes (64 programs: the chain is latency-bound, and the output kernel's own grid
-# fills the GPU); hence "auto"'s rule (between 64 and 512 programs nothing was measured). output_order: how the
-# Mosaic GPU kernels add the output's two dots (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial
-# accumulator of Aqk v_new, as the H200's Triton code does), "add" or "vn_acc" (each differs from Triton's bits in a
-# few elements: run 132).
+# programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic
+# GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel, `key_norms`, so that their row
+# sums add in Triton's order), "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the
+# output computed inside the recurrence, `recurrence_mgpu.state_recurrence_output_mgpu`, from the qg and Aqk that
+# `output_mgpu.chunk_intra_mgpu` stores; h and v_new never go through memory; elsewhere as "triton") or "fused_intra"
+# (where the Mosaic GPU recurrence runs: the output and qg and Aqk computed inside it, and the in-call checkpoints
+# stored by it, `recurrence_mgpu.state_recurrence_output_intra_mgpu`; elsewhere as "triton"). "mosaic": the same bits
+# as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output alone,
+# `key_norms` included). "fused": the same bits as the default on an H100 (run 163: outputs and final states in every
+# element on three shapes, with and without checkpoints), the prefill 1.066x / 1.009x / 0.967x / 0.999x the default's
+# time at the four bar shapes: qg and Aqk read from memory cost what h and v_new's stores did (docs/speed_gaps.md,
+# item 0). "fused_intra": the same bits as "triton" (outputs, final states and in-call checkpoints in every element on
+# three shapes on an H100 and an H200, runs 168-169, and the chunk bitwise checks on the H200: five of the six; the
+# sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill time at (8, 4096, 16, 32) on an
+# H100 / an H200 (512 programs) but 1.15x at the three B = 1 shapes (64 programs: the chain is latency-bound, and the
+# output kernel's own grid fills the GPU); hence "auto"'s rule (between 64 and 512 programs nothing was measured).
+# output_order: how the Mosaic GPU kernels add the output's two dots (`output_mgpu._out_dots`): "h_acc" (default: qg
+# S_c the initial accumulator of Aqk v_new, as the H200's Triton code does), "add" or "vn_acc" (each differs from
+# Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);

@@ -271,9 +271,9 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         hk = hv // groups
 
         def load_intra(c):
-            for src, dst, bar in zip((q_gmem.at[b, rows(c), hk, :], k_gmem.at[b, rows(c), hk, :],
-                                      rq_gmem.at[b, hk, rows(c)], rk_gmem.at[b, hk, rows(c)], gc_gmem.at[b, hv, rows(c)]),
-                                     (q_s, k_s, rq_s, rk_s, gcp_s), intra_bars):
+            srcs = (q_gmem.at[b, rows(c), hk, :], k_gmem.at[b, rows(c), hk, :], rq_gmem.at[b, hk, rows(c)],
+                    rk_gmem.at[b, hk, rows(c)], gc_gmem.at[b, hv, rows(c)])
+            for src, dst, bar in zip(srcs, (q_s, k_s, rq_s, rk_s, gcp_s), intra_bars):
                 plgpu.copy_gmem_to_smem(src, dst, bar)
     elif fused:
         qg_bar, aqk_bar, out_free = bars.at[5], bars.at[6], free.at[2]
@@ -616,7 +616,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         raise ValueError(f"state_recurrence_output_intra_mgpu: qk_dtype is float16 or bfloat16 (q and k's copies share "
                          f"their memory), not {jnp.dtype(qk_dtype).name}")
     nt = tp // CHUNK
-    if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or checkpoint_chunks < 1):
+    if checkpoint_chunks is not None and (type(checkpoint_chunks) is not int or checkpoint_chunks < 1):
         raise ValueError(f"state_recurrence_output_intra_mgpu: checkpoint_chunks must be a positive int or None; got "
                          f"{checkpoint_chunks!r}")
     n_ck = (nt - 1) // checkpoint_chunks if checkpoint_chunks else 0

@@ -243,8 +243,8 @@ def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
 
 def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
     """output="auto" (default): "fused_intra" where the Mosaic GPU recurrence runs (not in interpret mode) on a grid
-    of at least `fused_min_programs` programs (V / 64 x HV x B) at K = V = 128, else the output kernel (None); explicit "fused"
-    gives way to the output kernel where in-call checkpoints are asked, "fused_intra" does not; neither applies off
+    of at least `fused_min_programs` programs (V / 64 x HV x B) at K = V = 128, else the output kernel (None);
+    explicit "fused" gives way to the output kernel where in-call checkpoints are asked, "fused_intra" does not; neither applies off
     the Mosaic GPU recurrence or where the output's arithmetic does not fit (fp32 q and k here)."""
     from pallas_kernels.gated_delta import chunk
 
