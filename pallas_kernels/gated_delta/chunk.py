@@ -22,10 +22,10 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    masked intra-chunk attention Aqk[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i) recomputed from q and k.
    Config `output="mosaic"` runs it as a Pallas Mosaic GPU kernel instead (`output_mgpu.py`: the same bits on the
    H200, slower). In-call checkpoints are exact copies of h at the requested chunk starts (or of the final state).
-   On a Hopper GPU, on grids of at least `fused_min_programs` recurrence programs (config `output="auto"`, the
-   default), 2. and 3. are one Mosaic GPU kernel instead (`recurrence_mgpu.state_recurrence_output_intra_mgpu`):
-   the output, its qg and Aqk and the checkpoints computed inside the recurrence, h and v_new never in memory; the
-   same bits.
+   On a Hopper GPU, on grids of at least `fused_min_programs` recurrence programs at K = V = 128 (config
+   `output="auto"`, the default), 2. and 3. are one Mosaic GPU kernel instead
+   (`recurrence_mgpu.state_recurrence_output_intra_mgpu`): the output, its qg and Aqk and the checkpoints computed
+   inside the recurrence, h and v_new never in memory; the same bits.
 
 "fused" (two kernels: the output computed inside the recurrence, four dots per chunk on the sequential path):
 1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
@@ -187,14 +187,14 @@ from .wy import CHUNK
 # `key_norms` included). "fused": the same bits as the default on an H100 (run 163: outputs and final states in every
 # element on three shapes, with and without checkpoints), the prefill 1.066x / 1.009x / 0.967x / 0.999x the default's
 # time at the four bar shapes: qg and Aqk read from memory cost what h and v_new's stores did (docs/speed_gaps.md,
-# item 0). "fused_intra": the same bits as "triton" (outputs, final states and in-call checkpoints in every element on
-# three shapes on an H100 and an H200, runs 168-169, and the chunk bitwise checks on the H200: five of the six; the
-# sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill time at (8, 4096, 16, 32) on an
-# H100 / an H200 (512 programs) but 1.15x at the three B = 1 shapes (64 programs: the chain is latency-bound, and the
-# output kernel's own grid fills the GPU); hence "auto"'s rule (between 64 and 512 programs nothing was measured).
-# output_order: how the Mosaic GPU kernels add the output's two dots (`output_mgpu._out_dots`): "h_acc" (default: qg
-# S_c the initial accumulator of Aqk v_new, as the H200's Triton code does), "add" or "vn_acc" (each differs from
-# Triton's bits in a few elements: run 132).
+# item 0). "fused_intra": the same bits as "triton" (outputs and final states in every element on three shapes on an
+# H100 and an H200, and the in-call checkpoints it stores on the H200, runs 168-169, and the chunk bitwise checks on
+# the H200: five of the six; the sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill
+# time at (8, 4096, 16, 32) on an H100 / an H200 (512 programs) but 1.15x at the three B = 1 shapes (64 programs: the
+# chain is latency-bound, and the output kernel's own grid fills the GPU); hence "auto"'s rule (between 64 and 512
+# programs nothing was measured). output_order: how the Mosaic GPU kernels add the output's two dots
+# (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
+# does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
@@ -770,37 +770,29 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             o, final, *inside = state_recurrence_output_intra_mgpu(
                 w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
                 checkpoint_chunks=per, interpret=interpret)
-            o = o[:, :T] if tp != T else o
-            if per is None:
-                return o, final
-            # the state after m * per chunks: the kernel's state at the start of chunk m * per, or the final state
-            idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
-            parts = [inside[0][:, i // per - 1] if i < nt else final for i in idx]
-            return o, final, (jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32))
-        qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
-        o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
-                                                interpret=interpret)
-        return (o[:, :T] if tp != T else o), final
-    if recurrence == "mosaic":
-        h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
-                                             interpret=interpret)
+            state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
+        else:  # (no checkpoints: `_output_in_recurrence`)
+            qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
+            o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
+                                                    interpret=interpret)
     else:
-        h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
-    if cfg.get("stop_after") == "state":
-        return h, vn, final
-
-    o = _output_call(q, k, gc, h, vn, lengths, scale=scale, use_l2=use_l2, out_dtype=v.dtype, interpret=interpret,
-                     cfg=cfg)
+        if recurrence == "mosaic":
+            h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
+                                                 interpret=interpret)
+        else:
+            h, vn, final = _state_split_call(w, u, kd, gc, initial_state, nt=nt, interpret=interpret, cfg=cfg)
+        if cfg.get("stop_after") == "state":
+            return h, vn, final
+        o = _output_call(q, k, gc, h, vn, lengths, scale=scale, use_l2=use_l2, out_dtype=v.dtype,
+                         interpret=interpret, cfg=cfg)
+        state_at = lambda i: jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]  # noqa: E731  (h[i], exact)
     o = o[:, :T] if tp != T else o
     if checkpoint_stride is None:
         return o, final
     # the state after m * per chunks is the state at the start of chunk m * per (or the final state): exact copies
     per = checkpoint_stride // CHUNK
-    idx = [m * per for m in range(1, T // checkpoint_stride + 1)]
-    parts = [(jnp.swapaxes(h[:, :, i], -1, -2) if ht else h[:, :, i]) for i in idx if i < nt]
-    parts += [final for i in idx if i >= nt]
-    ck = jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32)
-    return o, final, ck
+    parts = [state_at(i) if i < nt else final for i in (m * per for m in range(1, T // checkpoint_stride + 1))]
+    return o, final, (jnp.stack(parts, axis=1) if parts else jnp.zeros((B, 0, HV, K, V), f32))
 
 
 def _output_call(q, k, gc, h, vn, lengths, *, scale, use_l2, out_dtype, interpret, cfg):
