@@ -18,8 +18,14 @@ Scheduling. The engine runs in waves: wave 0 holds every plain request and the f
 wave t the t-th turns (they need the previous answers). Inside a wave, requests with equal sampling settings
 (temperature, top_k, top_p, stop ids) are batched up to `max_batch` rows; a request whose first cache block
 (the first `cache.interval` tokens) was already seen in the wave is scheduled after the batches holding the
-first such request, so it finds that prefix cached. Each batch is one `generate(..., cache=cache)` call and the
-returned `.cache` is carried to the next, so the cache spans all batches, waves and `run` calls.
+first such request, so it finds that prefix cached. With `order="length"` (default) each of those two parts is
+sorted by prompt length (rounded up to the 64-token chunk grid, as `generate` pads a batch's prefill to its longest
+prompt) and then by `max_new_tokens` (a batch decodes as many steps as its longest request asks) before it is cut
+into batches, so that a batch's rows need similar work and few padded tokens are computed; `order="arrival"` keeps
+request order. Both sorts are stable, so equal requests keep their order. Which batch a request lands in changes
+no result of a deterministic model (its rows are batch-invariant); a default-mode model makes no such promise.
+Each batch is one `generate(..., cache=cache)` call and the returned `.cache` is carried to the next, so the cache
+spans all batches, waves and `run` calls.
 
 Compilation. A batch's `max_new_tokens` is the largest of its rows rounded up to a multiple of `decode_bucket` (but no
 further than `max_length`), and its row count is padded to a power of two (repeating its first request; the copies'
@@ -40,6 +46,8 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
+from pallas_kernels import CHUNK
+
 from .cache import PrefixCache
 from .errors import CapacityError, InputError, is_flat_ids, is_int, plain_int, safe_ndim, token_array, token_id
 from .generate import GenerationResult, _check_request, check_model, generate
@@ -50,6 +58,7 @@ SEED_MODULUS = 2**32  # seeds lie in [0, 2**32); a conversation's turn seeds wra
 DEFAULT_MAX_LENGTH = 1 << 22  # prompt + generated tokens per row when `Engine(max_length=None)` (4,194,304)
 MAX_LENGTH_LIMIT = 1 << 30  # the largest `max_length` (positions are int32; bucket rounding stays far below 2**31)
 MAX_DECODE_BUCKET = 1 << 20
+ORDERS = ("length", "arrival")  # how a wave's requests are ordered before they are cut into batches (`Engine`)
 
 
 def _stop_ids(value) -> tuple[int, ...]:
@@ -194,7 +203,7 @@ def _check_tokens(msg, what: str, vocab_size: int) -> list[int]:
 
 
 def _check_options(model, max_batch, cache, use_cache, max_length, progress, pad_batches, decode_bucket,
-                   default_params) -> None:
+                   default_params, order) -> None:
     """`Engine`'s arguments, each as its docstring says; InputError naming the first that is not."""
     check_model(model)
     for name, flag in (("use_cache", use_cache), ("progress", progress), ("pad_batches", pad_batches)):
@@ -213,6 +222,8 @@ def _check_options(model, max_batch, cache, use_cache, max_length, progress, pad
                          "without a cache)")
     if not isinstance(default_params, SamplingParams):
         raise InputError(f"default_params must be a SamplingParams; got {type(default_params).__name__}")
+    if not isinstance(order, str) or order not in ORDERS:
+        raise InputError(f"order must be one of {ORDERS}; got {order!r:.40}")
 
 
 class Engine:
@@ -227,15 +238,17 @@ class Engine:
     max_batch that is not one (3, say) can run up to the next power of two rows (4), the copies' results dropped:
     size memory for that, or pass pad_batches=False (one compiled program per distinct batch size then).
     use_cache, progress, pad_batches: bools. `cache=` with `use_cache=False` is a contradiction (InputError).
+    order: "length" (default) or "arrival": how requests are grouped into batches (the module docstring's
+    Scheduling); results come back in request order either way.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, cache: PrefixCache | None = None,
                  use_cache: bool = True, max_length: int | None = None, progress: bool = True,
                  pad_batches: bool = True, decode_bucket: int = 16,
-                 default_params: SamplingParams = SamplingParams()):
+                 default_params: SamplingParams = SamplingParams(), order: str = "length"):
         max_batch, max_length, decode_bucket = map(plain_int, (max_batch, max_length, decode_bucket))
         _check_options(model, max_batch, cache, use_cache, max_length, progress, pad_batches, decode_bucket,
-                       default_params)
+                       default_params, order)
         self.model = model
         self.max_batch = int(max_batch)  # NumPy integers as Python ints (np.int64 has no bit_length)
         self.cache = cache if cache is not None else (PrefixCache(deterministic=model.deterministic)
@@ -245,6 +258,7 @@ class Engine:
         self.pad_batches = bool(pad_batches)
         self.decode_bucket = int(decode_bucket)
         self.default_params = default_params
+        self.order = order
 
     @property
     def row_limit(self) -> int:
@@ -326,6 +340,8 @@ class Engine:
                 if key is not None:
                     seen.add(key)
             for part in (first, later):
+                if self.order == "length":  # similar prefill and decode work per batch (stable: ties keep order)
+                    part = sorted(part, key=lambda j: (-(-len(j.prompt) // CHUNK), j.params.max_new_tokens))
                 batches += [part[k:k + self.max_batch] for k in range(0, len(part), self.max_batch)]
         return batches
 

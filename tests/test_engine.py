@@ -61,6 +61,32 @@ def test_results_in_order_and_equal_to_generate_alone(det, requests):
     assert 0 < s.generate_s <= s.wall_s and s.tokens_per_s > 0
 
 
+def test_length_order_batches_similar_requests_and_changes_no_result(det, requests):
+    """order="length" (default) cuts batches from the requests sorted by prompt length on the 64-token grid, then
+    max_new_tokens (stable); "arrival" keeps request order. With a deterministic model the results are the same
+    bits either way (the rows are batch-invariant)."""
+    from jaxgdn.engine import _Job
+
+    p8, p16 = SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=16)
+    lengths = [200, 10, 190, 12, 70, 65]
+    jobs = [_Job(i, 0, [1] * n, p8 if i != 4 else p16) for i, n in enumerate(lengths)]
+    for p in (p8, p16):  # one sampling group: max_new_tokens is not part of the batch key
+        assert p.batch_key == p8.batch_key
+
+    def items(order):
+        engine = Engine(det, max_batch=2, use_cache=False, progress=False, order=order)
+        return [[j.item for j in batch] for batch in engine._batches(jobs)]
+
+    # 64-token buckets: 10, 12 -> 1; 65, 70 -> 2 (65 asks 8 new tokens, 70 asks 16); 190, 200 -> 4
+    assert items("length") == [[1, 3], [5, 4], [2, 0]]
+    assert items("arrival") == [[0, 1], [2, 3], [4, 5]]
+    out = {o: Engine(det, max_batch=2, cache=jaxgdn.PrefixCache(interval=INTERVAL), progress=False,
+                     order=o).run(requests) for o in ("length", "arrival")}
+    for i, (a, b) in enumerate(zip(out["length"].results, out["arrival"].results)):
+        assert _same(a, b), f"request {i}: the batch order changed its result"
+    assert out["length"].stats.batches == out["arrival"].stats.batches == 2
+
+
 def test_multi_turn_conversations_reuse_the_cache(det):
     rng = np.random.default_rng(6)
     system = rng.integers(0, 256, 70).tolist()  # a shared 70-token system prompt: one 64-token checkpoint
@@ -157,6 +183,8 @@ def test_bad_requests(det, items, kwargs, error, match):
     (dict(max_length=16.0), "max_length must be None or an integer"),
     (dict(cache=True), "cache must be a jaxgdn.PrefixCache or None; got bool"),
     (dict(default_params={"max_new_tokens": 4}), "default_params must be a SamplingParams"),
+    (dict(order="random"), r"order must be one of \('length', 'arrival'\); got 'random'"),
+    (dict(order=None), "order must be one of"),
 ])
 def test_bad_engine_options(det, kwargs, match):
     with pytest.raises(jaxgdn.InputError, match=match):
