@@ -1330,8 +1330,8 @@ def main():
         # term the accumulator)
         # run 159 (2026-12-05) timed stores_tf32 (the Mosaic GPU recurrence storing h and v_new rounded to TF32, an
         # option then): the default's bits, 0.99-1.03x its time — removed. Run 163: "out_fused" (the output computed
-        # inside the recurrence): the default's bits, 0.97-1.07x its time
-        "out_fused": dict(output="fused"),
+        # inside the recurrence from qg and Aqk in memory): the default's bits, 0.97-1.07x its time — removed on
+        # 2026-12-06 (form B below computes them inside)
         # 2026-12-06 (run 168 on): qg and Aqk computed inside the recurrence too, by its producer warpgroup
         # (docs/speed_gaps.md, item 0's form B)
         "out_fused_intra": dict(output="fused_intra"),

@@ -63,8 +63,8 @@ from . import wy
 from .arith import fma, mul_rn
 from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
-from .output_mgpu import chunk_intra_mgpu, chunk_output_mgpu, key_norms
-from .recurrence_mgpu import state_recurrence_mgpu, state_recurrence_output_intra_mgpu, state_recurrence_output_mgpu
+from .output_mgpu import chunk_output_mgpu, key_norms
+from .recurrence_mgpu import state_recurrence_mgpu, state_recurrence_output_intra_mgpu
 from .wy import CHUNK
 
 
@@ -178,16 +178,14 @@ from .wy import CHUNK
 # "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (512)
 # programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic
 # GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel, `key_norms`, so that their row
-# sums add in Triton's order), "fused" (where the Mosaic GPU recurrence runs and no in-call checkpoints are asked: the
-# output computed inside the recurrence, `recurrence_mgpu.state_recurrence_output_mgpu`, from the qg and Aqk that
-# `output_mgpu.chunk_intra_mgpu` stores; h and v_new never go through memory; elsewhere as "triton") or "fused_intra"
-# (where the Mosaic GPU recurrence runs: the output and qg and Aqk computed inside it, and the in-call checkpoints
-# stored by it, `recurrence_mgpu.state_recurrence_output_intra_mgpu`; elsewhere as "triton"). "mosaic": the same bits
-# as "triton" on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output alone,
-# `key_norms` included). "fused": the same bits as the default on an H100 (run 163: outputs and final states in every
-# element on three shapes, with and without checkpoints), the prefill 1.066x / 1.009x / 0.967x / 0.999x the default's
-# time at the four bar shapes: qg and Aqk read from memory cost what h and v_new's stores did (docs/speed_gaps.md,
-# item 0). "fused_intra": the same bits as "triton" (outputs and final states in every element on three shapes on an
+# sums add in Triton's order) or "fused_intra" (where the Mosaic GPU recurrence runs: the output and qg and Aqk
+# computed inside it, and the in-call checkpoints stored by it, h and v_new never in memory,
+# `recurrence_mgpu.state_recurrence_output_intra_mgpu`; elsewhere as "triton"). "mosaic": the same bits as "triton"
+# on the H200 (run 132: every element on three shapes), in 1.11-1.16x its time (the output alone, `key_norms`
+# included). ("fused", the output inside the recurrence from qg and Aqk that a kernel of their own stored, gave the
+# same bits in 1.066x / 1.009x / 0.967x / 0.999x the default's time at the four bar shapes, run 163 on an H100: qg
+# and Aqk read from memory cost what h and v_new's stores did; removed on 2026-12-06, commit 45423e3 has it.)
+# "fused_intra": the same bits as "triton" (outputs and final states in every element on three shapes on an
 # H100 and an H200, and the in-call checkpoints it stores on the H200, runs 168-169, and the chunk bitwise checks on
 # the H200: five of the six; the sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill
 # time at (8, 4096, 16, 32) on an H100 / an H200 (512 programs) but 1.15x at the three B = 1 shapes (64 programs: the
@@ -508,8 +506,9 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"wk_dtype={cfg['wk_dtype']!r}: expected 'auto', 'float16' or 'float32'")
     if cfg["recurrence"] not in ("auto", "triton", "mosaic"):
         raise ValueError(f"recurrence={cfg['recurrence']!r}: expected 'auto', 'triton' or 'mosaic'")
-    if cfg["output"] not in ("auto", "triton", "mosaic", "fused", "fused_intra"):
-        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic', 'fused' or 'fused_intra'")
+    if cfg["output"] not in ("auto", "triton", "mosaic", "fused_intra"):
+        gone = " ('fused' was removed: 'fused_intra' computes the same bits faster)" if cfg["output"] == "fused" else ""
+        raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic' or 'fused_intra'{gone}")
     if type(cfg["fused_min_programs"]) is not int or cfg["fused_min_programs"] < 1:
         raise ValueError(f"fused_min_programs={cfg['fused_min_programs']!r}: expected a positive int")
     if cfg["output_order"] not in OUTPUT_ORDERS:
@@ -758,23 +757,15 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
     recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
-    fused = _output_in_recurrence(cfg, recurrence, B, HV, K, V, use_l2, (q.dtype, k.dtype), v.dtype,
-                                  checkpoint_stride, interpret)
-    if fused:
-        # the output inside the recurrence: h and v_new never go through memory (`state_recurrence_output_mgpu`;
-        # "fused_intra": qg and Aqk computed there too, and the in-call checkpoints stored by it,
-        # `state_recurrence_output_intra_mgpu`)
+    if _output_in_recurrence(cfg, recurrence, B, HV, K, V, use_l2, (q.dtype, k.dtype), v.dtype, interpret):
+        # the output, its qg and Aqk and the in-call checkpoints inside the recurrence: h and v_new never go through
+        # memory (`state_recurrence_output_intra_mgpu`)
         r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)
-        if fused == "fused_intra":
-            per = None if checkpoint_stride is None else checkpoint_stride // CHUNK
-            o, final, *inside = state_recurrence_output_intra_mgpu(
-                w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
-                checkpoint_chunks=per, interpret=interpret)
-            state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
-        else:  # (no checkpoints: `_output_in_recurrence`)
-            qg, aqk = chunk_intra_mgpu(q, k, r_q, r_k, gc, scale=scale, qk_dtype=_qk_dtype(cfg), interpret=interpret)
-            o, final = state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, out_dtype=v.dtype,
-                                                    interpret=interpret)
+        per = None if checkpoint_stride is None else checkpoint_stride // CHUNK
+        o, final, *inside = state_recurrence_output_intra_mgpu(
+            w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
+            checkpoint_chunks=per, interpret=interpret)
+        state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
     else:
         if recurrence == "mosaic":
             h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
@@ -843,10 +834,10 @@ def _output_fits(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype) 
 
 
 def _output_in_recurrence(cfg: dict, recurrence: str, B: int, HV: int, K: int, V: int, use_l2: bool, qk_dtypes,
-                          out_dtype, checkpoint_stride, interpret: bool) -> str | None:
-    """"fused" or "fused_intra" where the output is computed inside the Mosaic GPU recurrence (config `output`), else
-    None (the recurrence stores h and v_new and an output kernel runs). Only where the Mosaic GPU recurrence runs and
-    the output's arithmetic fits (`_output_fits`); "fused" without in-call checkpoints; "auto" (default) takes
+                          out_dtype, interpret: bool) -> str | None:
+    """"fused_intra" where the output is computed inside the Mosaic GPU recurrence (config `output`), else None (the
+    recurrence stores h and v_new and an output kernel runs). Only where the Mosaic GPU recurrence runs and the
+    output's arithmetic fits (`_output_fits`); "auto" (default) takes
     "fused_intra" on the GPU where the recurrence's grid (V / 64, HV, B) has at least `fused_min_programs` programs
     and K = V = 128 (where it was measured, and faster: BENCHMARKS.md runs 168-169; on smaller grids the chain is
     latency-bound and the output kernel's own grid is faster; other head sizes were not run on a GPU)."""
@@ -857,17 +848,15 @@ def _output_in_recurrence(cfg: dict, recurrence: str, B: int, HV: int, K: int, V
     if choice == "auto":
         big = B * HV * (V // 64) >= cfg["fused_min_programs"]
         choice = "fused_intra" if not interpret and K == V == 128 and big else None
-    if choice == "fused" and checkpoint_stride is not None:
-        return None
-    return choice if choice in ("fused", "fused_intra") else None
+    return choice if choice == "fused_intra" else None
 
 
 def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype, interpret: bool) -> str:
     """"triton" or "mosaic": which kernel computes the split design's output where it is not computed inside the
     recurrence (`_output_in_recurrence`; config `output`). "mosaic" where asked (refused where it cannot apply);
-    otherwise, "auto", "fused" and "fused_intra" included, the Triton kernel (the same bits)."""
+    otherwise, "auto" and "fused_intra" included, the Triton kernel (the same bits)."""
     fits = _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)
-    choice = "triton" if cfg["output"] in ("auto", "fused", "fused_intra") else cfg["output"]
+    choice = "triton" if cfg["output"] in ("auto", "fused_intra") else cfg["output"]
     return _triton_or_mosaic("output", choice, fits, interpret, lambda: (
         f"needs states_t=True, the L2 norm of q and k, 16-bit q and k (shared memory; at K = V = 128 outputs in "
         f"q's dtype), K and V 64 or 128, bv_out >= V, p_qk 'fp16' or 'bf16' and p_qs = p_av = 'tf32'; got "

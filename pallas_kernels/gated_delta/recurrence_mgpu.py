@@ -20,10 +20,11 @@ Three forms (`warp_specialised`, chunk config `recurrence_ws`): one warpgroup pe
 converting w and kd in shared memory between its own dots; or two (`_kernel_ws`), a producer warpgroup loading and
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
-`state_recurrence_output_mgpu` runs the `True` form with the output computed in the kernel instead of h and v_new
-stored (`_kernel_ws`'s `fused`; config `output="fused"`), from qg and Aqk read from memory;
-`state_recurrence_output_intra_mgpu` computes those too, on the producer warpgroup (`intra`; config
-`output="fused_intra"`, and the prefill's default on large grids: `chunk._output_in_recurrence`).
+`state_recurrence_output_intra_mgpu` runs the `True` form with the output computed in the kernel instead of h and
+v_new stored, its qg and Aqk computed on the producer warpgroup (`_kernel_ws`'s `intra`; config
+`output="fused_intra"`, and the prefill's default on large grids: `chunk._output_in_recurrence`). (An earlier form
+read qg and Aqk from memory, written by a kernel of their own: config `output="fused"`, run 163; removed on
+2026-12-06, commit 45423e3 has it.)
 
 Why the bits equal the Triton recurrence's (checked on the H200: `scripts/gpu_mgpu_recurrence.py`, BENCHMARKS.md
 runs 126-130): every element is the same products summed over the same axis in the same k order by TF32 wgmma
@@ -139,7 +140,7 @@ class _Stores:
     """How a program hands on S^T (the state at chunk c's start) and v_new[c]^T: each rounded to TF32 to nearest into
     its dot's A operand buffer (`sa_s`, `va_s`), and, unrounded, out through a buffer of its own (`h_s`, `vn_s`) to h and
     v_new in memory, as the Triton recurrence stores them. With no outputs for them (`h_gmem` None: the output
-    computed in the kernel, `_kernel_ws`'s `fused`) the operands only.
+    computed in the kernel, `_kernel_ws`'s `intra`) the operands only.
 
     Each store is a TMA bulk group; a buffer is written again once at most one group (the last one issued, which
     never reads it) is pending: `wait_smem_to_gmem(1)` before each write. Each method ends with its shared-memory
@@ -210,7 +211,7 @@ def _store_final(s_final, h_s, dst):
 
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, interpret: bool,
-               fused: bool = False, intra: bool = False, groups: int = 1, scale: float = 1.0, ck_per: int = 0):
+               intra: bool = False, groups: int = 1, scale: float = 1.0, ck_per: int = 0):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -222,21 +223,17 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     transposes u into ut_s, which the consumer reads untransposed (`ready` / `free` gain a third barrier for it; gc
     alternates between two slots, so that gc(c + 1) can land while the consumer has yet to read gc(c)).
 
-    `fused` (`state_recurrence_output_mgpu`; the `True` form, no `ut`): the output computed in the kernel instead of h
-    and v_new stored. The refs after the inputs are then qg fp32 [B, HV, Tp, K] and Aqk fp32 [B, HV, Tp, C] (in,
-    TF32-rounded: `output_mgpu.chunk_intra_mgpu`), the final state and o [B, Tp, HV, V] (out), and the buffers
-    qg_s, aqk_s (loaded by the producer, one chunk at a time) and o_s in place of h_s and vn_s; `free` gains a third
-    barrier (the consumer's output dots are done with qg_s and aqk_s). Per chunk, after its second dot, the consumer
-    computes o = qg S_c + Aqk v_new from qg_s, aqk_s and the rounded S^T and v_new^T its own dots read (sa_s, va_s),
-    as `output_mgpu._out_dots` does in the output kernel, and stores it; the final state leaves through qg_s.
-
-    `intra` (with `fused`; `state_recurrence_output_intra_mgpu`): qg and Aqk computed by the producer instead of
-    loaded (`output_mgpu._intra`, the output kernel's own code, for value head hv's key head hv // `groups`, q scaled
-    by `scale`). The refs after the inputs are then q, k [B, Tp, HK, K] (16-bit), r_q, r_k fp32 [B, HK, Tp]
-    (`output_mgpu.key_norms`; in), the final state and o (out), and the buffers: the `True` form's, with qg held in
+    `intra` (`state_recurrence_output_intra_mgpu`; the `True` form, no `ut`): the output computed in the kernel
+    instead of h and v_new stored. Per chunk, after its second dot, the consumer computes o = qg S_c + Aqk v_new
+    from qg and Aqk and the rounded S^T and v_new^T its own dots read (sa_s, va_s), as `output_mgpu._out_dots` does
+    in the output kernel, and stores it; qg and Aqk are computed by the producer (`output_mgpu._intra`, the output
+    kernel's own code, for value head hv's key head hv // `groups`, q scaled by `scale`). The refs after the
+    inputs are then q, k [B, Tp, HK, K] (16-bit), r_q, r_k fp32 [B, HK, Tp] (`output_mgpu.key_norms`; in), the
+    final state and o [B, Tp, HV, V] (out), and the buffers: the `True` form's, with qg held in
     w's fp32 buffer (free from chunk c's first dot until w(c + 1) is written, which waits for c's output dots), then
     aqk_s, o_s, q and k as loaded each in a `RefUnion` with its 16-bit copy for q k^T, the producer's own r_q, r_k
-    and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done). With
+    and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done); the
+    final state leaves through w's buffer. With
     `ck_per` (> 0) an output after o, ck [B, HV, M, V, K], takes the exact state S^T at the start of every chunk
     c = m ck_per (0 < c < NT; M = (NT - 1) // ck_per), as h[c] holds it: written unrounded through sa_s and stored
     before sa_s takes the rounded S^T (the consumer waits for that store to read it)."""
@@ -249,11 +246,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
          ready, free) = refs
         (q_s, q16_s), (k_s, k16_s) = q_union, k_union
         qg_s = w_s
-        h_gmem = vn_gmem = h_s = vn_s = None
-        ut = []
-    elif fused:
-        (qg_gmem, aqk_gmem, sf_gmem, o_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, qg_s, aqk_s, o_s, bars,
-         ready, free) = refs
         h_gmem = vn_gmem = h_s = vn_s = None
         ut = []
     else:
@@ -275,12 +267,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                     rk_gmem.at[b, hk, rows(c)], gc_gmem.at[b, hv, rows(c)])
             for src, dst, bar in zip(srcs, (q_s, k_s, rq_s, rk_s, gcp_s), intra_bars):
                 plgpu.copy_gmem_to_smem(src, dst, bar)
-    elif fused:
-        qg_bar, aqk_bar, out_free = bars.at[5], bars.at[6], free.at[2]
-
-        def load_qg_aqk(c):
-            plgpu.copy_gmem_to_smem(qg_gmem.at[b, hv, pl.ds(c * CHUNK, CHUNK), :], qg_s, qg_bar)
-            plgpu.copy_gmem_to_smem(aqk_gmem.at[b, hv, pl.ds(c * CHUNK, CHUNK), :], aqk_s, aqk_bar)
     ut_s = ut[0] if ut else None
     if ut:
         u_ready, u_free = ready.at[2], free.at[2]
@@ -358,8 +344,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
         if ut:
             load_u_gc(0)
-        if fused:
-            load_qg_aqk(0)
 
         @pl.loop(0, nt)
         def _(c):
@@ -377,12 +361,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             @pl.when(more)
             def _():
                 plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
-
-            if fused:  # qg(c) and Aqk(c), once the output dots of c - 1 are done (after w(c): off the chain)
-                @pl.when(c > 0)
-                def _():
-                    plgpu.barrier_wait(out_free)
-                    load_qg_aqk(c)
 
             if ut:
                 plgpu.barrier_wait(u_bar)
@@ -407,8 +385,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.barrier_wait(kd_free)
         if ut:
             plgpu.barrier_wait(u_free)
-        if fused:
-            plgpu.barrier_wait(out_free)
 
     pl.when(wg == 1)(_intra_producer if intra else _producer)
 
@@ -478,11 +454,10 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             else:
                 s_next = _decayed_plus(kv_dot, s, decay, interpret)
                 plgpu.barrier_arrive(kd_free)
-                if fused:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
-                    for bar in (intra_ready,) if intra else (qg_bar, aqk_bar):
-                        plgpu.barrier_wait(bar)
+                if intra:  # o = qg S_c + Aqk v_new [C, BV] from the chain's own rounded operands
+                    plgpu.barrier_wait(intra_ready)
                     o = _out_dots(qg_s, sa_s, aqk_s, va_s, "h_acc", interpret)
-            if fused:
+            if intra:
                 plgpu.barrier_arrive(out_free)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o(c - 1)'s store has read o_s
                 o_s[...] = o.astype(o_s.dtype)
@@ -490,7 +465,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                 plgpu.copy_smem_to_gmem(o_s, o_gmem.at[b, rows(c), hv, cols])
             return s_next
 
-        _store_final(lax.fori_loop(0, nt, body, s_init), qg_s if fused else h_s, sf_gmem.at[b, hv, cols, :])
+        _store_final(lax.fori_loop(0, nt, body, s_init), qg_s if intra else h_s, sf_gmem.at[b, hv, cols, :])
 
 
 def _smem(*shape, dtype=jnp.float32):
@@ -553,50 +528,15 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
     return h, vn_t, jnp.swapaxes(s_t, -1, -2)
 
 
-def state_recurrence_output_mgpu(w, u, kd, gc, initial_state, qg, aqk, *, out_dtype, bv: int = 64,
-                                 interpret: bool = False):
-    """The recurrence with the output computed inside it (`_kernel_ws`'s `fused`; the warp-specialised form without
-    the producer's u transpose, for shared memory): w, u, kd, gc, initial_state as `state_recurrence_mgpu` takes
-    them, qg fp32 [B, HV, Tp, K] and Aqk fp32 [B, HV, Tp, C] rounded to TF32 (`output_mgpu.chunk_intra_mgpu`).
-    Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32 [B, HV, K, V]): neither h nor v_new goes through
-    memory, and there are no in-call checkpoints (no buffer is left for the exact state on the way)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    B, HV, tp, K = w.shape
-    V = u.shape[-1]
-    _check_shapes(tp, K, V, bv)
-    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:
-        raise ValueError(f"state_recurrence_output_mgpu: w and kd must be fp16; got {w.dtype}, {kd.dtype}")
-    if qg.shape != (B, HV, tp, K) or aqk.shape != (B, HV, tp, CHUNK):
-        raise ValueError(f"state_recurrence_output_mgpu: qg {qg.shape} must be {(B, HV, tp, K)} and Aqk {aqk.shape} "
-                         f"{(B, HV, tp, CHUNK)}")
-    nt = tp // CHUNK
-    f32 = jnp.float32
-    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-    o, s_t = plgpu.kernel(
-        functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, fused=True),
-        out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype)],
-        scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
-                       _smem(K, CHUNK), _smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), _smem(bv, K), _smem(bv, CHUNK),
-                       _smem(CHUNK, K), _smem(CHUNK, CHUNK), _smem(CHUNK, bv, dtype=out_dtype),
-                       plgpu.Barrier(num_barriers=7), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=3)],
-        grid=(V // bv, HV, B),
-        grid_names=("j", "h", "b"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        num_threads=2, thread_name="wg",
-        **params,
-    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), qg.astype(f32), aqk.astype(f32))[::-1]
-    return o, jnp.swapaxes(s_t, -1, -2)
-
-
 def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, *, scale: float, out_dtype,
                                        qk_dtype=jnp.float16, checkpoint_chunks: int | None = None, bv: int = 64,
                                        interpret: bool = False):
-    """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`): as
-    `state_recurrence_output_mgpu`, but qg and Aqk are computed by the producer warpgroup from q, k [B, Tp, HK, K]
-    (16-bit, as the prep reads them) and their norms' reciprocals r_q, r_k fp32 [B, HK, Tp]
+    """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`; the warp-specialised form
+    without the producer's u transpose, for shared memory): w, u, kd, gc, initial_state as `state_recurrence_mgpu`
+    takes them; h and v_new never go through memory; qg and Aqk are computed by the producer warpgroup from q, k
+    [B, Tp, HK, K] (16-bit, as the prep reads them) and their norms' reciprocals r_q, r_k fp32 [B, HK, Tp]
     (`output_mgpu.key_norms`), with the output kernel's own code (`output_mgpu._intra`: `scale` on q, `qk_dtype` the
-    q k^T operands), instead of read from memory. Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32
+    q k^T operands). Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32
     [B, HV, K, V]), and with `checkpoint_chunks` (n > 0) the exact state at the start of every chunk c = m n inside
     the call (0 < c < NT), fp32 [B, (NT - 1) // n, HV, K, V]: the states the unfused recurrence stores in h there."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -626,7 +566,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     vec = plgpu.SMEM((CHUNK,), f32)
     ck_type = [jax.ShapeDtypeStruct((B, HV, n_ck, V, K), f32)] if per else []
     s_t, o, *ck = plgpu.kernel(
-        functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, fused=True, intra=True, groups=HV // HK,
+        functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, intra=True, groups=HV // HK,
                           scale=float(scale), ck_per=per),
         out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype),
                   *ck_type],

@@ -160,48 +160,40 @@ def test_shared_memory_count_and_refusal():
     chunk_gated_delta_rule_pallas(q, k, v.astype(bf16), g, beta, interpret=True, config={"output": "mosaic"})
 
 
-FUSED_OUTPUTS = ("fused", "fused_intra")
-
-
-@pytest.mark.parametrize("output", FUSED_OUTPUTS)
-def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case, output):
-    """config output="fused": the output computed inside the Mosaic GPU recurrence (`state_recurrence_output_mgpu`,
-    from the qg and Aqk `chunk_intra_mgpu` stores and the recurrence's own rounded S^T and v_new^T); "fused_intra":
-    qg and Aqk computed there too, by its producer warpgroup (`state_recurrence_output_intra_mgpu`). Each gives the
-    outputs and final states of the Mosaic GPU recurrence and output kernels (the same arithmetic on the same
-    operands), bitwise in interpret mode, and within TOL of the default prefill. With in-call checkpoints it takes the
-    unfused kernels (the Triton output), whose outputs it then is exactly; "fused_intra" stores the checkpoints itself
+def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case):
+    """config output="fused_intra": the output, its qg and Aqk (by the producer warpgroup) computed inside the Mosaic
+    GPU recurrence (`state_recurrence_output_intra_mgpu`) from the recurrence's own rounded S^T and v_new^T. It gives
+    the outputs and final states of the Mosaic GPU recurrence and output kernels (the same arithmetic on the same
+    operands), bitwise in interpret mode, and within TOL of the default prefill. It stores in-call checkpoints itself
     (the exact state at their chunks' starts) and keeps computing the output inside: its outputs, final states and
     checkpoints equal the unfused Mosaic GPU kernels' bit for bit, a checkpoint at the call's end (T = 128 with
     stride 64: the final state) included."""
     d = case[0]
-    FUSED = dict(recurrence="mosaic", output=output)
+    FUSED = dict(recurrence="mosaic", output="fused_intra")
     fused = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
     unfused = [np.asarray(x) for x in prefill(d, LENGTHS, recurrence="mosaic", output="mosaic")]
     assert all(np.array_equal(a, b) for a, b in zip(fused, unfused))
     ref = [np.asarray(x) for x in prefill(d, LENGTHS)]
     assert rel(fused[0][:, :T], ref[0]) <= TOL and rel(fused[1], ref[1]) <= TOL
-    unfused = dict(recurrence="mosaic", output="mosaic" if output == "fused_intra" else "triton")
+    unfused = dict(recurrence="mosaic", output="mosaic")
     with_ck = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, **FUSED)]
     want = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=64, **unfused)]
     assert with_ck[2].shape == (3, 2, HV, K, V)
     assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
-    if output == "fused_intra":
-        first = dict({n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}, initial_state=d["initial_state"])
-        lengths = [min(n, 128) for n in LENGTHS]
-        with_ck = [np.asarray(x) for x in prefill(first, lengths, checkpoint_stride=64, **FUSED)]
-        want = [np.asarray(x) for x in prefill(first, lengths, checkpoint_stride=64, **unfused)]
-        assert with_ck[2].shape == (3, 2, HV, K, V) and np.array_equal(with_ck[2][:, 1], with_ck[1])
-        assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
+    first = dict({n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}, initial_state=d["initial_state"])
+    lengths = [min(n, 128) for n in LENGTHS]
+    with_ck = [np.asarray(x) for x in prefill(first, lengths, checkpoint_stride=64, **FUSED)]
+    want = [np.asarray(x) for x in prefill(first, lengths, checkpoint_stride=64, **unfused)]
+    assert with_ck[2].shape == (3, 2, HV, K, V) and np.array_equal(with_ck[2][:, 1], with_ck[1])
+    assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
 
 
-@pytest.mark.parametrize("output", FUSED_OUTPUTS)
-def test_output_fused_row_alone_and_split_on_the_grid(case, output):
-    """The fused kernels' bitwise properties: a row alone equals the row in the batch, and a prefill split at 128
+def test_output_fused_row_alone_and_split_on_the_grid(case):
+    """The fused kernel's bitwise properties: a row alone equals the row in the batch, and a prefill split at 128
     (on the grid; the second call continuing from the first's final state) equals the unsplit call's outputs and
     final state."""
     d = case[0]
-    FUSED = dict(recurrence="mosaic", output=output)
+    FUSED = dict(recurrence="mosaic", output="fused_intra")
     batch = [np.asarray(x) for x in prefill(d, LENGTHS, **FUSED)]
     one = {n: d[n][1:2] for n in ("q", "k", "v", "g", "beta", "initial_state")}
     alone = [np.asarray(x) for x in prefill(one, LENGTHS[1:2], **FUSED)]
@@ -216,58 +208,51 @@ def test_output_fused_row_alone_and_split_on_the_grid(case, output):
     assert np.array_equal(np.asarray(s2), batch[1])
 
 
-def test_fused_kernels_lower_for_an_h200_at_the_models_head_size():
-    """The recurrence with the output inside it, the qg / Aqk kernel, and the recurrence that computes qg and Aqk
-    itself lower for CUDA at K = V = 128, bf16 q, k and outputs (the shared-memory budget, which the lowering checks:
-    216 KiB in the fused recurrence, ~219 KiB with qg and Aqk computed inside, q and k unioned with their fp16
-    copies and qg held in w's buffer)."""
-    from pallas_kernels.gated_delta.recurrence_mgpu import (state_recurrence_output_intra_mgpu,
-                                                            state_recurrence_output_mgpu)
+def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
+    """The recurrence that computes the output, its qg and Aqk inside lowers for CUDA at K = V = 128, bf16 q, k and
+    outputs, with and without in-call checkpoints (the shared-memory budget, which the lowering checks: ~219 KiB, q
+    and k unioned with their fp16 copies and qg held in w's buffer)."""
+    from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_intra_mgpu
 
     sds = jax.ShapeDtypeStruct
     B, H, T, D = 2, 4, 256, 128
     rec = (sds((B, H, T, D), jnp.float16), sds((B, H, T, D), jnp.float32), sds((B, H, T, D), jnp.float16),
-           sds((B, H, T), jnp.float32), sds((B, H, D, D), jnp.float32), sds((B, H, T, D), jnp.float32),
-           sds((B, H, T, 64), jnp.float32))
-    fn = jax.jit(functools.partial(state_recurrence_output_mgpu, out_dtype=jnp.bfloat16))
-    assert "mosaic_gpu" in fn.trace(*rec).lower(lowering_platforms=("cuda",)).as_text()
+           sds((B, H, T), jnp.float32), sds((B, H, D, D), jnp.float32))
     intra = (sds((B, T, 2, D), jnp.bfloat16), sds((B, T, 2, D), jnp.bfloat16), sds((B, 2, T), jnp.float32),
-             sds((B, 2, T), jnp.float32), sds((B, H, T), jnp.float32))
-    fn = jax.jit(functools.partial(output_mgpu.chunk_intra_mgpu, scale=D ** -0.5))
-    assert "mosaic_gpu" in fn.trace(*intra).lower(lowering_platforms=("cuda",)).as_text()
+             sds((B, 2, T), jnp.float32))
     for per in (None, 2):  # (with in-call checkpoints every 2 chunks)
         fn = jax.jit(functools.partial(state_recurrence_output_intra_mgpu, out_dtype=jnp.bfloat16, scale=D ** -0.5,
                                        checkpoint_chunks=per))
-        assert "mosaic_gpu" in fn.trace(*rec[:5], *intra[:4]).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in fn.trace(*rec, *intra).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
     """output="auto" (default): "fused_intra" where the Mosaic GPU recurrence runs (not in interpret mode) on a grid
     of at least `fused_min_programs` programs (V / 64 x HV x B) at K = V = 128, else the output kernel (None);
-    explicit "fused" gives way to the output kernel where in-call checkpoints are asked, "fused_intra" does not; neither applies off
-    the Mosaic GPU recurrence or where the output's arithmetic does not fit (fp32 q and k here)."""
+    explicit "fused_intra" keeps in-call checkpoints inside the kernel; it does not apply off the Mosaic GPU
+    recurrence or where the output's arithmetic does not fit (fp32 q and k here); the removed "fused" is refused."""
     from pallas_kernels.gated_delta import chunk
 
     bf16 = jnp.bfloat16
 
-    def pick(B, HV=32, K=128, V=128, recurrence="mosaic", stride=None, interpret=False, dtypes=(bf16, bf16),
-             **config):
+    def pick(B, HV=32, K=128, V=128, recurrence="mosaic", interpret=False, dtypes=(bf16, bf16), **config):
         cfg = chunk._checked_config(dict(config), V)
-        return chunk._output_in_recurrence(cfg, recurrence, B, HV, K, V, True, dtypes, bf16, stride, interpret)
+        return chunk._output_in_recurrence(cfg, recurrence, B, HV, K, V, True, dtypes, bf16, interpret)
 
-    assert pick(8) == "fused_intra" and pick(8, stride=256) == "fused_intra"  # 512 programs
+    assert pick(8) == "fused_intra"  # 512 programs
     assert pick(7) is None and pick(1) is None  # 448, 64
     assert pick(1, fused_min_programs=64) == "fused_intra" and pick(1, V=64, fused_min_programs=32) is None
     assert pick(8, K=64) is None and pick(16, V=64) is None  # (head sizes not run on a GPU)
     assert pick(8, K=64, output="fused_intra") == "fused_intra"
     assert pick(8, interpret=True) is None and pick(8, recurrence="triton") is None
     assert pick(8, dtypes=(jnp.float32, jnp.float32)) is None
-    assert pick(1, output="fused") == "fused" and pick(1, output="fused", stride=256) is None
-    assert pick(1, output="fused_intra", interpret=True, stride=64) == "fused_intra"
+    assert pick(1, output="fused_intra", interpret=True) == "fused_intra"
     assert pick(8, output="triton") is None and pick(8, output="mosaic") is None
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="fused_min_programs"):
             chunk._checked_config(dict(fused_min_programs=bad), 128)
+    with pytest.raises(ValueError, match="'fused' was removed"):
+        chunk._checked_config(dict(output="fused"), 128)
 
 
 @pytest.mark.parametrize("change,match", [(dict(qk_dtype=jnp.float32), "qk_dtype"),
