@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-MIN_XLA_CPU_THREADS = 4  # 3 is the least the deadlock above needs; one to spare
+MIN_XLA_CPU_THREADS = 5  # the least the deadlock above needs, plus one: 3 for two warpgroups, 4 for three
+# (`recurrence_mgpu`'s three-warpgroup `intra_warpgroup` form: two warpgroups can be blocked while the third runs)
 
 
 def ensure_xla_cpu_threads() -> None:

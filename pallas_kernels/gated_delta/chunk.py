@@ -190,7 +190,10 @@ from .wy import CHUNK
 # the H200: five of the six; the sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill
 # time at (8, 4096, 16, 32) on an H100 / an H200 (512 programs) but 1.15x at the three B = 1 shapes (64 programs: the
 # chain is latency-bound, and the output kernel's own grid fills the GPU); hence "auto"'s rule (between 64 and 512
-# programs nothing was measured). output_order: how the Mosaic GPU kernels add the output's two dots
+# programs nothing was measured). fused_warpgroups: 2 (default: one producer warpgroup converts w and kd and computes
+# qg and Aqk) or 3 (a warpgroup for each; the same arithmetic), fused_registers: None or the three warpgroups'
+# registers per thread (consumer, qg / Aqk, w / kd; `setmaxnreg`) — "fused_intra"'s forms (measured 2026-12-06:
+# BENCHMARKS.md). output_order: how the Mosaic GPU kernels add the output's two dots
 # (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
 # does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
@@ -216,7 +219,8 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=512, output_order="h_acc",
+    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=512, fused_warpgroups=2,
+    fused_registers=None, output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -511,6 +515,14 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output={cfg['output']!r}: expected 'auto', 'triton', 'mosaic' or 'fused_intra'{gone}")
     if type(cfg["fused_min_programs"]) is not int or cfg["fused_min_programs"] < 1:
         raise ValueError(f"fused_min_programs={cfg['fused_min_programs']!r}: expected a positive int")
+    if cfg["fused_warpgroups"] not in (2, 3) or isinstance(cfg["fused_warpgroups"], bool):
+        raise ValueError(f"fused_warpgroups={cfg['fused_warpgroups']!r}: expected 2 or 3")
+    regs = cfg["fused_registers"]
+    if regs is not None and (cfg["fused_warpgroups"] != 3 or not isinstance(regs, (tuple, list)) or len(regs) != 3
+                             or any(type(r) is not int or r % 8 or not 24 <= r <= 256 for r in regs)
+                             or sum(regs) > 504):
+        raise ValueError(f"fused_registers={regs!r}: None, or with fused_warpgroups=3 three multiples of 8 in "
+                         f"[24, 256] adding up to at most 504 (consumer, qg / Aqk and w / kd warpgroups)")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
@@ -764,7 +776,8 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
         per = None if checkpoint_stride is None else checkpoint_stride // CHUNK
         o, final, *inside = state_recurrence_output_intra_mgpu(
             w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
-            checkpoint_chunks=per, interpret=interpret)
+            checkpoint_chunks=per, warpgroups=cfg["fused_warpgroups"],
+            registers=None if cfg["fused_registers"] is None else tuple(cfg["fused_registers"]), interpret=interpret)
         state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
     else:
         if recurrence == "mosaic":

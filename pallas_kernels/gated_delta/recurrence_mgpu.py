@@ -211,7 +211,8 @@ def _store_final(s_final, h_s, dst):
 
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, interpret: bool,
-               intra: bool = False, groups: int = 1, scale: float = 1.0, ck_per: int = 0):
+               intra: bool = False, groups: int = 1, scale: float = 1.0, ck_per: int = 0,
+               intra_warpgroup: bool = False, registers: tuple[int, int, int] | None = None):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -236,7 +237,14 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     final state leaves through w's buffer. With
     `ck_per` (> 0) an output after o, ck [B, HV, M, V, K], takes the exact state S^T at the start of every chunk
     c = m ck_per (0 < c < NT; M = (NT - 1) // ck_per), as h[c] holds it: written unrounded through sa_s and stored
-    before sa_s takes the rounded S^T (the consumer waits for that store to read it)."""
+    before sa_s takes the rounded S^T (the consumer waits for that store to read it).
+
+    `intra_warpgroup` (with `intra`): three warpgroups; warpgroup 1 converts w and kd only (the `True` form's
+    producer, w(c) written once c - 1's output dots are done with w's buffer), warpgroup 2 loads q, k, the norms and
+    gc and computes qg and Aqk, writing Aqk(c) once c - 1's output dots are done and qg(c) once c's first dot is done
+    with w's buffer. The same buffers, barriers and arithmetic; only which warpgroup runs what. `registers`:
+    (consumer, warpgroup 2, warpgroup 1) registers per thread (`setmaxnreg`; multiples of 8, at most 504 in all), or
+    None (ptxas' even split)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if intra:
@@ -386,10 +394,80 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         if ut:
             plgpu.barrier_wait(u_free)
 
-    pl.when(wg == 1)(_intra_producer if intra else _producer)
+    def _convert_producer():
+        """Warpgroup 1 of the three-warpgroup `intra` form: w(c) into w's fp32 buffer once the output dots of c - 1
+        are done with it (qg(c - 1) lives there), kd(c) into kd^T's once the second dot of c - 1 is done."""
+        if registers:
+            plgpu.set_max_registers(registers[2], action="decrease")
+        plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
+        plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
+
+        @pl.loop(0, nt)
+        def _(c):
+            more = c + 1 < nt
+            plgpu.barrier_wait(w_bar)
+            w = w16_s[...].astype(jnp.float32)  # w [C, K] (fp16 values are TF32's)
+
+            @pl.when(c > 0)
+            def _():
+                plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with w_s (qg)
+
+            w_s[...] = w
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(w_ready)
+
+            @pl.when(more)
+            def _():
+                plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
+
+            convert_kd_then_load(c, more)
+
+        plgpu.barrier_wait(kd_free)  # the last chunk's (every arrival observed before the barriers go)
+        plgpu.barrier_wait(out_free)
+
+    def _intra_only_producer():
+        """Warpgroup 2 of the three-warpgroup `intra` form: qg and Aqk a chunk ahead, as `_intra_producer` computes
+        them, written once the buffers are free (Aqk(c) after c - 1's output dots, qg(c) after c's first dot)."""
+        if registers:
+            plgpu.set_max_registers(registers[1], action="increase")
+        last = nt - 1
+        load_intra(0)
+
+        def intra_then_load(c):  # (qg, Aqk) of chunk c, whose loads were issued; then chunk c + 1's loads
+            qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, q16_s, k16_s, intra_bars, scale, aliased=True)
+            plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
+            load_intra(jnp.minimum(c + 1, last))
+            return qg, aqk
+
+        def body(c, qg_aqk):
+            qg, aqk = qg_aqk
+
+            @pl.when(c > 0)
+            def _():
+                plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with aqk_s
+
+            aqk_s[...] = aqk
+            plgpu.barrier_wait(w_free)  # the first dot of c is done with w_s
+            qg_s[...] = qg
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(intra_ready)
+            return intra_then_load(jnp.minimum(c + 1, last))
+
+        lax.fori_loop(0, nt, body, intra_then_load(0))
+        for bar in intra_bars:  # the last loads issued
+            plgpu.barrier_wait(bar)
+        plgpu.barrier_wait(out_free)
+
+    if intra_warpgroup:
+        pl.when(wg == 1)(_convert_producer)
+        pl.when(wg == 2)(_intra_only_producer)
+    else:
+        pl.when(wg == 1)(_intra_producer if intra else _producer)
 
     @pl.when(wg == 0)
     def _consumer():
+        if registers:
+            plgpu.set_max_registers(registers[0], action="increase")
         plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
         if not ut:
             load_u_gc(0)
@@ -530,6 +608,7 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
 
 def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, *, scale: float, out_dtype,
                                        qk_dtype=jnp.float16, checkpoint_chunks: int | None = None, bv: int = 64,
+                                       warpgroups: int = 2, registers: tuple[int, int, int] | None = None,
                                        interpret: bool = False):
     """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`; the warp-specialised form
     without the producer's u transpose, for shared memory): w, u, kd, gc, initial_state as `state_recurrence_mgpu`
@@ -538,7 +617,10 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     (`output_mgpu.key_norms`), with the output kernel's own code (`output_mgpu._intra`: `scale` on q, `qk_dtype` the
     q k^T operands). Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32
     [B, HV, K, V]), and with `checkpoint_chunks` (n > 0) the exact state at the start of every chunk c = m n inside
-    the call (0 < c < NT), fp32 [B, (NT - 1) // n, HV, K, V]: the states the unfused recurrence stores in h there."""
+    the call (0 < c < NT), fp32 [B, (NT - 1) // n, HV, K, V]: the states the unfused recurrence stores in h there.
+    `warpgroups`: 2 (one producer warpgroup converts w and kd and computes qg and Aqk) or 3 (one for each:
+    `_kernel_ws`'s `intra_warpgroup`), the same bits; `registers` (with 3): per-thread registers of the consumer, the
+    qg / Aqk and the w / kd warpgroups (`setmaxnreg`), or None."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
@@ -559,6 +641,14 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     if checkpoint_chunks is not None and (type(checkpoint_chunks) is not int or checkpoint_chunks < 1):
         raise ValueError(f"state_recurrence_output_intra_mgpu: checkpoint_chunks must be a positive int or None; got "
                          f"{checkpoint_chunks!r}")
+    if warpgroups not in (2, 3):
+        raise ValueError(f"state_recurrence_output_intra_mgpu: warpgroups is 2 or 3, not {warpgroups!r}")
+    if registers is not None:
+        registers = tuple(registers)
+        if (warpgroups != 3 or len(registers) != 3 or any(type(r) is not int or r % 8 or not 24 <= r <= 256
+                                                          for r in registers) or sum(registers) > 504):
+            raise ValueError(f"state_recurrence_output_intra_mgpu: registers is None or, with warpgroups=3, three "
+                             f"multiples of 8 in [24, 256] adding up to at most 504; got {registers!r}")
     n_ck = (nt - 1) // checkpoint_chunks if checkpoint_chunks else 0
     per = checkpoint_chunks if n_ck else 0  # (none inside the call: the kernel stores none)
     f32 = jnp.float32
@@ -567,7 +657,8 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     ck_type = [jax.ShapeDtypeStruct((B, HV, n_ck, V, K), f32)] if per else []
     s_t, o, *ck = plgpu.kernel(
         functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, intra=True, groups=HV // HK,
-                          scale=float(scale), ck_per=per),
+                          scale=float(scale), ck_per=per, intra_warpgroup=warpgroups == 3,
+                          registers=None if interpret else registers),
         out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype),
                   *ck_type],
         scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
@@ -580,7 +671,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         grid=(V // bv, HV, B),
         grid_names=("j", "h", "b"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        num_threads=2, thread_name="wg",
+        num_threads=warpgroups, thread_name="wg",
         **params,
     )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), q, k, r_q, r_k)
     out = (o, jnp.swapaxes(s_t, -1, -2))

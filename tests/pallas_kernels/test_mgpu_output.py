@@ -188,6 +188,25 @@ def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case):
     assert all(np.array_equal(a, b) for a, b in zip(with_ck, want))
 
 
+def test_fused_kernel_on_three_warpgroups_is_the_two_warpgroup_kernel(case):
+    """config fused_warpgroups=3: qg and Aqk computed on a warpgroup of their own, w and kd converted on another
+    (`_kernel_ws`'s `intra_warpgroup`): the outputs, final states and in-call checkpoints of the two-warpgroup form,
+    bit for bit in interpret mode (where `fused_registers` does not apply); a bad register split is refused."""
+    d = case[0]
+    FUSED = dict(recurrence="mosaic", output="fused_intra")
+    for stride in (None, 64):
+        two = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=stride, **FUSED)]
+        three = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=stride, fused_warpgroups=3,
+                                                fused_registers=[216, 216, 72], **FUSED)]
+        assert len(two) == len(three) == (2 if stride is None else 3)
+        assert all(np.array_equal(a, b) for a, b in zip(two, three)), stride
+    for regs, wgs in (([216, 216, 80], 3), ([216, 216, 70], 3), ([216, 216, 72], 2), ([256, 16, 232], 3)):
+        with pytest.raises(ValueError, match="fused_registers"):
+            prefill(d, LENGTHS, fused_warpgroups=wgs, fused_registers=regs, **FUSED)
+    with pytest.raises(ValueError, match="fused_warpgroups"):
+        prefill(d, LENGTHS, fused_warpgroups=4, **FUSED)
+
+
 def test_output_fused_row_alone_and_split_on_the_grid(case):
     """The fused kernel's bitwise properties: a row alone equals the row in the batch, and a prefill split at 128
     (on the grid; the second call continuing from the first's final state) equals the unsplit call's outputs and
@@ -210,8 +229,9 @@ def test_output_fused_row_alone_and_split_on_the_grid(case):
 
 def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
     """The recurrence that computes the output, its qg and Aqk inside lowers for CUDA at K = V = 128, bf16 q, k and
-    outputs, with and without in-call checkpoints (the shared-memory budget, which the lowering checks: ~219 KiB, q
-    and k unioned with their fp16 copies and qg held in w's buffer)."""
+    outputs, with and without in-call checkpoints, on two warpgroups and on three (with a register split) (the
+    shared-memory budget, which the lowering checks: ~219 KiB, q and k unioned with their fp16 copies and qg held in
+    w's buffer)."""
     from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_intra_mgpu
 
     sds = jax.ShapeDtypeStruct
@@ -220,10 +240,11 @@ def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
            sds((B, H, T), jnp.float32), sds((B, H, D, D), jnp.float32))
     intra = (sds((B, T, 2, D), jnp.bfloat16), sds((B, T, 2, D), jnp.bfloat16), sds((B, 2, T), jnp.float32),
              sds((B, 2, T), jnp.float32))
-    for per in (None, 2):  # (with in-call checkpoints every 2 chunks)
+    for per, wgs, regs in ((None, 2, None), (2, 2, None), (None, 3, None), (2, 3, (216, 216, 72))):
         fn = jax.jit(functools.partial(state_recurrence_output_intra_mgpu, out_dtype=jnp.bfloat16, scale=D ** -0.5,
-                                       checkpoint_chunks=per))
-        assert "mosaic_gpu" in fn.trace(*rec, *intra).lower(lowering_platforms=("cuda",)).as_text()
+                                       checkpoint_chunks=per, warpgroups=wgs, registers=regs))
+        text = fn.trace(*rec, *intra).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and ("setmaxnreg" in text) == (regs is not None)
 
 
 def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
