@@ -192,8 +192,10 @@ from .wy import CHUNK
 # chain is latency-bound, and the output kernel's own grid fills the GPU); hence "auto"'s rule (between 64 and 512
 # programs nothing was measured). fused_warpgroups: 2 (default: one producer warpgroup converts w and kd and computes
 # qg and Aqk) or 3 (a warpgroup for each; the same arithmetic), fused_registers: None or the three warpgroups'
-# registers per thread (consumer, qg / Aqk, w / kd; `setmaxnreg`) — "fused_intra"'s forms (measured 2026-12-06:
-# BENCHMARKS.md). output_order: how the Mosaic GPU kernels add the output's two dots
+# registers per thread (consumer, qg / Aqk, w / kd; `setmaxnreg`) — "fused_intra"'s forms. Run 170 found the
+# two-warpgroup kernel waiting on its producer (skipping qg and Aqk's computation: 2.55 -> 2.01 ms at (8, 4096));
+# the three-warpgroup form (2026-12-06) gives the same bits in interpret mode and lowers for CUDA, but has not run on
+# a GPU yet (no device time was left), so it is not the default. output_order: how the Mosaic GPU kernels add the output's two dots
 # (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
 # does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
