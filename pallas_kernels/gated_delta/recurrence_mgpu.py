@@ -297,6 +297,28 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         def _():
             plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(c + 1), :], kd16_s, kd_bar)
 
+    def convert_w_then_load(c, more):  # (the `intra` producers') w(c) into w's fp32 buffer, then w(c + 1)'s load
+        plgpu.barrier_wait(w_bar)
+        w = w16_s[...].astype(jnp.float32)  # w [C, K] (fp16 values are TF32's)
+
+        @pl.when(c > 0)
+        def _():
+            plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with w_s (qg) and aqk_s
+
+        w_s[...] = w
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(w_ready)
+
+        @pl.when(more)
+        def _():
+            plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
+
+    def intra_then_load(c):  # (the `intra` producers') qg, Aqk of chunk c, whose loads were issued; then c + 1's loads
+        qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, q16_s, k16_s, intra_bars, scale, aliased=True)
+        plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
+        load_intra(jnp.minimum(c + 1, nt - 1))
+        return qg, aqk
+
     def _intra_producer():
         """The producer of the `intra` form, a chunk ahead: qg(c + 1) and Aqk(c + 1) are computed (in registers) while
         the consumer finishes chunk c; w(c + 1) and Aqk(c + 1) are written once c's output dots are done with w_s
@@ -308,30 +330,10 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
         load_intra(0)
 
-        def intra_then_load(c):  # (qg, Aqk) of chunk c, whose loads were issued; then chunk c + 1's loads
-            qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, q16_s, k16_s, intra_bars, scale, aliased=True)
-            plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
-            load_intra(jnp.minimum(c + 1, last))
-            return qg, aqk
-
         def body(c, qg_aqk):
             qg, aqk = qg_aqk
             more = c + 1 < nt
-            plgpu.barrier_wait(w_bar)
-            w = w16_s[...].astype(jnp.float32)  # w [C, K] (fp16 values are TF32's)
-
-            @pl.when(c > 0)
-            def _():
-                plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with w_s (qg) and aqk_s
-
-            w_s[...] = w
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(w_ready)
-
-            @pl.when(more)
-            def _():
-                plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
-
+            convert_w_then_load(c, more)
             aqk_s[...] = aqk
             convert_kd_then_load(c, more)
 
@@ -405,21 +407,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         @pl.loop(0, nt)
         def _(c):
             more = c + 1 < nt
-            plgpu.barrier_wait(w_bar)
-            w = w16_s[...].astype(jnp.float32)  # w [C, K] (fp16 values are TF32's)
-
-            @pl.when(c > 0)
-            def _():
-                plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with w_s (qg)
-
-            w_s[...] = w
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(w_ready)
-
-            @pl.when(more)
-            def _():
-                plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
-
+            convert_w_then_load(c, more)
             convert_kd_then_load(c, more)
 
         plgpu.barrier_wait(kd_free)  # the last chunk's (every arrival observed before the barriers go)
@@ -432,12 +420,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             plgpu.set_max_registers(registers[1], action="increase")
         last = nt - 1
         load_intra(0)
-
-        def intra_then_load(c):  # (qg, Aqk) of chunk c, whose loads were issued; then chunk c + 1's loads
-            qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, q16_s, k16_s, intra_bars, scale, aliased=True)
-            plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
-            load_intra(jnp.minimum(c + 1, last))
-            return qg, aqk
 
         def body(c, qg_aqk):
             qg, aqk = qg_aqk
