@@ -278,10 +278,14 @@ def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
 
 @pytest.mark.parametrize("change,match", [(dict(qk_dtype=jnp.float32), "qk_dtype"),
                                           (dict(checkpoint_chunks=0), "checkpoint_chunks"),
-                                          (dict(q_shape=(1, 128, 3, 64)), "HK dividing")])
+                                          (dict(q_shape=(1, 128, 3, 64)), "HK dividing"),
+                                          (dict(warpgroups=4), "warpgroups is 2 or 3"),
+                                          (dict(registers=(216, 216, 72)), "registers is None or"),
+                                          (dict(warpgroups=3, registers=(256, 256, 24)), "registers is None or")])
 def test_fused_intra_refuses_bad_inputs(change, match):
-    """`state_recurrence_output_intra_mgpu` refuses a 4-byte qk_dtype, a checkpoint interval below 1 and key heads
-    that do not divide the value heads, before any lowering."""
+    """`state_recurrence_output_intra_mgpu` refuses a 4-byte qk_dtype, a checkpoint interval below 1, key heads
+    that do not divide the value heads, a warpgroup count other than 2 or 3 and a register split without three
+    warpgroups or over the register file, before any lowering."""
     from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_intra_mgpu
 
     B, H, T, D = 1, 4, 128, 64
