@@ -64,7 +64,8 @@ from .arith import fma, mul_rn
 from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
 from .output_mgpu import chunk_output_mgpu, key_norms
-from .recurrence_mgpu import state_recurrence_mgpu, state_recurrence_output_intra_mgpu
+from .recurrence_mgpu import (REGISTER_SPLIT_RULE, state_recurrence_mgpu, state_recurrence_output_intra_mgpu,
+                              valid_register_split)
 from .wy import CHUNK
 
 
@@ -520,11 +521,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
     if cfg["fused_warpgroups"] not in (2, 3) or isinstance(cfg["fused_warpgroups"], bool):
         raise ValueError(f"fused_warpgroups={cfg['fused_warpgroups']!r}: expected 2 or 3")
     regs = cfg["fused_registers"]
-    if regs is not None and (cfg["fused_warpgroups"] != 3 or not isinstance(regs, (tuple, list)) or len(regs) != 3
-                             or any(type(r) is not int or r % 8 or not 24 <= r <= 256 for r in regs)
-                             or sum(regs) > 504):
-        raise ValueError(f"fused_registers={regs!r}: None, or with fused_warpgroups=3 three multiples of 8 in "
-                         f"[24, 256] adding up to at most 504 (consumer, qg / Aqk and w / kd warpgroups)")
+    if regs is not None and (cfg["fused_warpgroups"] != 3 or not valid_register_split(regs)):
+        raise ValueError(f"fused_registers={regs!r}: None, or with fused_warpgroups=3 {REGISTER_SPLIT_RULE}")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):

@@ -243,8 +243,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     producer, w(c) written once c - 1's output dots are done with w's buffer), warpgroup 2 loads q, k, the norms and
     gc and computes qg and Aqk, writing Aqk(c) once c - 1's output dots are done and qg(c) once c's first dot is done
     with w's buffer. The same buffers, barriers and arithmetic; only which warpgroup runs what. `registers`:
-    (consumer, warpgroup 2, warpgroup 1) registers per thread (`setmaxnreg`; multiples of 8, at most 504 in all), or
-    None (ptxas' even split)."""
+    (consumer, warpgroup 2, warpgroup 1) registers per thread (`setmaxnreg`: `REGISTER_SPLIT_RULE`), or None
+    (168 each, ptxas' even split of the register file)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if intra:
@@ -588,6 +588,23 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
     return h, vn_t, jnp.swapaxes(s_t, -1, -2)
 
 
+# The three-warpgroup kernel starts with 168 registers per thread (65536 / 384, in multiples of 8); `setmaxnreg`
+# raises the consumer's and the qg / Aqk warpgroup's and lowers the w / kd warpgroup's. PTX leaves an increase below
+# the current count, or a decrease above it, undefined.
+REGISTER_SPLIT_RULE = ("three multiples of 8 (consumer, qg / Aqk warpgroup, w / kd warpgroup): the first two in "
+                       "[168, 256], the third in [24, 168], adding up to at most 504")
+
+
+def valid_register_split(registers) -> bool:
+    """Whether `registers` is a (consumer, qg / Aqk, w / kd) split `setmaxnreg` can take (`REGISTER_SPLIT_RULE`)."""
+    if not isinstance(registers, (tuple, list)) or len(registers) != 3:
+        return False
+    if any(type(r) is not int or r % 8 for r in registers):
+        return False
+    up, mid, down = registers
+    return 168 <= up <= 256 and 168 <= mid <= 256 and 24 <= down <= 168 and up + mid + down <= 504
+
+
 def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, *, scale: float, out_dtype,
                                        qk_dtype=jnp.float16, checkpoint_chunks: int | None = None, bv: int = 64,
                                        warpgroups: int = 2, registers: tuple[int, int, int] | None = None,
@@ -627,10 +644,9 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         raise ValueError(f"state_recurrence_output_intra_mgpu: warpgroups is 2 or 3, not {warpgroups!r}")
     if registers is not None:
         registers = tuple(registers)
-        if (warpgroups != 3 or len(registers) != 3 or any(type(r) is not int or r % 8 or not 24 <= r <= 256
-                                                          for r in registers) or sum(registers) > 504):
-            raise ValueError(f"state_recurrence_output_intra_mgpu: registers is None or, with warpgroups=3, three "
-                             f"multiples of 8 in [24, 256] adding up to at most 504; got {registers!r}")
+        if not valid_register_split(registers) or warpgroups != 3:
+            raise ValueError(f"state_recurrence_output_intra_mgpu: registers is None or, with warpgroups=3, "
+                             f"{REGISTER_SPLIT_RULE}; got {registers!r}")
     n_ck = (nt - 1) // checkpoint_chunks if checkpoint_chunks else 0
     per = checkpoint_chunks if n_ck else 0  # (none inside the call: the kernel stores none)
     f32 = jnp.float32

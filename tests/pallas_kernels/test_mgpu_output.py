@@ -200,7 +200,8 @@ def test_fused_kernel_on_three_warpgroups_is_the_two_warpgroup_kernel(case):
                                                 fused_registers=[216, 216, 72], **FUSED)]
         assert len(two) == len(three) == (2 if stride is None else 3)
         assert all(np.array_equal(a, b) for a, b in zip(two, three)), stride
-    for regs, wgs in (([216, 216, 80], 3), ([216, 216, 70], 3), ([216, 216, 72], 2), ([256, 16, 232], 3)):
+    for regs, wgs in (([216, 216, 80], 3), ([216, 216, 70], 3), ([216, 216, 72], 2), ([256, 16, 232], 3),
+                      ([256, 144, 104], 3), ([160, 168, 168], 3), ([168, 160, 176], 3)):  # (increases below 168)
         with pytest.raises(ValueError, match="fused_registers"):
             prefill(d, LENGTHS, fused_warpgroups=wgs, fused_registers=regs, **FUSED)
     with pytest.raises(ValueError, match="fused_warpgroups"):
@@ -281,7 +282,7 @@ def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
                                           (dict(q_shape=(1, 128, 3, 64)), "HK dividing"),
                                           (dict(warpgroups=4), "warpgroups is 2 or 3"),
                                           (dict(registers=(216, 216, 72)), "registers is None or"),
-                                          (dict(warpgroups=3, registers=(256, 256, 24)), "registers is None or")])
+                                          (dict(warpgroups=3, registers=(256, 144, 104)), "registers is None or")])
 def test_fused_intra_refuses_bad_inputs(change, match):
     """`state_recurrence_output_intra_mgpu` refuses a 4-byte qk_dtype, a checkpoint interval below 1, key heads
     that do not divide the value heads, a warpgroup count other than 2 or 3 and a register split without three
