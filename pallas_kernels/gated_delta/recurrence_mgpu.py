@@ -319,13 +319,19 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         load_intra(jnp.minimum(c + 1, nt - 1))
         return qg, aqk
 
+    def hand_on_qg(c, qg):  # (the `intra` producers') qg(c) into w's buffer once c's first dot is done with it;
+        plgpu.barrier_wait(w_free)  # then qg and Aqk of chunk c + 1
+        qg_s[...] = qg
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(intra_ready)
+        return intra_then_load(jnp.minimum(c + 1, nt - 1))
+
     def _intra_producer():
         """The producer of the `intra` form, a chunk ahead: qg(c + 1) and Aqk(c + 1) are computed (in registers) while
         the consumer finishes chunk c; w(c + 1) and Aqk(c + 1) are written once c's output dots are done with w_s
         (where qg(c) is) and aqk_s, kd(c + 1) once c's second dot is done with kd_s, qg(c + 1) once the first dot of
         c + 1 is done with w_s. The loads of chunk c + 2's q, k, norms and gc follow the computation of c + 1 (the
         last chunk is loaded and computed again at the end: every load is waited for)."""
-        last = nt - 1
         plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
         load_intra(0)
@@ -336,12 +342,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             convert_w_then_load(c, more)
             aqk_s[...] = aqk
             convert_kd_then_load(c, more)
-
-            plgpu.barrier_wait(w_free)  # the first dot of c is done with w_s
-            qg_s[...] = qg
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(intra_ready)
-            return intra_then_load(jnp.minimum(c + 1, last))
+            return hand_on_qg(c, qg)
 
         lax.fori_loop(0, nt, body, intra_then_load(0))
         for bar in intra_bars:  # the last loads issued
@@ -418,7 +419,6 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         them, written once the buffers are free (Aqk(c) after c - 1's output dots, qg(c) after c's first dot)."""
         if registers:
             plgpu.set_max_registers(registers[1], action="increase")
-        last = nt - 1
         load_intra(0)
 
         def body(c, qg_aqk):
@@ -429,11 +429,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                 plgpu.barrier_wait(out_free)  # the output dots of c - 1 are done with aqk_s
 
             aqk_s[...] = aqk
-            plgpu.barrier_wait(w_free)  # the first dot of c is done with w_s
-            qg_s[...] = qg
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(intra_ready)
-            return intra_then_load(jnp.minimum(c + 1, last))
+            return hand_on_qg(c, qg)
 
         lax.fori_loop(0, nt, body, intra_then_load(0))
         for bar in intra_bars:  # the last loads issued
