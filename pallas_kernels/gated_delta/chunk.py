@@ -196,9 +196,9 @@ from .wy import CHUNK
 # registers per thread (consumer, qg / Aqk, w / kd; `setmaxnreg`) — "fused_intra"'s forms. Run 170 found the
 # two-warpgroup kernel waiting on its producer (skipping qg and Aqk's computation: 2.55 -> 2.01 ms at (8, 4096));
 # the three-warpgroup form (2026-12-06) gives the same bits in interpret mode and lowers for CUDA, but has not run on
-# a GPU yet (no device time was left), so it is not the default. output_order: how the Mosaic GPU kernels add the output's two dots
-# (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as the H200's Triton code
-# does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
+# a GPU yet (no device time was left), so it is not the default. output_order: how the Mosaic GPU kernels add the
+# output's two dots (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as
+# the H200's Triton code does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
 # "tf32x3" before) — 4.27 against 4.79 ms over (1, 8192) + (8, 4096), the prep 1.68 -> 1.28 ms at (8, 4096), as
 # accurate (outputs <= 1.76e-3, states <= 8.2e-4 of the float64 oracle; `scripts/precision_screen.py` predicted it);
