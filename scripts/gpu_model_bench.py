@@ -246,12 +246,17 @@ def stage_decode(model, B: int, context: int, bw: float, tag: str, steps: int = 
     return t
 
 
-def stage_bitwise(model, max_len: int, max_tokens: int = 65536):
+BITWISE_BATCHES = (1, 2, 8, 16, 32, 64)
+
+
+def stage_bitwise(model, max_len: int, max_tokens: int = 65536, batch_sizes=BITWISE_BATCHES):
     """Deterministic mode: a sequence's logits alone == inside batches (as row 0, middle, last) == split.
 
-    Batch sizes 1, 2, 8, 16, 32, 64, keeping those with batch * max_len <= max_tokens (memory)."""
+    Batch sizes `batch_sizes` (default 1, 2, 8, 16, 32, 64), keeping 1 and those with batch * max_len <= max_tokens
+    (memory). At the 9B shape (HV = 32) B = 1 takes the chunked prefill's output kernel and B >= 8 its output inside
+    the recurrence (`chunk._output_in_recurrence`): `--bitwise-batches 1,8` checks that crossing alone."""
     cfg = model.config
-    batches = [b for b in (1, 2, 8, 16, 32, 64) if b == 1 or b * max_len <= max_tokens]
+    batches = [b for b in batch_sizes if b == 1 or b * max_len <= max_tokens]
     rng = np.random.default_rng(0)
     target = rng.integers(0, cfg.vocab_size, max_len).astype(np.int32)
     width = max_len
@@ -462,6 +467,8 @@ def main():
                          "a chunk's first row, as before)")
     ap.add_argument("--bitwise-lengths", default="512,4096")
     ap.add_argument("--bitwise-max-tokens", type=int, default=65536, help="largest batch * length in the bitwise stage")
+    ap.add_argument("--bitwise-batches", default=",".join(map(str, BITWISE_BATCHES)),
+                    help="the bitwise stage's batch sizes (comma list of positive ints)")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
                     help="comma list, run in this order; also 'shared_prompt' (generate on k copies of one "
                          "prompt against k distinct prompts), 'profile' (decode kernel times, normal and "
@@ -482,6 +489,12 @@ def main():
     if args.phases == "mixed" and args.context < 64:
         ap.error(f"--phases mixed needs --context >= 64 (row b's prompt is context - (23 b mod 64)); got "
                  f"{args.context}")
+    try:
+        bitwise_batches = tuple(int(b) for b in args.bitwise_batches.split(","))
+    except ValueError:
+        bitwise_batches = ()
+    if not bitwise_batches or min(bitwise_batches) < 1:
+        ap.error(f"--bitwise-batches: a comma list of positive ints; got {args.bitwise_batches!r}")
     model = bw = rate = None  # set below, after the stage names are checked; the stages read them when they run
     # the decode stages' rows at the phases --phases names
     decode = functools.partial(stage_decode, phases=args.phases)
@@ -501,8 +514,8 @@ def main():
                           decode(scan_model(model), args.decode_batch, args.context, bw, "replay_scan"))),
         ("scan_bitwise", lambda: stage_replay_bitwise(scan_model(model), new_tokens=args.replay_tokens,
                                                       tag="replay_scan_bitwise")),
-        ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens)
-                             for n in args.bitwise_lengths.split(",")]),
+        ("bitwise", lambda: [stage_bitwise(model.with_deterministic(), int(n), args.bitwise_max_tokens,
+                                           bitwise_batches) for n in args.bitwise_lengths.split(",")]),
         ("replay_bitwise", lambda: stage_replay_bitwise(model.with_deterministic().with_decode_mode("replay"),
                                                         new_tokens=args.replay_tokens)),
         ("shared_prompt", lambda: stage_shared_prompt(model.with_deterministic(), args.shared_batch,

@@ -112,6 +112,20 @@ def test_model_bench_replay_profile_stage(tmp_path):
         assert rows and all(row["us_per_step"] >= 0 and row["count"] >= 0 for row in rows)
 
 
+def test_model_bench_bitwise_stage_takes_its_batch_sizes(tmp_path):
+    """--bitwise-batches picks the bitwise stage's batch sizes (1 and 2 here: rows alone, first and last, and the
+    split), and a list that is not one of positive ints is refused before anything runs."""
+    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,bitwise",
+              "--bitwise-lengths", "130", "--bitwise-batches", "1,2", "--out", str(tmp_path)], tmp_path)
+    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    checks = json.loads((tmp_path / "model_bench.json").read_text())["bitwise_len130"]
+    assert sorted(checks) == ["B=1 row=0", "B=2 row=0", "B=2 row=1", "split at 64"] and all(checks.values())
+    for bad in ("0,8", "1,x", ""):
+        r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "bitwise",
+                  "--bitwise-batches", bad, "--out", str(tmp_path)], tmp_path)
+        assert r.returncode == 2 and "--bitwise-batches" in r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
 def test_model_bench_mixed_phases_cover_every_block_row():
     """The decode stages' default prompts put the rows at every position class of the open chunk (replay decode's
     cost depends on the block row a step falls in); "aligned" keeps every row at `context`."""
