@@ -70,8 +70,8 @@ between them); test_replay 341 s, test_chunk_kernel 273, test_replay_kernel 262,
   as without it and 78 s with `--xla_cpu_parallel_codegen_split_count=1` (a full run with it on 2026-12-01 was
   slower); one chunked-kernel call's first call (2.36 s) took 2.29 s with `--xla_cpu_use_thunk_runtime=false`
   (within the noise); `--xla_cpu_use_fusion_emitters` is not a flag of this XLA;
-- `PJRT_NPROC` 3 or 8 instead of 4 (the default then; 5 since 2026-12-06), glibc malloc tunables, and Python's cycle collector run less often (~3%, within
-  the noise) — none kept.
+- `PJRT_NPROC` 3 or 8 instead of 4 (the default then; 5 since 2026-12-06), glibc malloc tunables, and Python's
+  cycle collector run less often (~3%, within the noise) — none kept.
 Kept, though its gain on the whole suite is within the runs' spread: one OpenBLAS thread (`tests/xla_threads.py`:
 `single_threaded_blas`).
 So the suite's time is its compiles; fewer layers would not shorten it (the tiny preset's kernel-backed prefill
