@@ -46,11 +46,9 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
-from pallas_kernels import CHUNK
-
 from .cache import PrefixCache
 from .errors import CapacityError, InputError, is_flat_ids, is_int, plain_int, safe_ndim, token_array, token_id
-from .generate import GenerationResult, _check_request, check_model, generate
+from .generate import GenerationResult, _bucket, _check_request, check_model, generate
 from .model import Model
 from .shapes import next_pow2
 
@@ -341,7 +339,7 @@ class Engine:
                     seen.add(key)
             for part in (first, later):
                 if self.order == "length":  # similar prefill and decode work per batch (stable: ties keep order)
-                    part = sorted(part, key=lambda j: (-(-len(j.prompt) // CHUNK), j.params.max_new_tokens))
+                    part = sorted(part, key=lambda j: (_bucket(len(j.prompt)), j.params.max_new_tokens))
                 batches += [part[k:k + self.max_batch] for k in range(0, len(part), self.max_batch)]
         return batches
 

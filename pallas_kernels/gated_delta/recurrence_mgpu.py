@@ -244,7 +244,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     gc and computes qg and Aqk, writing Aqk(c) once c - 1's output dots are done and qg(c) once c's first dot is done
     with w's buffer. The same buffers, barriers and arithmetic; only which warpgroup runs what. `registers`:
     (consumer, warpgroup 2, warpgroup 1) registers per thread (`setmaxnreg`: `REGISTER_SPLIT_RULE`), or None
-    (168 each, ptxas' even split of the register file)."""
+    (no `setmaxnreg`: every warpgroup gets what ptxas allots for 384 threads, at most 168 each)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if intra:
