@@ -5,7 +5,7 @@ Run on the GPU machine from the repo root (fla-core installed into /tmp/site fro
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
               invariant,replay_step,replay_step_checks,replay_step_timing,replay,scan] [--only SECTIONS]
-      [--configs NAMES] [--replay-batches 64,256]
+      [--configs NAMES] [--replay-batches 64,256] [--prefill-shapes B,T,HK,HV;...]
 (replay_step: the replay step's kernels over the chunked prefill, bitwise against one prefill, and its step time against
  the decode kernel (replay_step_checks: the checks alone; replay_step_timing: the timing alone, at --replay-batches);
  replay: the earlier replay, the chunked kernels over the whole open chunk each step, at the kernel level; scan:
@@ -436,9 +436,11 @@ def config_sweep(configs, accuracy):
     return best
 
 
+PREFILL_TIMING_SHAPES = ((1, 8192, 32, 32), (1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32))  # issue 3's
+
+
 @section
-def prefill_timing(cfg_name, cfg, with_reference=True):
-    shapes = [(1, 8192, 32, 32), (1, 8192, 16, 32), (8, 4096, 16, 32), (1, 32768, 16, 32)]
+def prefill_timing(cfg_name, cfg, with_reference=True, shapes=PREFILL_TIMING_SHAPES):
     log(f"{'shape (B,T,HK,HV)':>22s} {'ours ms':>9s} {'fla ms':>9s} {'ours/fla':>9s} {'ref ms':>9s}  rel(o) vs fla")
     for shp in shapes:
         q, k, v, g, beta = make_prefill(*shp)
@@ -1196,7 +1198,17 @@ def main():
                                                           "(default: all)")
     ap.add_argument("--chunk-config", default="", help="JSON dict overriding the chunked prefill's DEFAULT_CONFIG "
                     "(`gated_delta/chunk.py`) for this run: every section's default is then that configuration")
+    ap.add_argument("--prefill-shapes", default="", help="the prefill section's shapes B,T,HK,HV separated by ';' "
+                    "(default: issue 3's four)")
     args = ap.parse_args()
+    try:
+        prefill_shapes = tuple(tuple(int(n) for n in s.split(",")) for s in args.prefill_shapes.split(";")
+                               ) if args.prefill_shapes else PREFILL_TIMING_SHAPES
+        if not all(len(s) == 4 and min(s) > 0 for s in prefill_shapes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--prefill-shapes {args.prefill_shapes!r}: expected B,T,HK,HV groups of positive integers "
+                         "separated by ';' (e.g. 1,32768,16,32;8,4096,16,32)")
     try:
         replay_dims = tuple(tuple(int(n) for n in kv.split(",")) for kv in args.replay_dims.split(";"))
         if not all(len(kv) == 2 and all(n >= 16 and n & (n - 1) == 0 for n in kv) for kv in replay_dims):
@@ -1382,7 +1394,7 @@ def main():
             chunk_bitwise(chunk_configs[args.pick], tag=args.pick)
         best = args.pick
     if "prefill" not in skip:
-        prefill_timing(best, chunk_configs[best], with_reference="reference" not in skip)
+        prefill_timing(best, chunk_configs[best], with_reference="reference" not in skip, shapes=prefill_shapes)
     if "decode" not in skip:
         decode_timing(decode_configs)
     if "breakdown" not in skip:
