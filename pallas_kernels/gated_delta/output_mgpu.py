@@ -24,8 +24,9 @@ so qg, Aqk, S_c and v_new are rounded to nearest here (`_tf32_rna`) before the T
 are added as the H200's Triton code adds them: qg S_c is the initial accumulator of Aqk v_new (`order="h_acc"`, the
 default; "add", their results added, and "vn_acc", the other way round, differ from it in a few elements in 10^4-10^5).
 Checked on the H200 (`scripts/gpu_mgpu_output.py`, BENCHMARKS.md run 132): the Triton output kernel's bits in every
-element on three shapes, but 1.11-1.16x its time with `key_norms` (211 KiB of shared memory: one program per SM, its
-loads overlapped with nothing), so the prefill's default stays the Triton kernel (chunk config `output`).
+element on three shapes, but 1.11-1.16x its time with `key_norms` (211 KiB of shared memory then, 195 KiB since q~
+is the q k^T wgmma's register operand: one program per SM, its loads overlapped with nothing), so the prefill's
+default stays the Triton kernel (chunk config `output`).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def key_norms(q, k, lengths, *, warps: int, interpret: bool):
 
 
 def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
-            q_s, k_s, rq_s, rk_s, gc_s, h_s, vn_s, q16_s, k16_s, qg_s, aqk_s, bars, *o_s, groups: int, scale: float,
+            q_s, k_s, rq_s, rk_s, gc_s, h_s, vn_s, k16_s, qg_s, aqk_s, bars, *o_s, groups: int, scale: float,
             order: str, interpret: bool):
     """One program: chunk c of value head h of row b (module docstring). GMEM refs: q, k [B, Tp, HK, K] (16-bit),
     r_q, r_k fp32 [B, HK, Tp] (`key_norms`), gc fp32 [B, HV, Tp], h fp32 [B, HV, NT, V, K] (transposed states),
@@ -97,8 +98,8 @@ def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
     plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, rows], gc_s, gc_bar)
     plgpu.copy_gmem_to_smem(h_gmem.at[b, hv, c], h_s, h_bar)
     plgpu.copy_gmem_to_smem(vn_gmem.at[b, hv, :, rows], vn_s, vn_bar)
-    qg_s[...], aqk_s[...] = _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar),
-                                   scale)
+    qg_s[...], aqk_s[...] = _intra(q_s, k_s, rq_s, rk_s, gc_s, k16_s, (q_bar, k_bar, rq_bar, rk_bar, gc_bar),
+                                   scale, interpret=interpret)
     wgmma_layout = plgpu.Layout.WGMMA
     plgpu.barrier_wait(h_bar)
     for r0 in range(0, h_s.shape[0], CHUNK):  # S_c rounded in place, 64 rows at a time (registers)
@@ -115,13 +116,16 @@ def _kernel(q_gmem, k_gmem, rq_gmem, rk_gmem, gc_gmem, h_gmem, vn_gmem, o_gmem,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, bars, scale: float, *, aliased: bool = False):
+def _intra(q_s, k_s, rq_s, rk_s, gc_s, k16_s, bars, scale: float, *, interpret: bool, aliased: bool = False):
     """The output's V-independent part of one chunk (module docstring): (qg = q~ exp(gc) [C, K], Aqk [C, C]) in
     registers, for the caller to store where and when it can, both rounded to TF32 to nearest (the TF32 wgmmas'
     operands), from q, k (16-bit, as loaded), their norms' reciprocals and gc, each waited for on its barrier of
-    `bars` (q, k, r_q, r_k, gc). q~ and k~ go to `q16_s` and `k16_s` for the 16-bit q k^T wgmma.
-    `aliased`: those two share memory with `q_s` and `k_s` (a `plgpu.RefUnion` each), so each copy is written once the
-    whole warpgroup has read the tile it replaces (`commit_smem`'s warpgroup barrier)."""
+    `bars` (q, k, r_q, r_k, gc). k~ goes to `k16_s` (k16_s's dtype: `p_qk`) for the 16-bit q k^T wgmma, whose q~
+    operand is read from registers (the same wgmma, no copy through shared memory: the same bits as from shared
+    memory on an H100, 2026-12-06; the CPU interpreter's wgmma reads shared memory only, so there an fp32 dot of the
+    same 16-bit values computes it: the products are exact, the order of their sum XLA's). `aliased`: `k16_s` shares
+    memory with `k_s` (a `plgpu.RefUnion`), so k~ is written once the whole warpgroup has read k (`commit_smem`'s
+    warpgroup barrier)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     q_bar, k_bar, rq_bar, rk_bar, gc_bar = bars
@@ -136,25 +140,24 @@ def _intra(q_s, k_s, rq_s, rk_s, gc_s, q16_s, k16_s, bars, scale: float, *, alia
         r = lax.broadcast_in_dim(plgpu.load(r_s, layout=row_vec), x.shape, [0])
         return jnp.where(r >= 0.0, x * r, 0.0)
 
-    def read_before_overwrite():
-        if aliased:
-            plgpu.commit_smem()
-
     k_n = normalised(k_s, rk_s, k_bar, rk_bar)
-    read_before_overwrite()
+    if aliased:
+        plgpu.commit_smem()
     k16_s[...] = k_n.astype(k16_s.dtype)
     q_n = normalised(q_s, rq_s, q_bar, rq_bar) * scale
     plgpu.barrier_wait(gc_bar)
     gc_row = plgpu.load(gc_s, layout=row_vec)
-    read_before_overwrite()
-    q16_s[...] = q_n.astype(q16_s.dtype)
     plgpu.commit_smem()
 
-    def qk_dot(acc):  # q~ k~^T [C, C], 16-bit operands (`p_qk`)
-        plgpu.wgmma(acc, q16_s, k16_s.T)
+    def qk_dot(acc):  # q~ k~^T [C, C], 16-bit operands (`p_qk`), q~ from registers
+        plgpu.wgmma(acc, q_n.astype(k16_s.dtype), k16_s.T)
         return acc[...]
 
-    qk = pl.run_scoped(qk_dot, plgpu.ACC((CHUNK, CHUNK), f32))
+    if interpret:
+        qk = lax.dot_general(q_n.astype(k16_s.dtype).astype(f32), k16_s[...].astype(f32), (((1,), (1,)), ((), ())),
+                             precision=lax.Precision.HIGHEST)
+    else:
+        qk = pl.run_scoped(qk_dot, plgpu.ACC((CHUNK, CHUNK), f32))
     row = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout)
     col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
     lower = row >= col
@@ -196,10 +199,11 @@ def _reuses_q(K: int, V: int, q_dtype, out_dtype) -> bool:
 
 def shared_memory_bytes(K: int, V: int, q_dtype, out_dtype, qk_dtype=jnp.float16) -> int:
     """The kernel's scratch in bytes as Mosaic GPU counts it (its buffers, vectors and barriers; `chunk._output_kernel`
-    takes the kernel where this is at most SMEM_BYTES): at K = V = 128 with bf16 q and outputs 211 KiB, o going out
-    through q's buffer; with a buffer of its own, 56 bytes over (232504: the H200's refusal, run 132)."""
+    takes the kernel where this is at most SMEM_BYTES): at K = V = 128 with bf16 q and outputs 195 KiB, o going out
+    through q's buffer (211 KiB up to 2026-12-06, when q~ went through a 16-bit copy in shared memory for q k^T); with
+    fp32 outputs, in a buffer of their own, 56 bytes over (232504, the count the H200 refused in run 132)."""
     qi, oi, ki = (jnp.dtype(d).itemsize for d in (q_dtype, out_dtype, qk_dtype))
-    tiles = CHUNK * K * (2 * qi + 2 * ki + 4) + 4 * V * K + 4 * V * CHUNK + 4 * CHUNK * CHUNK
+    tiles = CHUNK * K * (2 * qi + ki + 4) + 4 * V * K + 4 * V * CHUNK + 4 * CHUNK * CHUNK
     own_o = 0 if _reuses_q(K, V, q_dtype, out_dtype) else CHUNK * V * oi
     vectors = 3 * 1024  # r_q, r_k, gc: 256 bytes each, every buffer aligned to 1 KiB
     return tiles + own_o + vectors + 7 * 8
@@ -244,7 +248,7 @@ def chunk_output_mgpu(q, k, r_q, r_k, gc, h, vn_t, *, scale: float, out_dtype, q
         out_type=jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype),
         scratch_types=[smem(CHUNK, K, dtype=q.dtype), smem(CHUNK, K, dtype=k.dtype), plgpu.SMEM((CHUNK,), f32),
                        plgpu.SMEM((CHUNK,), f32), plgpu.SMEM((CHUNK,), f32), smem(V, K), smem(V, CHUNK),
-                       smem(CHUNK, K, dtype=qk_dtype), smem(CHUNK, K, dtype=qk_dtype), smem(CHUNK, K),
+                       smem(CHUNK, K, dtype=qk_dtype), smem(CHUNK, K),
                        smem(CHUNK, CHUNK), plgpu.Barrier(num_barriers=7), *o_s],
         grid=(nt, HV, B),
         grid_names=("c", "h", "b"),

@@ -232,8 +232,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     inputs are then q, k [B, Tp, HK, K] (16-bit), r_q, r_k fp32 [B, HK, Tp] (`output_mgpu.key_norms`; in), the
     final state and o [B, Tp, HV, V] (out), and the buffers: the `True` form's, with qg held in
     w's fp32 buffer (free from chunk c's first dot until w(c + 1) is written, which waits for c's output dots), then
-    aqk_s, o_s, q and k as loaded each in a `RefUnion` with its 16-bit copy for q k^T, the producer's own r_q, r_k
-    and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done); the
+    aqk_s, o_s, q as loaded, k as loaded in a `RefUnion` with its 16-bit copy for q k^T, the producer's own r_q,
+    r_k and gc(c); `ready` and `free` gain a third barrier (qg and Aqk of c written; the output dots of c done); the
     final state leaves through w's buffer. With
     `ck_per` (> 0) an output after o, ck [B, HV, M, V, K], takes the exact state S^T at the start of every chunk
     c = m ck_per (0 < c < NT; M = (NT - 1) // ck_per), as h[c] holds it: written unrounded through sa_s and stored
@@ -250,9 +250,9 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     if intra:
         q_gmem, k_gmem, rq_gmem, rk_gmem, sf_gmem, o_gmem, *refs = refs
         ck_gmem = refs.pop(0) if ck_per else None
-        (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, aqk_s, o_s, q_union, k_union, rq_s, rk_s, gcp_s, bars,
+        (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, aqk_s, o_s, q_s, k_union, rq_s, rk_s, gcp_s, bars,
          ready, free) = refs
-        (q_s, q16_s), (k_s, k16_s) = q_union, k_union
+        k_s, k16_s = k_union
         qg_s = w_s
         h_gmem = vn_gmem = h_s = vn_s = None
         ut = []
@@ -314,7 +314,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(c + 1), :], w16_s, w_bar)
 
     def intra_then_load(c):  # (the `intra` producers') qg, Aqk of chunk c, whose loads were issued; then c + 1's loads
-        qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, q16_s, k16_s, intra_bars, scale, aliased=True)
+        qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, k16_s, intra_bars, scale, interpret=interpret, aliased=True)
         plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
         load_intra(jnp.minimum(c + 1, nt - 1))
         return qg, aqk
@@ -630,8 +630,8 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
                          f"dividing {HV}, r_q, r_k [{B}, HK, {tp}]; got q {q.shape} {q.dtype}, k {k.shape}, r_q "
                          f"{r_q.shape}, r_k {r_k.shape}")
     if jnp.dtype(qk_dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"state_recurrence_output_intra_mgpu: qk_dtype is float16 or bfloat16 (q and k's copies share "
-                         f"their memory), not {jnp.dtype(qk_dtype).name}")
+        raise ValueError(f"state_recurrence_output_intra_mgpu: qk_dtype is float16 or bfloat16 (k's copy shares "
+                         f"its memory), not {jnp.dtype(qk_dtype).name}")
     nt = tp // CHUNK
     if checkpoint_chunks is not None and (type(checkpoint_chunks) is not int or checkpoint_chunks < 1):
         raise ValueError(f"state_recurrence_output_intra_mgpu: checkpoint_chunks must be a positive int or None; got "
@@ -658,7 +658,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         scratch_types=[_smem(CHUNK, K, dtype=w.dtype), _smem(CHUNK, K), _smem(CHUNK, K, dtype=w.dtype),
                        _smem(K, CHUNK), _smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), _smem(bv, K), _smem(bv, CHUNK),
                        _smem(CHUNK, CHUNK), _smem(CHUNK, bv, dtype=out_dtype),
-                       plgpu.RefUnion(_smem(CHUNK, K, dtype=q.dtype), _smem(CHUNK, K, dtype=qk_dtype)),
+                       _smem(CHUNK, K, dtype=q.dtype),
                        plgpu.RefUnion(_smem(CHUNK, K, dtype=k.dtype), _smem(CHUNK, K, dtype=qk_dtype)),
                        vec, vec, vec,
                        plgpu.Barrier(num_barriers=10), plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3)],

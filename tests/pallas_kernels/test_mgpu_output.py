@@ -145,13 +145,16 @@ def test_auto_takes_the_triton_output_kernel_off_a_hopper_gpu(case):
 
 
 def test_shared_memory_count_and_refusal():
-    """`shared_memory_bytes` counts as Mosaic GPU does: with o in a buffer of its own at K = V = 128 (bf16 q and
-    outputs) it gives the 232504 bytes the H200 refused (run 132); o through q's buffer fits. With fp32 outputs at that
-    size the kernel would not fit, so output="mosaic" is refused there."""
+    """`shared_memory_bytes` counts the kernel's buffers as Mosaic GPU does (1 KiB-aligned vectors, 8 bytes a
+    barrier): at K = V = 128 with bf16 q and outputs (o through q's buffer) they fit the H200's 232448 bytes; with fp32
+    outputs (o in a buffer of its own) they come to 232504, the count the H200 refused in run 132 (for the kernel of
+    then, whose 16-bit copy of q took the bytes a bf16 o buffer takes now), so output="mosaic" is refused there."""
     bf16 = jnp.bfloat16
-    assert output_mgpu.shared_memory_bytes(128, 128, bf16, bf16) + 64 * 128 * 2 == 232504
+    tiles = 64 * 128 * (2 + 2 + 2 + 4) + 4 * 128 * 128 + 4 * 128 * 64 + 4 * 64 * 64  # q, k, k~, qg; S_c, v_new, Aqk
+    assert output_mgpu.shared_memory_bytes(128, 128, bf16, bf16) == tiles + 3 * 1024 + 7 * 8
     assert output_mgpu.shared_memory_bytes(128, 128, bf16, bf16) <= output_mgpu.SMEM_BYTES
-    assert output_mgpu.shared_memory_bytes(128, 128, bf16, jnp.float32) > output_mgpu.SMEM_BYTES
+    assert output_mgpu.shared_memory_bytes(128, 128, bf16, jnp.float32) == tiles + 64 * 128 * 4 + 3 * 1024 + 7 * 8
+    assert output_mgpu.shared_memory_bytes(128, 128, bf16, jnp.float32) == 232504 > output_mgpu.SMEM_BYTES
     d = random_gdn_inputs(np.random.default_rng(0), 1, 64, 1, 2, 128, 128)
     q, k = (jnp.asarray(d[n], bf16) for n in ("q", "k"))
     v, g, beta = (jnp.asarray(d[n]) for n in ("v", "g", "beta"))  # v in fp32: fp32 outputs
