@@ -64,8 +64,8 @@ from .arith import fma, mul_rn
 from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
 from .output_mgpu import chunk_output_mgpu, key_norms
-from .recurrence_mgpu import (REGISTER_SPLIT_RULE, state_recurrence_mgpu, state_recurrence_output_intra_mgpu,
-                              valid_register_split)
+from .recurrence_mgpu import (DEFAULT_REGISTER_SPLIT, REGISTER_SPLIT_RULE, state_recurrence_mgpu,
+                              state_recurrence_output_intra_mgpu, valid_register_split)
 from .wy import CHUNK
 
 
@@ -176,7 +176,7 @@ from .wy import CHUNK
 # (Runs 158-159, 2026-12-05: the Mosaic GPU recurrence storing h and v_new TF32-rounded, config recurrence_stores="tf32"
 # then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
 # output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
-# "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (512)
+# "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (128)
 # programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic
 # GPU kernel, `output_mgpu.py`, fed the L2 norms of q and k by a small Triton kernel, `key_norms`, so that their row
 # sums add in Triton's order) or "fused_intra" (where the Mosaic GPU recurrence runs: the output and qg and Aqk
@@ -186,17 +186,22 @@ from .wy import CHUNK
 # included). ("fused", the output inside the recurrence from qg and Aqk that a kernel of their own stored, gave the
 # same bits in 1.066x / 1.009x / 0.967x / 0.999x the default's time at the four bar shapes, run 163 on an H100: qg
 # and Aqk read from memory cost what h and v_new's stores did; removed on 2026-12-06, commit 45423e3 has it.)
-# "fused_intra": the same bits as "triton" (outputs and final states in every element on three shapes on an
-# H100 and an H200, and the in-call checkpoints it stores on the H200, runs 168-169, and the chunk bitwise checks on
-# the H200: five of the six; the sixth was cut by the call's time limit), 0.81x / 0.89x the Triton output's prefill
-# time at (8, 4096, 16, 32) on an H100 / an H200 (512 programs) but 1.15x at the three B = 1 shapes (64 programs: the
-# chain is latency-bound, and the output kernel's own grid fills the GPU); hence "auto"'s rule (between 64 and 512
-# programs nothing was measured). fused_warpgroups: 2 (default: one producer warpgroup converts w and kd and computes
-# qg and Aqk) or 3 (a warpgroup for each; the same arithmetic), fused_registers: None or the three warpgroups'
-# registers per thread (consumer, qg / Aqk, w / kd; `setmaxnreg`) — "fused_intra"'s forms. Run 170 found the
-# two-warpgroup kernel waiting on its producer (skipping qg and Aqk's computation: 2.55 -> 2.01 ms at (8, 4096));
-# the three-warpgroup form (2026-12-06) gives the same bits in interpret mode and lowers for CUDA, but has not run on
-# a GPU yet (no device time was left), so it is not the default. output_order: how the Mosaic GPU kernels add the
+# "fused_intra": the same bits as "triton" (outputs, final states and in-call checkpoints in every element on three
+# shapes on an H100 and an H200, runs 168-169 and 171-174; across the threshold, a row alone on the Triton output
+# against the same row in a batch on the fused kernel: the model's check, B = 1 against B = 2 and 8, run 174, PASS;
+# `chunk_bitwise`'s sixth check, run 175, two of its four rows reached, both equal).
+# fused_min_programs: run 172 (an H100) timed the prefill with the fused kernel in 0.75x / 0.76x / 0.80x the Triton
+# output's time on 512 / 256 / 128 programs ((8, 4096), (4, 4096), (2, 8192) at HV = 32) but 1.035x on 64 ((1, 8192):
+# there the chain is latency-bound and the output kernel's own grid fills the GPU), hence 128 (512 from run 169 to
+# 2026-12-06, before grids between 64 and 512 were measured). fused_warpgroups: 3 (default: qg and Aqk on a warpgroup
+# of their own, w and kd converted on another) or 2 (one producer warpgroup does both; the same bits);
+# fused_registers: "auto" (default: `recurrence_mgpu.DEFAULT_REGISTER_SPLIT`, 232 / 200 / 72, with three warpgroups,
+# none with two), None, or the three warpgroups' registers per thread (consumer, qg / Aqk, w / kd; `setmaxnreg`).
+# Run 170 found the two-warpgroup kernel waiting on its producer (skipping qg and Aqk's computation: 2.55 -> 2.01 ms
+# at (8, 4096) on the H200); on an H100 (runs 171-172) three warpgroups took (8, 4096) from 2.56-2.58 to 2.61 ms
+# without a register split and to 2.41-2.45 with one (216 / 216 / 72, 240 / 192 / 72, 224 / 208 / 72, 232 / 216 / 56,
+# 232 / 200 / 72 the fastest), and run 173 found them still waiting on the qg / Aqk warpgroup (2.19 ms with its
+# computation skipped). output_order: how the Mosaic GPU kernels add the
 # output's two dots (`output_mgpu._out_dots`): "h_acc" (default: qg S_c the initial accumulator of Aqk v_new, as
 # the H200's Triton code does), "add" or "vn_acc" (each differs from Triton's bits in a few elements: run 132).
 # Run 34 (2026-11-30): the prep's gram tiles in bf16 (p_kk) and its inverse merge in TF32 (p_inv; both "tf32" and
@@ -222,8 +227,8 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=512, fused_warpgroups=2,
-    fused_registers=None, output_order="h_acc",
+    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=128, fused_warpgroups=3,
+    fused_registers="auto", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -521,8 +526,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
     if cfg["fused_warpgroups"] not in (2, 3) or isinstance(cfg["fused_warpgroups"], bool):
         raise ValueError(f"fused_warpgroups={cfg['fused_warpgroups']!r}: expected 2 or 3")
     regs = cfg["fused_registers"]
-    if regs is not None and (cfg["fused_warpgroups"] != 3 or not valid_register_split(regs)):
-        raise ValueError(f"fused_registers={regs!r}: None, or with fused_warpgroups=3 {REGISTER_SPLIT_RULE}")
+    if regs not in (None, "auto") and (cfg["fused_warpgroups"] != 3 or not valid_register_split(regs)):
+        raise ValueError(f"fused_registers={regs!r}: 'auto', None, or with fused_warpgroups=3 {REGISTER_SPLIT_RULE}")
     if cfg["output_order"] not in OUTPUT_ORDERS:
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
@@ -776,8 +781,8 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
         per = None if checkpoint_stride is None else checkpoint_stride // CHUNK
         o, final, *inside = state_recurrence_output_intra_mgpu(
             w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
-            checkpoint_chunks=per, warpgroups=cfg["fused_warpgroups"],
-            registers=None if cfg["fused_registers"] is None else tuple(cfg["fused_registers"]), interpret=interpret)
+            checkpoint_chunks=per, warpgroups=cfg["fused_warpgroups"], registers=_fused_registers(cfg),
+            interpret=interpret)
         state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
     else:
         if recurrence == "mosaic":
@@ -846,14 +851,23 @@ def _output_fits(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype) 
             and cfg["bv_out"] >= V and cfg["p_qk"] in ("fp16", "bf16") and cfg["p_qs"] == cfg["p_av"] == "tf32")
 
 
+def _fused_registers(cfg: dict) -> tuple[int, int, int] | None:
+    """The register split (`setmaxnreg`) the fused kernel's warpgroups get (config `fused_registers`): "auto" takes
+    `recurrence_mgpu.DEFAULT_REGISTER_SPLIT` with three warpgroups and none with two."""
+    regs = cfg["fused_registers"]
+    if regs == "auto":
+        return DEFAULT_REGISTER_SPLIT if cfg["fused_warpgroups"] == 3 else None
+    return None if regs is None else tuple(regs)
+
+
 def _output_in_recurrence(cfg: dict, recurrence: str, B: int, HV: int, K: int, V: int, use_l2: bool, qk_dtypes,
                           out_dtype, interpret: bool) -> str | None:
     """"fused_intra" where the output is computed inside the Mosaic GPU recurrence (config `output`), else None (the
     recurrence stores h and v_new and an output kernel runs). Only where the Mosaic GPU recurrence runs and the
     output's arithmetic fits (`_output_fits`); "auto" (default) takes
     "fused_intra" on the GPU where the recurrence's grid (V / 64, HV, B) has at least `fused_min_programs` programs
-    and K = V = 128 (where it was measured, and faster: BENCHMARKS.md runs 168-169; on smaller grids the chain is
-    latency-bound and the output kernel's own grid is faster; other head sizes were not run on a GPU)."""
+    and K = V = 128 (where it was measured, and faster: BENCHMARKS.md runs 168-169 and 172; on smaller grids the chain
+    is latency-bound and the output kernel's own grid is faster; other head sizes were not run on a GPU)."""
     choice = cfg["output"]
     if (recurrence != "mosaic" or cfg.get("stop_after") is not None
             or not _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)):

@@ -192,21 +192,28 @@ def test_output_fused_into_the_recurrence_is_the_mosaic_output_kernels(case):
 
 
 def test_fused_kernel_on_three_warpgroups_is_the_two_warpgroup_kernel(case):
-    """config fused_warpgroups=3: qg and Aqk computed on a warpgroup of their own, w and kd converted on another
-    (`_kernel_ws`'s `intra_warpgroup`): the outputs, final states and in-call checkpoints of the two-warpgroup form,
-    bit for bit in interpret mode (where `fused_registers` does not apply); a bad register split is refused."""
+    """config fused_warpgroups=3 (default): qg and Aqk computed on a warpgroup of their own, w and kd converted on
+    another (`_kernel_ws`'s `intra_warpgroup`): the outputs, final states and in-call checkpoints of the two-warpgroup
+    form, bit for bit in interpret mode (where `fused_registers` does not apply); fused_registers="auto" (default) is
+    `DEFAULT_REGISTER_SPLIT` with three warpgroups and none with two; a bad register split is refused."""
+    from pallas_kernels.gated_delta import chunk
+    from pallas_kernels.gated_delta.recurrence_mgpu import DEFAULT_REGISTER_SPLIT
+
     d = case[0]
     FUSED = dict(recurrence="mosaic", output="fused_intra")
     for stride in (None, 64):
-        two = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=stride, **FUSED)]
-        three = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=stride, fused_warpgroups=3,
-                                                fused_registers=[216, 216, 72], **FUSED)]
+        two = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=stride, fused_warpgroups=2, **FUSED)]
+        three = [np.asarray(x) for x in prefill(d, LENGTHS, checkpoint_stride=stride, fused_registers=[216, 216, 72],
+                                                **FUSED)]
         assert len(two) == len(three) == (2 if stride is None else 3)
         assert all(np.array_equal(a, b) for a, b in zip(two, three)), stride
-    for regs, wgs in (([216, 216, 80], 3), ([216, 216, 70], 3), ([216, 216, 72], 2), ([256, 16, 232], 3),
+    regs = lambda **cfg: chunk._fused_registers(chunk._checked_config(cfg, 128))  # noqa: E731
+    assert regs() == DEFAULT_REGISTER_SPLIT == (232, 200, 72) and regs(fused_warpgroups=2) is None
+    assert regs(fused_registers=[216, 216, 72]) == (216, 216, 72) and regs(fused_registers=None) is None
+    for bad, wgs in (([216, 216, 80], 3), ([216, 216, 70], 3), ([216, 216, 72], 2), ([256, 16, 232], 3),
                       ([256, 144, 104], 3), ([160, 168, 168], 3), ([168, 160, 176], 3)):  # (increases below 168)
         with pytest.raises(ValueError, match="fused_registers"):
-            prefill(d, LENGTHS, fused_warpgroups=wgs, fused_registers=regs, **FUSED)
+            prefill(d, LENGTHS, fused_warpgroups=wgs, fused_registers=bad, **FUSED)
     with pytest.raises(ValueError, match="fused_warpgroups"):
         prefill(d, LENGTHS, fused_warpgroups=4, **FUSED)
 
@@ -264,8 +271,8 @@ def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
         cfg = chunk._checked_config(dict(config), V)
         return chunk._output_in_recurrence(cfg, recurrence, B, HV, K, V, True, dtypes, bf16, interpret)
 
-    assert pick(8) == "fused_intra"  # 512 programs
-    assert pick(7) is None and pick(1) is None  # 448, 64
+    assert pick(8) == "fused_intra" and pick(2) == "fused_intra"  # 512, 128 programs
+    assert pick(1) is None and pick(3, HV=16, fused_min_programs=97) is None  # 64, 96
     assert pick(1, fused_min_programs=64) == "fused_intra" and pick(1, V=64, fused_min_programs=32) is None
     assert pick(8, K=64) is None and pick(16, V=64) is None  # (head sizes not run on a GPU)
     assert pick(8, K=64, output="fused_intra") == "fused_intra"
