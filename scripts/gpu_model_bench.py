@@ -253,8 +253,9 @@ def stage_bitwise(model, max_len: int, max_tokens: int = 65536, batch_sizes=BITW
     """Deterministic mode: a sequence's logits alone == inside batches (as row 0, middle, last) == split.
 
     Batch sizes `batch_sizes` (default 1, 2, 8, 16, 32, 64), keeping 1 and those with batch * max_len <= max_tokens
-    (memory). At the 9B shape (HV = 32) on a Hopper GPU, B = 1 takes the chunked prefill's output kernel and B >= 8 its
-    output inside the recurrence (`chunk._output_in_recurrence`): `--bitwise-batches 1,8` checks that crossing alone."""
+    (memory). At the 9B shape (HV = 32) on a Hopper GPU, B = 1 takes the chunked prefill's output kernel and B >= 2 its
+    output inside the recurrence (`chunk._output_in_recurrence`: 128 programs and up): `--bitwise-batches 1,2,8` checks
+    that crossing alone."""
     cfg = model.config
     batches = [b for b in batch_sizes if b == 1 or b * max_len <= max_tokens]
     rng = np.random.default_rng(0)

@@ -861,21 +861,19 @@ def _fused_registers(cfg: dict) -> tuple[int, int, int] | None:
 
 
 def _output_in_recurrence(cfg: dict, recurrence: str, B: int, HV: int, K: int, V: int, use_l2: bool, qk_dtypes,
-                          out_dtype, interpret: bool) -> str | None:
-    """"fused_intra" where the output is computed inside the Mosaic GPU recurrence (config `output`), else None (the
-    recurrence stores h and v_new and an output kernel runs). Only where the Mosaic GPU recurrence runs and the
-    output's arithmetic fits (`_output_fits`); "auto" (default) takes
-    "fused_intra" on the GPU where the recurrence's grid (V / 64, HV, B) has at least `fused_min_programs` programs
-    and K = V = 128 (where it was measured, and faster: BENCHMARKS.md runs 168-169 and 172; on smaller grids the chain
-    is latency-bound and the output kernel's own grid is faster; other head sizes were not run on a GPU)."""
-    choice = cfg["output"]
+                          out_dtype, interpret: bool) -> bool:
+    """Whether the output is computed inside the Mosaic GPU recurrence ("fused_intra", config `output`) rather than
+    the recurrence storing h and v_new for an output kernel. Only where the Mosaic GPU recurrence runs and the
+    output's arithmetic fits (`_output_fits`); "auto" (default) takes it on the GPU where the recurrence's grid
+    (V / 64, HV, B) has at least `fused_min_programs` programs and K = V = 128 (where it was measured, and faster:
+    BENCHMARKS.md runs 168-169 and 172; on smaller grids the chain is latency-bound and the output kernel's own grid
+    is faster; other head sizes were not run on a GPU)."""
     if (recurrence != "mosaic" or cfg.get("stop_after") is not None
             or not _output_fits(cfg, K, V, use_l2, qk_dtypes, out_dtype)):
-        return None
-    if choice == "auto":
-        big = B * HV * (V // 64) >= cfg["fused_min_programs"]
-        choice = "fused_intra" if not interpret and K == V == 128 and big else None
-    return choice if choice == "fused_intra" else None
+        return False
+    if cfg["output"] == "auto":
+        return not interpret and K == V == 128 and B * HV * (V // 64) >= cfg["fused_min_programs"]
+    return cfg["output"] == "fused_intra"
 
 
 def _output_kernel(cfg: dict, K: int, V: int, use_l2: bool, qk_dtypes, out_dtype, interpret: bool) -> str:

@@ -21,8 +21,9 @@ converting w and kd in shared memory between its own dots; or two (`_kernel_ws`)
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
 `state_recurrence_output_intra_mgpu` runs the `True` form with the output computed in the kernel instead of h and
-v_new stored, its qg and Aqk computed on the producer warpgroup (`_kernel_ws`'s `intra`; config
-`output="fused_intra"`, and the prefill's default on large grids: `chunk._output_in_recurrence`). (An earlier form
+v_new stored, its qg and Aqk computed on the producer warpgroup or (the default) on a third warpgroup of their own
+(`_kernel_ws`'s `intra` and `intra_warpgroup`; config `output="fused_intra"`, and the prefill's default on grids of
+at least 128 programs: `chunk._output_in_recurrence`). (An earlier form
 read qg and Aqk from memory, written by a kernel of their own: config `output="fused"`, run 163; removed on
 2026-12-06, commit 45423e3 has it.)
 

@@ -260,7 +260,7 @@ def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
 
 def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
     """output="auto" (default): "fused_intra" where the Mosaic GPU recurrence runs (not in interpret mode) on a grid
-    of at least `fused_min_programs` programs (V / 64 x HV x B) at K = V = 128, else the output kernel (None);
+    of at least `fused_min_programs` programs (V / 64 x HV x B) at K = V = 128, else the output kernel (False);
     explicit "fused_intra" keeps in-call checkpoints inside the kernel; it does not apply off the Mosaic GPU
     recurrence or where the output's arithmetic does not fit (fp32 q and k here); the removed "fused" is refused."""
     from pallas_kernels.gated_delta import chunk
@@ -271,15 +271,15 @@ def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
         cfg = chunk._checked_config(dict(config), V)
         return chunk._output_in_recurrence(cfg, recurrence, B, HV, K, V, True, dtypes, bf16, interpret)
 
-    assert pick(8) == "fused_intra" and pick(2) == "fused_intra"  # 512, 128 programs
-    assert pick(1) is None and pick(3, HV=16, fused_min_programs=97) is None  # 64, 96
-    assert pick(1, fused_min_programs=64) == "fused_intra" and pick(1, V=64, fused_min_programs=32) is None
-    assert pick(8, K=64) is None and pick(16, V=64) is None  # (head sizes not run on a GPU)
-    assert pick(8, K=64, output="fused_intra") == "fused_intra"
-    assert pick(8, interpret=True) is None and pick(8, recurrence="triton") is None
-    assert pick(8, dtypes=(jnp.float32, jnp.float32)) is None
-    assert pick(1, output="fused_intra", interpret=True) == "fused_intra"
-    assert pick(8, output="triton") is None and pick(8, output="mosaic") is None
+    assert pick(8) is True and pick(2) is True  # 512, 128 programs
+    assert pick(1) is False and pick(3, HV=16, fused_min_programs=97) is False  # 64, 96
+    assert pick(1, fused_min_programs=64) is True and pick(1, V=64, fused_min_programs=32) is False
+    assert pick(8, K=64) is False and pick(16, V=64) is False  # (head sizes not run on a GPU)
+    assert pick(8, K=64, output="fused_intra") is True
+    assert pick(8, interpret=True) is False and pick(8, recurrence="triton") is False
+    assert pick(8, dtypes=(jnp.float32, jnp.float32)) is False
+    assert pick(1, output="fused_intra", interpret=True) is True
+    assert pick(8, output="triton") is False and pick(8, output="mosaic") is False
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="fused_min_programs"):
             chunk._checked_config(dict(fused_min_programs=bad), 128)
