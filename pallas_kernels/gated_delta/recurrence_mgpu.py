@@ -588,9 +588,9 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
 # The three-warpgroup kernel starts with 168 registers per thread (65536 / 384, in multiples of 8); `setmaxnreg`
 # raises the consumer's and the qg / Aqk warpgroup's and lowers the w / kd warpgroup's. PTX leaves an increase below
 # the current count, or a decrease above it, undefined.
-# The split chunk config fused_registers="auto" takes with three warpgroups: the fastest of the four tried at
-# (8, 4096, 16, 32) on an H100 (2026-12-06, BENCHMARKS.md run 172: 2.414 ms against 2.439 for 216 / 216 / 72,
-# 2.452 for 240 / 192 / 72, 2.425 for 224 / 208 / 72, 2.426 for 232 / 216 / 56, 2.605 with no split).
+# The split chunk config fused_registers="auto" takes with three warpgroups: the fastest of the five tried at
+# (8, 4096, 16, 32) on an H100 (2026-12-06, BENCHMARKS.md runs 171-172: 2.414-2.415 ms against 2.439 for 216 / 216 /
+# 72, 2.452 for 240 / 192 / 72, 2.425 for 224 / 208 / 72, 2.426 for 232 / 216 / 56, 2.605 with no split).
 DEFAULT_REGISTER_SPLIT = (232, 200, 72)
 REGISTER_SPLIT_RULE = ("three multiples of 8 (consumer, qg / Aqk warpgroup, w / kd warpgroup): the first two in "
                        "[168, 256], the third in [24, 168], adding up to at most 504")

@@ -211,7 +211,7 @@ def test_fused_kernel_on_three_warpgroups_is_the_two_warpgroup_kernel(case):
     assert regs() == DEFAULT_REGISTER_SPLIT == (232, 200, 72) and regs(fused_warpgroups=2) is None
     assert regs(fused_registers=[216, 216, 72]) == (216, 216, 72) and regs(fused_registers=None) is None
     for bad, wgs in (([216, 216, 80], 3), ([216, 216, 70], 3), ([216, 216, 72], 2), ([256, 16, 232], 3),
-                      ([256, 144, 104], 3), ([160, 168, 168], 3), ([168, 160, 176], 3)):  # (increases below 168)
+                     ([256, 144, 104], 3), ([160, 168, 168], 3), ([168, 160, 176], 3)):  # (increases below 168)
         with pytest.raises(ValueError, match="fused_registers"):
             prefill(d, LENGTHS, fused_warpgroups=wgs, fused_registers=bad, **FUSED)
     with pytest.raises(ValueError, match="fused_warpgroups"):
