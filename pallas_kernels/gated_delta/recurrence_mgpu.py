@@ -612,7 +612,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
                                        interpret: bool = False):
     """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`; the warp-specialised form
     without the producer's u transpose, for shared memory): w, u, kd, gc, initial_state as `state_recurrence_mgpu`
-    takes them; h and v_new never go through memory; qg and Aqk are computed by the producer warpgroup from q, k
+    takes them; h and v_new never go through memory; qg and Aqk are computed by a producer warpgroup from q, k
     [B, Tp, HK, K] (16-bit, as the prep reads them) and their norms' reciprocals r_q, r_k fp32 [B, HK, Tp]
     (`output_mgpu.key_norms`), with the output kernel's own code (`output_mgpu._intra`: `scale` on q, `qk_dtype` the
     q k^T operands). Returns (o [B, Tp, HV, V] in `out_dtype`, the final state fp32
@@ -620,7 +620,8 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     the call (0 < c < NT), fp32 [B, (NT - 1) // n, HV, K, V]: the states the unfused recurrence stores in h there.
     `warpgroups`: 2 (one producer warpgroup converts w and kd and computes qg and Aqk) or 3 (one for each:
     `_kernel_ws`'s `intra_warpgroup`), the same bits; `registers` (with 3): per-thread registers of the consumer, the
-    qg / Aqk and the w / kd warpgroups (`setmaxnreg`), or None."""
+    qg / Aqk and the w / kd warpgroups (`setmaxnreg`), or None. (The prefill calls it with 3 and
+    `DEFAULT_REGISTER_SPLIT` by default: chunk config `fused_warpgroups`, `fused_registers`.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
