@@ -149,14 +149,15 @@ def _intra(q_s, k_s, rq_s, rk_s, gc_s, k16_s, bars, scale: float, *, interpret: 
     gc_row = plgpu.load(gc_s, layout=row_vec)
     plgpu.commit_smem()
 
-    def qk_dot(acc):  # q~ k~^T [C, C], 16-bit operands (`p_qk`), q~ from registers
-        plgpu.wgmma(acc, q_n.astype(k16_s.dtype), k16_s.T)
-        return acc[...]
-
-    if interpret:
+    # q~ k~^T [C, C], 16-bit operands (`p_qk`), q~ from registers
+    if interpret:  # (the interpreter's wgmma takes shared-memory operands only)
         qk = lax.dot_general(q_n.astype(k16_s.dtype).astype(f32), k16_s[...].astype(f32), (((1,), (1,)), ((), ())),
                              precision=lax.Precision.HIGHEST)
     else:
+        def qk_dot(acc):
+            plgpu.wgmma(acc, q_n.astype(k16_s.dtype), k16_s.T)
+            return acc[...]
+
         qk = pl.run_scoped(qk_dot, plgpu.ACC((CHUNK, CHUNK), f32))
     row = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout)
     col = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
