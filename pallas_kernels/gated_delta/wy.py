@@ -116,56 +116,28 @@ def merge_block_inverse(a, di, prec, interpret):
 
 
 def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
-    """T_i = (I + A_ii)^-1 of the diagonal tiles (four for the prefill, one for the replay step) by exact fp32 forward
-    substitution (15 dependent steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second
-    axis and the steps never re-lay-out a vector). Step i computes row i from rows < i (`substitution_step`: the replay
-    step runs one step per token, from the rows its cache holds).
+    """T_i = (I + A_ii)^-1 of the four diagonal tiles by exact fp32 forward substitution (15 dependent
+    steps; A_ii built transposed, so a row of A_ii is a reduction along the tile's second axis and the steps never
+    re-lay-out a vector). Step i computes row i from rows < i (`substitution_step`: the replay step runs one step
+    per token, from the rows its cache holds).
 
     The steps are unrolled in Python (a static row index), not a `fori_loop`: the same operations and the same bits
     (the H200, 2026-12-01: outputs and final states equal at (8, 4096) and (1, 32768)), and the prep kernel ~7%
     faster there (1.27 -> 1.19 ms at (8, 4096); BENCHMARKS.md, run 86): the forward substitution was ~30% of the
     prep's time (run 85's ablation), and unrolled, the compiler can schedule each step's row extraction, which does
-    not depend on the previous step, ahead of it.
-
-    Four tiles go through the steps joined into one [16, 16, 2, 2] array (`join_tiles`). On the GPU a tile's 16
-    columns lie across two warps (the MMA layout of the 16 x 16 dots that make it), so each step's row extraction
-    crosses warps through shared memory; joined, one exchange serves the four tiles (the prep's `bar.sync` count
-    247 -> 112 at (8, 4096), `scripts/ptxas_report.py --dump`). The joined axes are held in each thread's registers,
-    so every tile's rows and columns keep their threads and lanes, and the step's sum over j (whose order sets the
-    bits) is the one a lone tile gets."""
-    tiles = len(ks)
+    not depend on the previous step, ahead of it."""
     r16, c16 = tile_iotas()
     upper = r16 < c16
     ats = [diag_tile_transposed(kb, gc, beta, upper, cfg, interpret) for kb, gc, beta in zip(ks, gcs, betas)]
-    at = join_tiles(ats)
-    r, c = tile_iotas(at.shape)
-    t = jnp.where(r == c, 1.0, 0.0).astype(jnp.float32)
+    ts = [jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)] * len(ks)
     for i in range(1, SUB):
-        t = substitution_step(i, at, t, r, c)
-    return split_tiles(t, tiles)
+        ts = [substitution_step(i, at, t, r16, c16) for at, t in zip(ats, ts)]
+    return tuple(ts)
 
 
-def join_tiles(tiles):
-    """One tile [16, 16] as it is; four as one [16, 16, 2, 2] array (tile 2 a + b at [..., b, a]): Pallas' Triton
-    lowering stacks two arrays at a time, along a new last axis (`tt.join`)."""
-    if len(tiles) == 1:
-        return tiles[0]
-    if len(tiles) != 4:
-        raise ValueError(f"join_tiles takes one or four tiles, not {len(tiles)}")
-    return jnp.stack([jnp.stack(tiles[0:2], axis=-1), jnp.stack(tiles[2:4], axis=-1)], axis=-1)
-
-
-def split_tiles(x, tiles):
-    """The inverse of `join_tiles`: a tuple of `tiles` [16, 16] tiles."""
-    if tiles == 1:
-        return (x,)
-    lo, hi = jnp.unstack(x, axis=-1)  # tiles (0, 1) and (2, 3)
-    return (*jnp.unstack(lo, axis=-1), *jnp.unstack(hi, axis=-1))
-
-
-def tile_iotas(shape=(16, 16)):
-    """(row, column) indices of a [16, 16] tile, or of joined tiles [16, 16, ...] (`join_tiles`)."""
-    return lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1)
+def tile_iotas():
+    """(row, column) indices of a [16, 16] tile."""
+    return lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0), lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
 
 def diag_tile_transposed(kb, gc, beta, upper, cfg, interpret):
@@ -178,11 +150,10 @@ def diag_tile_transposed(kb, gc, beta, upper, cfg, interpret):
 def substitution_step(i, at, t, r16, c16):
     """Row i (static or traced, >= 1) of T = (I + A_ii)^-1 from its rows < i, given A_ii^T (`at`): t holds those rows,
     and identity rows from i on; returns t with row i filled in. Row i depends only on rows < i (A_ii strictly
-    lower). at, t: one tile [16, 16] or joined tiles [16, 16, ...] (`join_tiles`); r16, c16: `tile_iotas` of that
-    shape."""
-    arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16, ...] over j: A_ii[i, j]
-    contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16, ...] over n: sum_j A_ii[i, j] t[j, n]
-    return jnp.where(r16 == i, t - contrib[None], t)
+    lower). r16, c16: `tile_iotas()`."""
+    arow = jnp.sum(jnp.where(c16 == i, at, 0.0), axis=1)  # [16] over j: A_ii[i, j]
+    contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: sum_j A_ii[i, j] t[j, n]
+    return jnp.where(r16 == i, t - contrib[None, :], t)
 
 
 def tiled_inverse(ks, gcs, betas, cfg, interpret):

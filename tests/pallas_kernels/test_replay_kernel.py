@@ -205,34 +205,6 @@ def test_one_substitution_step_per_row_equals_the_loop():
     assert not np.array_equal(loop, np.eye(16, dtype=np.float32))  # a real inverse, not the identity
 
 
-def test_four_diagonal_tiles_joined_give_each_tile_alone():
-    """The prefill's prep runs the substitution on its four diagonal tiles joined into one [16, 16, 2, 2] array
-    (`wy.join_tiles`: one cross-warp row extraction per step for the four on the GPU); the replay step runs it on one
-    tile. Each joined tile's inverse equals the same tile's alone, bit for bit, and `split_tiles` undoes
-    `join_tiles` in the order the tiles were given."""
-    from pallas_kernels.gated_delta import wy
-    from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG
-
-    rng = np.random.default_rng(21)
-    ks = [np.asarray(wy.l2norm(jnp.asarray(rng.standard_normal((16, 32)), jnp.float32))) for _ in range(4)]
-    gcs = [np.cumsum(-np.abs(rng.standard_normal(16)) * s).astype(np.float32) for s in (0.02, 0.3, 1.0, 3.0)]
-    betas = [(1 / (1 + np.exp(-rng.standard_normal(16)))).astype(np.float32) for _ in range(4)]
-    betas[3][::2] = 1.0  # beta 1 on half the rows
-    cfg = dict(DEFAULT_CONFIG)
-    joined = jax.jit(lambda ks, gcs, betas: wy.diag_tiles_by_substitution(ks, gcs, betas, cfg, True))(ks, gcs, betas)
-    alone = jax.jit(lambda k, g, b: wy.diag_tiles_by_substitution([k], [g], [b], cfg, True)[0])
-    assert len(joined) == 4
-    for i in range(4):
-        want = np.asarray(alone(ks[i], gcs[i], betas[i]))
-        assert np.array_equal(np.asarray(joined[i]), want), i
-        assert not np.array_equal(want, np.eye(16, dtype=np.float32))
-    tiles = [jnp.full((16, 16), float(i)) + jnp.arange(16.0)[:, None] for i in range(4)]
-    back = wy.split_tiles(wy.join_tiles(tiles), 4)
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(back, tiles))
-    with pytest.raises(ValueError, match="one or four"):
-        wy.join_tiles(tiles[:2])
-
-
 def test_boundary_states_of_rows_completing_together_whatever_the_rows_per_program():
     """Kernel 4 looks after `replay_state_rows` batch rows per program (the largest power of two <= it dividing B):
     three of four rows completing their chunk in the same step — one per program by default ("auto" on a small
