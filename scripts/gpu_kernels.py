@@ -6,6 +6,7 @@ Run on the GPU machine from the repo root (fla-core installed into /tmp/site fro
       [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
               invariant,replay_step,replay_step_checks,replay_step_timing,replay,scan] [--only SECTIONS]
       [--configs NAMES] [--replay-batches 64,256] [--prefill-shapes B,T,HK,HV;...]
+      [--chunk-checks twice,split,alone,checkpoints,prefix,small_grid]
 (replay_step: the replay step's kernels over the chunked prefill, bitwise against one prefill, and its step time against
  the decode kernel (replay_step_checks: the checks alone; replay_step_timing: the timing alone, at --replay-batches);
  replay: the earlier replay, the chunked kernels over the whole open chunk each step, at the kernel level; scan:
@@ -193,54 +194,73 @@ def chunk_accuracy(configs):
     return acc
 
 
+CHUNK_CHECKS = ("twice", "split", "alone", "checkpoints", "prefix", "small_grid")  # chunk_bitwise's, in order
+
+
 @section
-def chunk_bitwise(config=None, tag="default"):
+def chunk_bitwise(config=None, tag="default", checks=CHUNK_CHECKS):
+    """The chunked prefill's bitwise properties on the GPU (`checks`, a subset of CHUNK_CHECKS; --chunk-checks):
+    twice: the same call twice; split: a call split on the 64 grid == unsplit; alone: a row alone == the row in a
+    batch (lengths 512 / 300 / 37); checkpoints: in-call checkpoints == separate calls' final states; prefix: the first
+    j < 64 rows of a chunk == the full chunk's rows; small_grid: rows alone (B = 1 at HV = 32: a small grid's
+    launch) == the same rows in a batch of 4 (a large grid's: the fused kernel). Each distinct call shape compiles
+    anew, which is most of the section's time (~7 s per shape on an H100)."""
     rng = np.random.default_rng(1)
     d = random_gdn_inputs(rng, 3, 512, 2, 4, 128, 128, np.float32, beta_kind="mixed")
     x = dev_inputs(d)
-    o, s = call_chunk(x, config=config)
-    o2, s2 = call_chunk(x, config=config)
-    check(f"[{tag}] chunk same call twice", np.array_equal(o, o2) and np.array_equal(s, s2))
-    ok = True
-    for cut in (64, 192, 448):
-        o1, s1 = call_chunk(x, sl=slice(0, cut), config=config)
-        o3, s3 = call_chunk(x, sl=slice(cut, None), s0=jnp.asarray(s1), config=config)
-        ok &= np.array_equal(o1, o[:, :cut]) and np.array_equal(o3, o[:, cut:]) and np.array_equal(s3, s)
-    check(f"[{tag}] chunk split on the 64 grid == unsplit", ok)
+    o, s = call_chunk(x, config=config) if {"twice", "split"} & set(checks) else (None, None)
+    if "twice" in checks:
+        o2, s2 = call_chunk(x, config=config)
+        check(f"[{tag}] chunk same call twice", np.array_equal(o, o2) and np.array_equal(s, s2))
+    if "split" in checks:
+        ok = True
+        for cut in (64, 192, 448):
+            o1, s1 = call_chunk(x, sl=slice(0, cut), config=config)
+            o3, s3 = call_chunk(x, sl=slice(cut, None), s0=jnp.asarray(s1), config=config)
+            ok &= np.array_equal(o1, o[:, :cut]) and np.array_equal(o3, o[:, cut:]) and np.array_equal(s3, s)
+        check(f"[{tag}] chunk split on the 64 grid == unsplit", ok)
     lengths = [512, 300, 37]
-    ol, sl_, ck = call_chunk(x, lengths=lengths, stride=128, config=config)
-    ok = True
-    for b, n in enumerate(lengths):
-        xb = {k_: (None if v_ is None else v_[b: b + 1]) for k_, v_ in x.items()}
-        oa, sa = call_chunk(xb, sl=slice(0, n), config=config)
-        ok &= np.array_equal(oa[0], ol[b, :n]) and np.array_equal(sa[0], sl_[b])
-    check(f"[{tag}] chunk row alone == row in batch (lengths 512/300/37)", ok)
-    ok = True
-    for i in range(ck.shape[1]):
-        end = 128 * (i + 1)
-        _, se = call_chunk(x, sl=slice(0, end), lengths=[min(n, end) for n in lengths], config=config)
-        ok &= np.array_equal(ck[:, i], se)
-    check(f"[{tag}] chunk checkpoints (stride 128) == separate calls' final states", ok and ck.dtype == np.float32)
-    ok = True
-    for start in (0, 256):
-        s_start = x["s0"] if start == 0 else jnp.asarray(call_chunk(x, sl=slice(0, start), config=config)[1])
-        of, _ = call_chunk(x, sl=slice(start, start + 64), s0=s_start, config=config)
-        for j in (1, 2, 7, 33, 63):
-            oj, _ = call_chunk(x, sl=slice(start, start + j), s0=s_start, config=config)
-            ok &= np.array_equal(oj, of[:, :j])
-    check(f"[{tag}] chunk j<64 rows == full-chunk rows (j=1,2,7,33,63; at 0 and 256)", ok)
-    if not {"bv", "stages_state"} & set(config or {}):  # the recurrence's launch follows the grid
-        # (chunk._recurrence_blocks): rows alone (B=1, HV=32: bv_small) == the same rows in a batch of 4 (bv), the
-        # Qwen3.5 head shape
+    if {"alone", "checkpoints"} & set(checks):
+        ol, sl_, ck = call_chunk(x, lengths=lengths, stride=128, config=config)
+    if "alone" in checks:
+        ok = True
+        for b, n in enumerate(lengths):
+            xb = {k_: (None if v_ is None else v_[b: b + 1]) for k_, v_ in x.items()}
+            oa, sa = call_chunk(xb, sl=slice(0, n), config=config)
+            ok &= np.array_equal(oa[0], ol[b, :n]) and np.array_equal(sa[0], sl_[b])
+        check(f"[{tag}] chunk row alone == row in batch (lengths 512/300/37)", ok)
+    if "checkpoints" in checks:
+        ok = True
+        for i in range(ck.shape[1]):
+            end = 128 * (i + 1)
+            _, se = call_chunk(x, sl=slice(0, end), lengths=[min(n, end) for n in lengths], config=config)
+            ok &= np.array_equal(ck[:, i], se)
+        check(f"[{tag}] chunk checkpoints (stride 128) == separate calls' final states",
+              ok and ck.dtype == np.float32)
+    if "prefix" in checks:
+        ok = True
+        for start in (0, 256):
+            s_start = x["s0"] if start == 0 else jnp.asarray(call_chunk(x, sl=slice(0, start), config=config)[1])
+            of, _ = call_chunk(x, sl=slice(start, start + 64), s0=s_start, config=config)
+            for j in (1, 2, 7, 33, 63):
+                oj, _ = call_chunk(x, sl=slice(start, start + j), s0=s_start, config=config)
+                ok &= np.array_equal(oj, of[:, :j])
+        check(f"[{tag}] chunk j<64 rows == full-chunk rows (j=1,2,7,33,63; at 0 and 256)", ok)
+    if "small_grid" in checks and not {"bv", "stages_state"} & set(config or {}):
+        # the recurrence's launch and the output's kernel follow the grid (chunk._recurrence_blocks,
+        # fused_min_programs): rows alone (B=1, HV=32: 64 programs) == the same rows in a batch of 4 (256), the
+        # Qwen3.5 head shape. Each row alone is a B=1 call of the batch's T with its length: one shape, one compile
+        # (rows sliced to their lengths, a shape each, ran this check past its stage's time limit in runs 174, 175
+        # and 178; calls of other lengths are the `split` and `alone` checks' business).
         x = dev_inputs(random_gdn_inputs(rng, 4, 256, 16, 32, 128, 128, np.float32, beta_kind="mixed"))
         lengths = [256, 200, 64, 1]
         ob, sb = call_chunk(x, lengths=lengths, config=config)
         ok = True
         for b, n in enumerate(lengths):
             xb = {k_: (None if v_ is None else v_[b: b + 1]) for k_, v_ in x.items()}
-            oa, sa = call_chunk(xb, sl=slice(0, n), config=config)
-            ok &= np.array_equal(oa[0], ob[b, :n]) and np.array_equal(sa[0], sb[b])
-        check(f"[{tag}] chunk row alone (small-grid launch) == row in a batch of 4 (HV=32)", ok)
+            oa, sa = call_chunk(xb, lengths=[n], config=config)
+            ok &= np.array_equal(oa[0, :n], ob[b, :n]) and np.array_equal(sa[0], sb[b])
+        check(f"[{tag}] chunk row alone (small-grid launch, its length on T=256) == row in a batch of 4 (HV=32)", ok)
 
 
 @section
@@ -1200,7 +1220,13 @@ def main():
                     "(`gated_delta/chunk.py`) for this run: every section's default is then that configuration")
     ap.add_argument("--prefill-shapes", default="", help="the prefill section's shapes B,T,HK,HV separated by ';' "
                     "(default: issue 3's four)")
+    ap.add_argument("--chunk-checks", default=",".join(CHUNK_CHECKS), help="the bitwise section's chunk checks, a "
+                    f"comma list of {', '.join(CHUNK_CHECKS)} (default: all; each compiles its own shapes)")
     args = ap.parse_args()
+    chunk_checks = tuple(filter(None, args.chunk_checks.split(",")))
+    if not chunk_checks or set(chunk_checks) - set(CHUNK_CHECKS):
+        raise SystemExit(f"--chunk-checks: unknown {sorted(set(chunk_checks) - set(CHUNK_CHECKS))}; known: "
+                         f"{', '.join(CHUNK_CHECKS)}")
     try:
         prefill_shapes = tuple(tuple(int(n) for n in s.split(",")) for s in args.prefill_shapes.split(";")
                                ) if args.prefill_shapes else PREFILL_TIMING_SHAPES
@@ -1377,7 +1403,7 @@ def main():
     if "accuracy" not in skip:
         acc = chunk_accuracy(chunk_configs)
     if "bitwise" not in skip and not args.no_default_bitwise:
-        chunk_bitwise()
+        chunk_bitwise(checks=chunk_checks)
     if "equality" not in skip and len(chunk_configs) > 1:
         config_equality(chunk_configs)
     if "decode_checks" not in skip:
@@ -1388,10 +1414,10 @@ def main():
     if "sweep" not in skip and len(chunk_configs) > 1:
         best = config_sweep(chunk_configs, acc) or "default"
         if best != "default" and "bitwise" not in skip:
-            chunk_bitwise(chunk_configs[best], tag=best)
+            chunk_bitwise(chunk_configs[best], tag=best, checks=chunk_checks)
     if args.pick:
         if args.pick != best and "bitwise" not in skip:
-            chunk_bitwise(chunk_configs[args.pick], tag=args.pick)
+            chunk_bitwise(chunk_configs[args.pick], tag=args.pick, checks=chunk_checks)
         best = args.pick
     if "prefill" not in skip:
         prefill_timing(best, chunk_configs[best], with_reference="reference" not in skip, shapes=prefill_shapes)

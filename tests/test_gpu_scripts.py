@@ -26,6 +26,7 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_model_bench.py", "--stages", "prefill,prefil", "unknown stages ['prefil']"),
     ("gpu_kernels.py", "--replay-dims", "16,16;64", "expected K,V pairs"),
     ("gpu_kernels.py", "--prefill-shapes", "1,32768,16", "expected B,T,HK,HV groups"),
+    ("gpu_kernels.py", "--chunk-checks", "split,small-grid", "--chunk-checks: unknown ['small-grid']"),
     ("gpu_mgpu_recurrence.py", "--shapes", "2,300,2,4;1,64", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--shapes", "2,300,2", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--orders", "h_acc,sum", "expected a comma list of"),
