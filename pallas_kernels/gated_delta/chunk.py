@@ -388,25 +388,20 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
     through a loop, one at a time with the same code as per = 1 — the same bits — so that Triton can pipeline the next
     chunk's loads under this one's arithmetic (`stages_prep`)."""
     if cfg["inv"] == "tiled":
-        def one_chunk(c, start):
-            row0 = pl.multiple_of(c * CHUNK, CHUNK)
+        def one_chunk(start=None, row0=0):  # the chunk from row `row0` of the refs; `start`: its first token
             ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, start=start,
                                                    row0=row0)
             _store_gc(gc_ref, gcs, row0)
             _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref,
                             u_ref, kd_ref, cfg, interpret, row0)
 
-        if per == 1:  # the IR as before `prep_chunks` (no slicing, the program's chunk from its grid index)
-            ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
-            _store_gc(gc_ref, gcs)
-            _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref,
-                            u_ref, kd_ref, cfg, interpret)
+        if per == 1:  # the IR as before `prep_chunks` (static slices; the chunk's first token from the grid index)
+            one_chunk()
             return
-
         first = pl.program_id(0) * per  # (read outside the loop: the CPU interpreter takes program_id at top level)
 
         def body(c, carry):
-            one_chunk(c, (first + c) * CHUNK)
+            one_chunk((first + c) * CHUNK, pl.multiple_of(c * CHUNK, CHUNK))
             return carry
 
         lax.fori_loop(0, per, body, 0)
