@@ -27,6 +27,8 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_kernels.py", "--replay-dims", "16,16;64", "expected K,V pairs"),
     ("gpu_kernels.py", "--prefill-shapes", "1,32768,16", "expected B,T,HK,HV groups"),
     ("gpu_kernels.py", "--chunk-checks", "split,small-grid", "--chunk-checks: unknown ['small-grid']"),
+    ("gpu_prep_ablate.py", "--variants", "as_built,no_subst", "--variants: unknown ['no_subst']"),
+    ("gpu_prep_ablate.py", "--config", "prep_chunks=2", "--config 'prep_chunks=2': expected a JSON object"),
     ("gpu_mgpu_recurrence.py", "--shapes", "2,300,2,4;1,64", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--shapes", "2,300,2", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--orders", "h_acc,sum", "expected a comma list of"),
@@ -273,3 +275,28 @@ def test_gpu_results_are_kept_when_a_timeout_stops_the_script(tmp_path):
     assert r.returncode == 128 + 15, r.stderr[-2000:]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["timing"] == [{"shape": [1, 64, 1, 1], "ms": 1.0}] and saved["seconds"] >= 0
+
+
+def test_prep_ablations_compile_each_variant_apart(tmp_path, monkeypatch):
+    """scripts/gpu_prep_ablate.py in interpret mode at a tiny shape: every variant compiled ahead of time under its
+    own swaps and timed, and what each computes, read after all were compiled, is its own — the variants that change
+    w give other w than as built, those that only drop u's or kd's stores give as built's w (runs 177-178 timed one
+    variant under every name: BENCHMARKS.md) — and no swap outlives the script."""
+    from pallas_kernels.gated_delta import chunk, wy
+    from scripts import gpu_prep_ablate
+
+    before = (wy.diag_tiles_by_substitution, wy.merged_block_row, chunk._wy_block_row, chunk._store_tiled_wy,
+              chunk._load_key, chunk._prep_split_kernel)
+    monkeypatch.setattr(sys, "argv", ["gpu_prep_ablate.py", "--shapes", "1,128,1,2", "--reps", "1", "--interpret",
+                                      "--out", str(tmp_path)])
+    gpu_prep_ablate.main()
+    res = json.loads((tmp_path / "results.json").read_text())
+    [row] = res["timing"]
+    sums = row["w_abs_sum"]
+    assert set(row["ms"]) == set(sums) == set(gpu_prep_ablate.VARIANTS)
+    assert all(ms > 0 for ms in row["ms"].values())
+    for name in ("no_substitution", "no_merge", "diag_wu", "no_l2", "copy"):
+        assert sums[name] != sums["as_built"], name
+    assert sums["no_u"] == sums["no_kd"] == sums["as_built"]
+    assert (wy.diag_tiles_by_substitution, wy.merged_block_row, chunk._wy_block_row, chunk._store_tiled_wy,
+            chunk._load_key, chunk._prep_split_kernel) == before
