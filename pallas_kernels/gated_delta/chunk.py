@@ -65,7 +65,7 @@ from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
 from .output_mgpu import chunk_output_mgpu, key_norms
 from .recurrence_mgpu import (DEFAULT_REGISTER_SPLIT, REGISTER_SPLIT_RULE, state_recurrence_mgpu,
-                              state_recurrence_output_intra_mgpu, valid_register_split)
+                              state_recurrence_output_intra_mgpu, state_recurrence_s_mgpu, valid_register_split)
 from .wy import CHUNK
 
 
@@ -179,6 +179,11 @@ from .wy import CHUNK
 # transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
 # alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
+# recurrence_form: "st" (default: the state held transposed, V blocks of 64, `state_recurrence_mgpu`) or "s" (held
+# as S [K, 32], `state_recurrence_s_mgpu`: the wgmmas' M is C and K, so V blocks of 32 and twice the programs where
+# the grid leaves SMs idle — B = 1 at HV = 32: 128 instead of 64; one warpgroup; recurrence_ws does not apply). Where
+# the Mosaic GPU recurrence runs without the output inside it (grids below fused_min_programs). A candidate built on
+# 2026-12-06, not yet run on a GPU: its bits against "st" and its time are `scripts/gpu_prefill_configs.py`'s to say.
 # (Runs 158-159, 2026-12-05: the Mosaic GPU recurrence storing h and v_new TF32-rounded, config recurrence_stores="tf32"
 # then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
 # output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
@@ -233,7 +238,7 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=128, fused_warpgroups=3,
+    recurrence="auto", recurrence_ws="u", recurrence_form="st", output="auto", fused_min_programs=128, fused_warpgroups=3,
     fused_registers="auto", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
@@ -562,6 +567,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
+    if cfg["recurrence_form"] not in ("st", "s"):
+        raise ValueError(f"recurrence_form={cfg['recurrence_form']!r}: expected 'st' or 's'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
@@ -826,7 +833,9 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             interpret=interpret)
         state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
     else:
-        if recurrence == "mosaic":
+        if recurrence == "mosaic" and cfg["recurrence_form"] == "s":
+            h, vn, final = state_recurrence_s_mgpu(w, u, kd, gc, initial_state, interpret=interpret)
+        elif recurrence == "mosaic":
             h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
                                                  interpret=interpret)
         else:
