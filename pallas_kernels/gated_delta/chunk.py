@@ -238,8 +238,8 @@ DEFAULT_CONFIG = dict(
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", recurrence_form="st", output="auto", fused_min_programs=128, fused_warpgroups=3,
-    fused_registers="auto", output_order="h_acc",
+    recurrence="auto", recurrence_ws="u", recurrence_form="st", output="auto", fused_min_programs=128,
+    fused_warpgroups=3, fused_registers="auto", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
@@ -390,8 +390,8 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
                        interpret, per=1):
     """Split design, parallel part 1: w, u, kd, gc of `per` consecutive chunks (u and gc in fp32; w and kd in their
     refs' dtype, `_wk_dtype`). Needs no q. With per > 1 (config `prep_chunks`, inv="tiled" only) the chunks go
-    through a loop, one at a time with the same code as per = 1 — the same bits — so that Triton can pipeline the next
-    chunk's loads under this one's arithmetic (`stages_prep`)."""
+    through a loop, one at a time with the same code as per = 1 — the same bits — so that Triton can pipeline the
+    next chunk's loads under this one's arithmetic (`stages_prep`)."""
     if cfg["inv"] == "tiled":
         def one_chunk(start=None, row0=0):  # the chunk from row `row0` of the refs; `start`: its first token
             ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, start=start,
