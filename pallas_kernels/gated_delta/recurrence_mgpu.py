@@ -622,7 +622,8 @@ def _kernel_s(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gme
       v_new = u - w S           (one TF32 wgmma: A = w [C, K] in shared memory, B = S as sb_s = S^T [BV, K], rounded)
       S     = exp(gc_last) S + kd^T v_new   (A = kd^T [K, C], B = v_new as vb_s = v_new^T [BV, C], rounded)
     The B operands are the transposed buffers `_kernel` reads as its A operands, written here through transposed
-    views (the accumulators' WGMMA layout cast to WGMMA_TRANSPOSED); h[c] and v_new[c]^T leave unrounded through h_s and
+    views (the accumulators' WGMMA layout cast to WGMMA_TRANSPOSED: in Mosaic GPU's `FragmentedArray.to_layout` one
+    lane shuffle and two selects per pair of fp32 registers); h[c] and v_new[c]^T leave unrounded through h_s and
     vn_s as `_Stores` has them; S0 arrives and the final S leaves through st_s [K, BV]. The same products in the same
     k order as `_kernel`'s dots with the operands' roles swapped (which `_kernel` itself relies on against the Triton
     recurrence); whether the bits are the same on the GPU is for `scripts/gpu_mgpu_recurrence.py` to say."""
