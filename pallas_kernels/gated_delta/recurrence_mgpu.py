@@ -309,8 +309,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     if ut:
         u_ready, u_free = ready.at[2], free.at[2]
 
-    def rows(c):
-        return pl.ds(c * CHUNK, CHUNK)
+    rows = _rows
 
     def load_u_gc(c):
         plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, rows(c), cols], u_s, u_bar)
@@ -563,6 +562,14 @@ def _smem(*shape, dtype=jnp.float32):
                                                 plgpu.SwizzleTransform(swizzle)))
 
 
+def _check_fp16(fn: str, w, kd) -> None:
+    """w and kd arrive in fp16, as the prep stores them on the GPU (`chunk._wk_dtype`): fp32 staging buffers would not
+    fit shared memory."""
+    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:
+        raise ValueError(f"{fn}: w and kd must be fp16 (the prep's GPU storage, `chunk._wk_dtype`); got {w.dtype}, "
+                         f"{kd.dtype}")
+
+
 def _check_shapes(tp: int, K: int, V: int, bv: int) -> None:
     if tp % CHUNK or bv != 64 or V % bv or K % 32:
         raise ValueError(f"state_recurrence_mgpu: Tp ({tp}) must be a multiple of {CHUNK}, bv ({bv}) 64 (shared "
@@ -581,9 +588,7 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
     B, HV, tp, K = w.shape
     V = u.shape[-1]
     _check_shapes(tp, K, V, bv)
-    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:  # (fp32 staging buffers would not fit shared memory)
-        raise ValueError(f"state_recurrence_mgpu: w and kd must be fp16 (the prep's GPU storage, `chunk._wk_dtype`); "
-                         f"got {w.dtype}, {kd.dtype}")
+    _check_fp16("state_recurrence_mgpu", w, kd)
     nt = tp // CHUNK
     f32 = jnp.float32
     smem = _smem
@@ -703,9 +708,7 @@ def state_recurrence_s_mgpu(w, u, kd, gc, initial_state, *, interpret: bool = Fa
     if tp % CHUNK or V % bv or K % 32 or K > 128:
         raise ValueError(f"state_recurrence_s_mgpu: Tp ({tp}) must be a multiple of {CHUNK}, V ({V}) of {bv} and K "
                          f"({K}) of 32, at most 128")
-    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:
-        raise ValueError(f"state_recurrence_s_mgpu: w and kd must be fp16 (the prep's GPU storage); got {w.dtype}, "
-                         f"{kd.dtype}")
+    _check_fp16("state_recurrence_s_mgpu", w, kd)
     nt = tp // CHUNK
     f32 = jnp.float32
     smem = _smem
@@ -768,8 +771,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     V = u.shape[-1]
     HK = q.shape[2]
     _check_shapes(tp, K, V, bv)
-    if w.dtype != jnp.float16 or kd.dtype != jnp.float16:
-        raise ValueError(f"state_recurrence_output_intra_mgpu: w and kd must be fp16; got {w.dtype}, {kd.dtype}")
+    _check_fp16("state_recurrence_output_intra_mgpu", w, kd)
     if (q.shape != k.shape or q.shape[:2] != (B, tp) or q.shape[3] != K or HV % HK
             or r_q.shape != (B, HK, tp) or r_k.shape != r_q.shape or jnp.dtype(q.dtype).itemsize != 2):
         raise ValueError(f"state_recurrence_output_intra_mgpu: q, k must be 16-bit [{B}, {tp}, HK, {K}] with HK "
