@@ -7,8 +7,7 @@ For each shape it runs the prefill's prep kernel once (fresh random bf16 q, k, v
 state, rows of different lengths on the check shapes), feeds its w, u, kd, gc to both recurrences and prints, for h
 (the state at every chunk start), v_new and the final state, how many elements differ and the largest difference
 relative to the largest element, for each form of the Mosaic GPU kernel (`FORMS`: on one warpgroup; warp-specialised;
-warp-specialised with u transposed by the producer, the default; and the state held untransposed with V blocks of
-32, `state_recurrence_s_mgpu`, chunk config recurrence_form="s"). Then it times, on the sweep's shapes: the
+warp-specialised with u transposed by the producer, the default). Then it times, on the sweep's shapes: the
 Triton recurrence (the prefill stopped after the recurrence, less the prefill stopped after the prep: `stop_after`)
 and each Mosaic GPU form on the prep's outputs (with the XLA transpose of their final state).
 Exit status 0 whatever it finds (a measurement); results.json into --out.
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
-from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu, state_recurrence_s_mgpu
+from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu
 from scripts.gpu_kernels import bench_jax
 
 CHECK_SHAPES = [(2, 300, 2, 4), (3, 1000, 16, 32), (1, 8192, 16, 32)]
@@ -64,15 +63,13 @@ def prefill(stop, q, k, v, g, beta, s0, lengths):
                                          config=dict(stop_after=stop, recurrence="triton"))
 
 
-FORMS = {"one warpgroup": False, "warp-specialised": True, "ws, u by producer": "u",  # (warp_specialised=...)
-         "S untransposed, bv 32": "s"}  # (state_recurrence_s_mgpu)
+FORMS = {"one warpgroup": False, "warp-specialised": True, "ws, u by producer": "u"}  # (warp_specialised=...)
 
 
 def jitted():
     """(prep, Triton recurrence, {form: Mosaic GPU recurrence}), each under jax.jit."""
     return (jax.jit(functools.partial(prefill, "prep")), jax.jit(functools.partial(prefill, "state")),
-            {name: jax.jit(state_recurrence_s_mgpu if ws == "s"
-                           else functools.partial(state_recurrence_mgpu, warp_specialised=ws))
+            {name: jax.jit(functools.partial(state_recurrence_mgpu, warp_specialised=ws))
              for name, ws in FORMS.items()})
 
 

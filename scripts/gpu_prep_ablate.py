@@ -58,12 +58,12 @@ def _diag_wu(i, x, bks, bvs, cfg, interpret):
 
 def _store_skipping(skip):
     """`chunk._store_tiled_wy` without the stores named in `skip` ({"u", "kd"})."""
-    def store(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0):
+    def store(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret):
         s = wy.SUB
         g_last = wy.last(gcs[-1])
-        bks, bvs = chunk._wy_rhs_slices(ks, gcs, betas, valids, v_ref, row0)
+        bks, bvs = chunk._wy_rhs_slices(ks, gcs, betas, valids, v_ref)
         for i in range(chunk.CHUNK // s):
-            sl = pl.ds(row0 + i * s, s)
+            sl = pl.ds(i * s, s)
             w, u = chunk._wy_block_row(i, x, bks, bvs, cfg, interpret)
             w_ref[sl, :] = w.astype(w_ref.dtype)
             if "u" not in skip:
@@ -73,8 +73,7 @@ def _store_skipping(skip):
     return store
 
 
-def _copy_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg, interpret,
-                 per=1):
+def _copy_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg, interpret):
     k = k_ref[...].astype(f32) * beta_ref[...].astype(f32)[:, None]
     w_ref[...] = k.astype(w_ref.dtype)
     kd_ref[...] = (k * 2.0).astype(kd_ref.dtype)
@@ -147,7 +146,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="", help="B,T,HK,HV separated by ';' (default: 8,4096,16,32;1,32768,16,32)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
-    ap.add_argument("--config", default="", help="JSON: chunk config overrides for every variant (e.g. prep_chunks)")
+    ap.add_argument("--config", default="", help="JSON: chunk config overrides for every variant (e.g. warps_prep)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of the variants taking turns")
     ap.add_argument("--interpret", action="store_true", help="interpret mode (CPU plumbing test; times meaningless)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -65,7 +65,7 @@ from . import output_mgpu
 from .output_mgpu import ORDERS as OUTPUT_ORDERS
 from .output_mgpu import chunk_output_mgpu, key_norms
 from .recurrence_mgpu import (DEFAULT_REGISTER_SPLIT, REGISTER_SPLIT_RULE, state_recurrence_mgpu,
-                              state_recurrence_output_intra_mgpu, state_recurrence_s_mgpu, valid_register_split)
+                              state_recurrence_output_intra_mgpu, valid_register_split)
 from .wy import CHUNK
 
 
@@ -75,13 +75,7 @@ from .wy import CHUNK
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
-#   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); prep_chunks: chunks
-#   per prep program (a power of two; the split design's one prep kernel with inv="tiled"; where it does not divide
-#   the NT chunks, the largest power of two below it that does): the program loops over them with the per-chunk code
-#   (the same bits: `tests/pallas_kernels/test_chunk_kernel.py`), so that with stages_prep >= 2 Triton pipelines the
-#   next chunk's loads (cp.async) under this chunk's arithmetic; a candidate, not measured on the GPU yet (offline
-#   ptxas at (8, 4096), 4 chunks and 2 stages: 255 registers, 176 B of spills, 106.8 KiB of shared memory, still two
-#   programs per SM; BENCHMARKS.md runs 176-178: the prep is at twice its memory floor); wk_dtype: storage
+#   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
 #   second operands in the K-major order TF32 wgmma needs instead of transposing them through shared memory (run 30:
@@ -179,13 +173,11 @@ from .wy import CHUNK
 # transposes u). The same bits (run 130: all three equal the Triton recurrence's on three shapes); the recurrence
 # alone at (1, 8192) / (8, 4096) / (1, 32768) / (2, 8192): 0.385 / 0.965 / 1.477 / 0.462 ms with False, 0.370 /
 # 0.899 / 1.402 / 0.421 with True, 0.337 / 0.905 / 1.260 / 0.406 with "u" (Triton: 0.438 / 1.095 / 1.727 / 0.592).
-# recurrence_form: "st" (default: the state held transposed, V blocks of 64, `state_recurrence_mgpu`) or "s" (held
-# as S [K, 32], `state_recurrence_s_mgpu`: the wgmmas' M is C and K, so V blocks of 32 and twice the programs where
-# the grid leaves SMs idle — B = 1 at HV = 32: 128 instead of 64; one warpgroup; recurrence_ws does not apply). Where
-# the Mosaic GPU recurrence runs without the output inside it (grids below fused_min_programs). A candidate built on
-# 2026-12-06, not yet run on a GPU: its bits against "st" and its time are `scripts/gpu_prefill_configs.py`'s to say.
 # (Runs 158-159, 2026-12-05: the Mosaic GPU recurrence storing h and v_new TF32-rounded, config recurrence_stores="tf32"
-# then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed.)
+# then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed. Runs 179-182, 2026-12-06: config
+# recurrence_form="s", the state held untransposed as S [K, 32] so that B = 1 at HV = 32 gets 128 programs, and
+# prep_chunks, a prep program looping over 2-8 chunks so that Triton pipelines their loads: the same bits, the
+# prefill 1.02-1.03x and 1.07-1.22x the default's time; removed, kept on branch experiment/s50-s-form-prep-chunks.)
 # output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
 # "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (128)
 # programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic
@@ -233,28 +225,27 @@ from .wy import CHUNK
 # Without the L2 norm "auto" takes "bf16x3" (fp16 overflows past 65504). The one bf16 dot ("bf16", the default from
 # run 34 to run 113) put random keys with g ~ 0, beta = 1 at 2.000e-3 and 2.026e-3 on two draws, at and over the bar.
 DEFAULT_CONFIG = dict(
-    design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, prep_chunks=1, warps_apply=4,
+    design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
-    recurrence="auto", recurrence_ws="u", recurrence_form="st", output="auto", fused_min_programs=128,
+    recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=128,
     fused_warpgroups=3, fused_registers="auto", output_order="h_acc",
     p_kk="auto", p_inv="tf32", p_wu="tf32", p_qk="auto", p_ws="tf32", p_qs="tf32", p_av="tf32", p_kv="tf32",
 )
 
 
-def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None, row0=0):
+def _chunk_slices(k_ref, g_ref, beta_ref, length, use_l2, start=None):
     """inv="tiled": the chunk as four 16-row slices, loaded straight from the refs: keys [16, K] (fp32, L2-normalised,
     padded rows exact zeros), beta [16] and the cumulative log-decay gc [16] — each slice's own cumsum plus the last
     value of the slice before (this design's gc: the kernel writes it out and every later kernel reads it).
-    `start`: the chunk's first token (default: this program's chunk, grid axis 0); rows from `length` on are padding.
-    `row0`: the chunk's first row in the refs (0 unless a program takes several chunks: `prep_chunks`)."""
+    `start`: the chunk's first token (default: this program's chunk, grid axis 0); rows from `length` on are padding."""
     s = wy.SUB
     iota = lax.broadcasted_iota(jnp.int32, (s,), 0)
     ks, gcs, betas, valids = [], [], [], []
     for b in range(CHUNK // s):
-        sl = pl.ds(row0 + b * s, s)
+        sl = pl.ds(b * s, s)
         first = pl.program_id(0) * CHUNK if start is None else start  # per slice: the prefill's IR as before run 36
         valid = (first + b * s + iota) < length
         valids.append(valid)
@@ -271,10 +262,10 @@ def _gc_slice(g_ref, valid, before):
     return gc if before is None else gc + wy.last(before)
 
 
-def _store_gc(gc_ref, gcs, row0=0):
-    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C] (from row `row0` of a longer ref)."""
+def _store_gc(gc_ref, gcs):
+    """Write the four 16-row slices of gc (`_chunk_slices`) into gc_ref [C]."""
     for i, gc in enumerate(gcs):
-        gc_ref[pl.ds(row0 + i * wy.SUB, wy.SUB)] = gc
+        gc_ref[pl.ds(i * wy.SUB, wy.SUB)] = gc
 
 
 def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
@@ -287,28 +278,25 @@ def _store_tiled_inverse(x_ref, gc_ref, x, gcs):
             x_ref[pl.ds(i * s, s), pl.ds(m * s, s)] = x[i, m] if m <= i else zero
 
 
-def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret, row0=0):
+def _store_tiled_wy(x, ks, gcs, betas, valids, v_ref, w_ref, u_ref, kd_ref, cfg, interpret):
     """w = X (beta exp(gc) k), u = X (beta v) and kd = k exp(gc_last - gc) (as `wy.apply_wy`), 16 rows at a time from
-    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used). The
-    chunk is rows row0 .. row0 + C - 1 of the refs (Pallas' Triton lowering takes one indexer per ref access, so a
-    ref is not sliced twice)."""
+    the tiled inverse: w_i = sum_{m <= i} X_im (beta exp(gc) k)_m (the tiles above the diagonal are never used)."""
     s, nb = wy.SUB, CHUNK // wy.SUB
     g_last = wy.last(gcs[-1])
-    bks, bvs = _wy_rhs_slices(ks, gcs, betas, valids, v_ref, row0)
+    bks, bvs = _wy_rhs_slices(ks, gcs, betas, valids, v_ref)
     for i in range(nb):
-        sl = pl.ds(row0 + i * s, s)
+        sl = pl.ds(i * s, s)
         w, u = _wy_block_row(i, x, bks, bvs, cfg, interpret)
         w_ref[sl, :] = w.astype(w_ref.dtype)
         u_ref[sl, :] = u
         kd_ref[sl, :] = _kd_slice(ks[i], gcs[i], g_last).astype(kd_ref.dtype)
 
 
-def _wy_rhs_slices(ks, gcs, betas, valids, v_ref, row0=0):
-    """The right-hand sides of w and u per 16-row slice: beta exp(gc) k [16, K] and beta v [16, V] (padded rows 0);
-    v from row `row0` of v_ref."""
+def _wy_rhs_slices(ks, gcs, betas, valids, v_ref):
+    """The right-hand sides of w and u per 16-row slice: beta exp(gc) k [16, K] and beta v [16, V] (padded rows 0)."""
     s = wy.SUB
     bks = [kb * (beta * jnp.exp(gc))[:, None] for kb, beta, gc in zip(ks, betas, gcs)]
-    bvs = [_masked(v_ref.at[pl.ds(row0 + m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
+    bvs = [_masked(v_ref.at[pl.ds(m * s, s)], valid) * beta[:, None] for m, (valid, beta) in
            enumerate(zip(valids, betas))]
     return bks, bvs
 
@@ -387,29 +375,14 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 
 
 def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
-                       interpret, per=1):
-    """Split design, parallel part 1: w, u, kd, gc of `per` consecutive chunks (u and gc in fp32; w and kd in their
-    refs' dtype, `_wk_dtype`). Needs no q. With per > 1 (config `prep_chunks`, inv="tiled" only) the chunks go
-    through a loop, one at a time with the same code as per = 1 — the same bits — so that Triton can pipeline the
-    next chunk's loads under this one's arithmetic (`stages_prep`)."""
+                       interpret):
+    """Split design, parallel part 1: w, u, kd, gc of one chunk (u and gc in fp32; w and kd in their refs' dtype,
+    `_wk_dtype`). Needs no q."""
     if cfg["inv"] == "tiled":
-        def one_chunk(start=None, row0=0):  # the chunk from row `row0` of the refs; `start`: its first token
-            ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, start=start,
-                                                   row0=row0)
-            _store_gc(gc_ref, gcs, row0)
-            _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref,
-                            u_ref, kd_ref, cfg, interpret, row0)
-
-        if per == 1:  # the IR as before `prep_chunks` (static slices; the chunk's first token from the grid index)
-            one_chunk()
-            return
-        first = pl.program_id(0) * per  # (read outside the loop: the CPU interpreter takes program_id at top level)
-
-        def body(c, carry):
-            one_chunk((first + c) * CHUNK, pl.multiple_of(c * CHUNK, CHUNK))
-            return carry
-
-        lax.fori_loop(0, per, body, 0)
+        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
+        _store_gc(gc_ref, gcs)
+        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
+                        kd_ref, cfg, interpret)
         return
     valid = _valid_rows(len_ref[0])
     k = _load_key(k_ref, valid, use_l2)
@@ -540,11 +513,6 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
-    pc = cfg["prep_chunks"]
-    if type(pc) is not int or pc < 1 or pc & (pc - 1) or (pc > 1 and (cfg["design"], cfg["prep_kernels"],
-                                                                        cfg["inv"]) != ("split", 1, "tiled")):
-        raise ValueError(f"prep_chunks={pc!r}: a power of two; other than 1 only with the split design's one prep "
-                         "kernel and inv='tiled'")
     t = cfg["states_t"]
     if not (isinstance(t, bool) or t in ("h", "v_new")) or (dict(config or ()).get("states_t")
                                                              and cfg["design"] != "split"):
@@ -567,8 +535,6 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
-    if cfg["recurrence_form"] not in ("st", "s"):
-        raise ValueError(f"recurrence_form={cfg['recurrence_form']!r}: expected 'st' or 's'")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)
@@ -721,27 +687,24 @@ def _chunk_impl(q, k, v, g, beta, initial_state, lengths, *, scale, use_qk_l2nor
 
 
 class _ChunkGrid:
-    """Grid (NT / per, HV, B) of the chunk-parallel kernels (prep, inverse, apply) and their operands' BlockSpecs, for
-    inputs q/k [B, Tp, HK, K], v [B, Tp, HV, V], g/beta [B, Tp, HV] and per-chunk outputs [B, HV, Tp, n]: each program
-    takes `per` consecutive chunks (the prep's `prep_chunks`; 1 for the others)."""
+    """Grid (NT, HV, B) of the chunk-parallel kernels (prep, inverse, apply) and their operands' BlockSpecs, for
+    inputs q/k [B, Tp, HK, K], v [B, Tp, HV, V], g/beta [B, Tp, HV] and per-chunk outputs [B, HV, Tp, n]."""
 
-    def __init__(self, q, v, per=1):
+    def __init__(self, q, v):
         self.B, self.tp, hk, self.K = q.shape
         self.HV, self.V = v.shape[2], v.shape[3]
         g = self.HV // hk
-        rows = CHUNK * per
-        self.per = per
-        self.grid = (self.tp // rows, self.HV, self.B)
+        self.grid = (self.tp // CHUNK, self.HV, self.B)
         self.lengths = pl.BlockSpec((1,), lambda c, h, b: (b,))
-        self.key = pl.BlockSpec((None, rows, None, self.K), lambda c, h, b: (b, c, h // g, 0))
-        self.value = pl.BlockSpec((None, rows, None, self.V), lambda c, h, b: (b, c, h, 0))
-        self.token = pl.BlockSpec((None, rows, None), lambda c, h, b: (b, c, h))
-        self.gc = pl.BlockSpec((None, None, rows), lambda c, h, b: (b, h, c))
+        self.key = pl.BlockSpec((None, CHUNK, None, self.K), lambda c, h, b: (b, c, h // g, 0))
+        self.value = pl.BlockSpec((None, CHUNK, None, self.V), lambda c, h, b: (b, c, h, 0))
+        self.token = pl.BlockSpec((None, CHUNK, None), lambda c, h, b: (b, c, h))
+        self.gc = pl.BlockSpec((None, None, CHUNK), lambda c, h, b: (b, h, c))
         self.gc_out = jax.ShapeDtypeStruct((self.B, self.HV, self.tp), jnp.float32)
 
     def rows(self, n):
         """BlockSpec of a per-chunk [B, HV, Tp, n] array."""
-        return pl.BlockSpec((None, None, CHUNK * self.per, n), lambda c, h, b: (b, h, c, 0))
+        return pl.BlockSpec((None, None, CHUNK, n), lambda c, h, b: (b, h, c, 0))
 
     def rows_out(self, n, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((self.B, self.HV, self.tp, n), dtype)
@@ -761,11 +724,11 @@ def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, 
 
 
 def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """The split design's prep kernel: (w, u, kd, gc), `_prep_per_program` chunks per program."""
-    cg = _ChunkGrid(q, v, per=_prep_per_program(cfg, q.shape[1] // CHUNK))
+    """The split design's prep kernel: (w, u, kd, gc)."""
+    cg = _ChunkGrid(q, v)
     wk = _wk_dtype(cfg, use_l2, interpret)
     return pl.pallas_call(
-        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret, per=cg.per),
+        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
@@ -774,14 +737,6 @@ def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
         interpret=interpret,
         name="gdn_chunk_prep",
     )(lengths, k, v, g, beta)
-
-
-def _prep_per_program(cfg, nt: int) -> int:
-    """Chunks per prep program: `prep_chunks`, or the largest power of two below it that divides the NT chunks."""
-    per = cfg["prep_chunks"]
-    while nt % per:
-        per //= 2
-    return per
 
 
 def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
@@ -833,9 +788,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
             interpret=interpret)
         state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
     else:
-        if recurrence == "mosaic" and cfg["recurrence_form"] == "s":
-            h, vn, final = state_recurrence_s_mgpu(w, u, kd, gc, initial_state, interpret=interpret)
-        elif recurrence == "mosaic":
+        if recurrence == "mosaic":
             h, vn, final = state_recurrence_mgpu(w, u, kd, gc, initial_state, warp_specialised=cfg["recurrence_ws"],
                                                  interpret=interpret)
         else:

@@ -20,8 +20,9 @@ Three forms (`warp_specialised`, chunk config `recurrence_ws`): one warpgroup pe
 converting w and kd in shared memory between its own dots; or two (`_kernel_ws`), a producer warpgroup loading and
 converting w and kd (True), and also transposing u ("u", the default), while the consumer warpgroup runs the chain.
 The same arithmetic, the same bits (run 130); "u" takes 0.85-0.94x the one-warpgroup form's time (BENCHMARKS.md).
-`state_recurrence_s_mgpu` (`_kernel_s`, chunk config `recurrence_form="s"`, not the default) holds the state
-untransposed, S [K, BV], so that its wgmmas' M is C and K and V blocks of 32 fit (twice the programs on small grids).
+(A form holding the state untransposed, S [K, 32], so that V blocks of 32 fit and small grids get twice the
+programs — chunk config `recurrence_form="s"` — took 1.02-1.03x the default's prefill time at B = 1 on an H100 with
+the same bits, runs 179-182; removed on 2026-12-06, branch experiment/s50-s-form-prep-chunks has it.)
 `state_recurrence_output_intra_mgpu` runs the `True` form with the output computed in the kernel instead of h and
 v_new stored, its qg and Aqk computed on the producer warpgroup or (the default) on a third warpgroup of their own
 (`_kernel_ws`'s `intra` and `intra_warpgroup`; config `output="fused_intra"`, and the prefill's default on grids of
@@ -59,10 +60,9 @@ def _tf32_rna(x):
 
 
 class _ChunkLoads:
-    """The one-warpgroup kernels' (`_kernel`, `_kernel_s`) per-chunk loads for V block `cols` of value head hv of row
-    b — w and kd staged in fp16, u, gc — each on its barrier of `bars` (w, kd, u, gc), and the conversions of w and
-    kd to fp32 in shared memory: w [C, K] as stored, kd transposed, kd^T [K, C] (the dots' operands in both
-    forms)."""
+    """The one-warpgroup kernel's (`_kernel`) per-chunk loads for V block `cols` of value head hv of row b — w and
+    kd staged in fp16, u, gc — each on its barrier of `bars` (w, kd, u, gc), and the conversions of w and kd to fp32
+    in shared memory: w [C, K] as stored, kd transposed, kd^T [K, C] (the dots' operands)."""
 
     def __init__(self, w_gmem, u_gmem, kd_gmem, gc_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, bars, b, hv, cols):
         self.w_gmem, self.u_gmem, self.kd_gmem, self.gc_gmem = w_gmem, u_gmem, kd_gmem, gc_gmem
@@ -617,115 +617,6 @@ def state_recurrence_mgpu(w, u, kd, gc, initial_state, *, bv: int = 64, warp_spe
         **params,
     )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32))
     return h, vn_t, jnp.swapaxes(s_t, -1, -2)
-
-
-def _kernel_s(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
-              w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sb_s, vb_s, h_s, vn_s, st_s, bars, *, nt: int, bv: int,
-              interpret: bool):
-    """`_kernel`'s arithmetic with the state held untransposed, S [K, BV] (`state_recurrence_s_mgpu`): the wgmmas' M
-    is C and K, not BV, so V blocks of 32 are possible (twice the programs of `_kernel` on small grids). Per chunk c:
-      v_new = u - w S           (one TF32 wgmma: A = w [C, K] in shared memory, B = S as sb_s = S^T [BV, K], rounded)
-      S     = exp(gc_last) S + kd^T v_new   (A = kd^T [K, C], B = v_new as vb_s = v_new^T [BV, C], rounded)
-    The B operands are the transposed buffers `_kernel` reads as its A operands, written here through transposed
-    views (the accumulators' WGMMA layout cast to WGMMA_TRANSPOSED: in Mosaic GPU's `FragmentedArray.to_layout` one
-    lane shuffle and two selects per pair of fp32 registers); h[c] and v_new[c]^T leave unrounded through h_s and
-    vn_s as `_Stores` has them; S0 arrives and the final S leaves through st_s [K, BV]. The same products in the same
-    k order as `_kernel`'s dots with the operands' roles swapped (which `_kernel` itself relies on against the Triton
-    recurrence); whether the bits are the same on the GPU is for `scripts/gpu_mgpu_recurrence.py` to say."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
-    cols = pl.ds(j * bv, bv)
-    ld = _ChunkLoads(w_gmem, u_gmem, kd_gmem, gc_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, bars, b, hv, cols)
-    load_w, load_kd, load_u_gc, convert_w, convert_kd = ld.load_w, ld.load_kd, ld.load_u_gc, ld.convert_w, ld.convert_kd
-    u_bar, gc_bar, s0_bar, w_bar = ld.u_bar, ld.gc_bar, bars.at[4], ld.w_bar
-    transposed = plgpu.Layout.WGMMA_TRANSPOSED
-
-    def hand_on(x, operand_s, own_s, dst):  # x [R, BV]: x^T rounded into operand_s, unrounded via own_s to dst
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the previous store from own_s has read it
-        own_s.T[...] = plgpu.layout_cast(x, transposed)
-        operand_s.T[...] = plgpu.layout_cast(_tf32_rna(x), transposed)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(own_s, dst)
-
-    plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], st_s, s0_bar)  # S0 [K, BV]
-    load_w(0)
-    load_kd(0)
-    load_u_gc(0)
-    plgpu.barrier_wait(s0_bar)
-    s_init = plgpu.layout_cast(st_s[...], plgpu.Layout.WGMMA)
-    convert_w()
-
-    def body(c, s):
-        more = c + 1 < nt
-        hand_on(s, sb_s, h_s, h_gmem.at[b, hv, c, cols, :])  # h[c] = S^T; (its commit covers w(c)'s conversion)
-        load_w(lax.select(more, c + 1, c))
-
-        def ws_dot(acc):
-            plgpu.wgmma(acc, w_s, sb_s.T)  # w S [C, BV]
-            convert_kd()  # kd(c), while the dot runs
-            return acc[...]
-
-        ws = pl.run_scoped(ws_dot, plgpu.ACC((CHUNK, bv), jnp.float32))
-        plgpu.barrier_wait(u_bar)
-        v = plgpu.layout_cast(u_s[...], plgpu.Layout.WGMMA) - ws  # v_new [C, BV]
-        plgpu.barrier_wait(gc_bar)
-        decay = jnp.exp(lax.broadcast_in_dim(gc_s[CHUNK - 1], s.shape, ()))
-        hand_on(v, vb_s, vn_s, vn_gmem.at[b, hv, cols, _rows(c)])  # (its commit covers kd(c)'s conversion)
-
-        @pl.when(more)
-        def _():
-            load_u_gc(c + 1)
-            load_kd(c + 1)
-
-        plgpu.barrier_wait(w_bar)
-
-        def kv_dot(acc):
-            plgpu.wgmma(acc, kd_s, vb_s.T)  # += kd^T v_new [K, BV]
-            convert_w(wait=False)  # w(c + 1), while the dot runs
-
-        return _decayed_plus(kv_dot, s, decay, interpret)
-
-    s_final = lax.fori_loop(0, nt, body, s_init)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    st_s[...] = s_final
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(st_s, sf_gmem.at[b, hv, :, cols])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def state_recurrence_s_mgpu(w, u, kd, gc, initial_state, *, interpret: bool = False):
-    """`state_recurrence_mgpu` with the state held untransposed (`_kernel_s`, one warpgroup): the same inputs and
-    outputs (h [B, HV, NT, V, K], v_new^T [B, HV, V, Tp], the final state [B, HV, K, V]), V blocks of 32: twice the
-    programs of `state_recurrence_mgpu`, for grids that leave SMs idle (B = 1: 128 programs at HV = 32 instead of
-    64). (V blocks of 64 would need 241 KiB of shared memory here.) Chunk config `recurrence_form="s"` (not the
-    default: not yet run on a GPU)."""
-    bv = 32
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    B, HV, tp, K = w.shape
-    V = u.shape[-1]
-    if tp % CHUNK or V % bv or K % 32 or K > 128:
-        raise ValueError(f"state_recurrence_s_mgpu: Tp ({tp}) must be a multiple of {CHUNK}, V ({V}) of {bv} and K "
-                         f"({K}) of 32, at most 128")
-    _check_fp16("state_recurrence_s_mgpu", w, kd)
-    nt = tp // CHUNK
-    f32 = jnp.float32
-    smem = _smem
-    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
-    h, vn_t, s_f = plgpu.kernel(
-        functools.partial(_kernel_s, nt=nt, bv=bv, interpret=interpret),
-        out_type=[jax.ShapeDtypeStruct((B, HV, nt, V, K), f32), jax.ShapeDtypeStruct((B, HV, V, tp), f32),
-                  jax.ShapeDtypeStruct((B, HV, K, V), f32)],
-        scratch_types=[smem(CHUNK, K, dtype=w.dtype), smem(CHUNK, K), smem(CHUNK, K, dtype=w.dtype), smem(K, CHUNK),
-                       smem(CHUNK, bv), plgpu.SMEM((CHUNK,), f32), smem(bv, K), smem(bv, CHUNK), smem(bv, K),
-                       smem(bv, CHUNK), smem(K, bv), plgpu.Barrier(num_barriers=5)],
-        grid=(V // bv, HV, B),
-        grid_names=("j", "h", "b"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **params,
-    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32))
-    return h, vn_t, s_f
 
 
 # The three-warpgroup kernel starts with 168 registers per thread (65536 / 384, in multiples of 8); `setmaxnreg`

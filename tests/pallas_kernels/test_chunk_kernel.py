@@ -15,7 +15,6 @@ import pytest
 
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta import chunk
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta.reference import chunk_gated_delta_rule_reference
 from tests.gdn_oracle import gated_delta_rule_oracle, random_gdn_inputs, rel_err
@@ -116,27 +115,6 @@ def test_fp16_w_and_kd_storage(prep_kernels):
     s32 = chunk_gated_delta_rule_pallas(*args, interpret=True, config=dict(cfg, wk_dtype="float32"))[1]
     assert not np.array_equal(np.asarray(s32), np.asarray(chunk_gated_delta_rule_pallas(*args, interpret=True,
                                                                                          config=cfg)[1]))
-
-
-def test_several_chunks_per_prep_program_give_the_same_bits():
-    """prep_chunks (a benchmark option: the prep's program loops over that many consecutive chunks, so that Triton
-    can pipeline the next chunk's loads) computes every chunk with the same code: its w, u, kd, gc and the prefill's
-    outputs and states equal one chunk per program's, bit for bit — rows of different lengths, T not a multiple of the
-    chunks a program takes (7 chunks: 4 falls back to 1), T that is (8), a non-zero initial state."""
-    rng = np.random.default_rng(17)
-    for T, lengths in ((448, [448, 200]), (512, [512, 65])):
-        d = random_gdn_inputs(rng, 2, T, 1, 2, K, V, np.float32, g_kind="realistic", beta_kind="mixed")
-        args = [jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")]
-        kw = dict(initial_state=jnp.asarray(d["initial_state"]), lengths=jnp.asarray(lengths), interpret=True)
-        want_prep = chunk_gated_delta_rule_pallas(*args, **kw, config={"only_prep": True})
-        want = chunk_gated_delta_rule_pallas(*args, **kw, checkpoint_stride=128)
-        for per in (2, 4):
-            got_prep = chunk_gated_delta_rule_pallas(*args, **kw, config={"only_prep": True, "prep_chunks": per})
-            got = chunk_gated_delta_rule_pallas(*args, **kw, checkpoint_stride=128, config={"prep_chunks": per})
-            for a, b in zip((*want_prep, *want), (*got_prep, *got)):
-                assert np.array_equal(np.asarray(a), np.asarray(b)), (T, per)
-        assert chunk._prep_per_program(chunk._checked_config({"prep_chunks": 4}, V), T // 64) == (1 if T == 448
-                                                                                                    else 4)
 
 
 def test_bf16x3_dot_is_near_fp32():
@@ -361,10 +339,6 @@ def test_alternative_inverses(inv, design):
                                           ({"states_t": "h", "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
-                                          ({"prep_chunks": 3}, "prep_chunks"), ({"prep_chunks": 0}, "prep_chunks"),
-                                          ({"prep_chunks": 2.0}, "prep_chunks"),
-                                          ({"prep_chunks": 2, "prep_kernels": 2}, "prep_chunks"),
-                                          ({"prep_chunks": 2, "inv": "block16"}, "prep_chunks"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))

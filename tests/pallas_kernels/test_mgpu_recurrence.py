@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
-from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu, state_recurrence_s_mgpu
+from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_mgpu
 from tests.gdn_oracle import random_gdn_inputs
 from tests.xla_threads import xla_cpu_pool_threads
 
@@ -117,35 +117,6 @@ def test_every_form_is_bitwise_the_default_one(case, form):
     assert all(np.array_equal(x, y) for x, y in zip(got, mgpu(w, u, kd, gc, d["initial_state"])))
 
 
-def test_the_untransposed_form_with_v_blocks_of_32(case):
-    """`state_recurrence_s_mgpu` (the state held as S [K, 32] in registers: the wgmmas' M is C and K, so V blocks of
-    32) against the float64 oracle and the default kernel: within the tolerance here (the interpreter's fp32 dots may
-    add the swapped operands' products in another order; on the GPU the claim is bitwise, for the GPU script to
-    check); run twice and a row alone against the row in a batch, bitwise; and it lowers for an H200 at K = V = 128
-    (shared memory and wgmma shapes)."""
-    d, _, (w, u, kd, gc) = case
-    s_form = jax.jit(functools.partial(state_recurrence_s_mgpu, interpret=True))
-    got = [np.asarray(x) for x in s_form(w, u, kd, gc, d["initial_state"])]
-    want = oracle(w, u, kd, gc, d["initial_state"])
-    default = mgpu(w, u, kd, gc, d["initial_state"])
-    for name, g, o, t in zip(("h", "v_new", "final"), got, want, default):
-        assert g.shape == o.shape == t.shape, name
-        assert np.all(np.isfinite(g)), name
-        assert rel(g, o) <= TOL and rel(g, t) <= TOL, (name, rel(g, o), rel(g, t))
-    assert rel(got[0], want[0]) > 0  # rounded operands, as the default kernel's
-    again = [np.asarray(x) for x in s_form(w, u, kd, gc, d["initial_state"])]
-    assert all(np.array_equal(x, y) for x, y in zip(got, again))
-    alone = [np.asarray(x) for x in s_form(w[1:2], u[1:2], kd[1:2], gc[1:2], d["initial_state"][1:2])]
-    assert all(np.array_equal(x[1:2], y) for x, y in zip(got, alone))
-    sds = jax.ShapeDtypeStruct
-    args = (sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256, 128), jnp.float32),
-            sds((2, 4, 256, 128), jnp.float16), sds((2, 4, 256), jnp.float32), sds((2, 4, 128, 128), jnp.float32))
-    assert "mosaic_gpu" in jax.jit(state_recurrence_s_mgpu).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="V .* of 32"):
-        state_recurrence_s_mgpu(w[..., :16], u[..., :16], kd[..., :16], gc, d["initial_state"][..., :16, :16],
-                                interpret=True)
-
-
 def test_row_alone_equals_row_in_batch(case):
     d, _, (w, u, kd, gc) = case
     batch = mgpu(w, u, kd, gc, d["initial_state"])
@@ -181,26 +152,23 @@ def test_bad_inputs_are_refused(shape, dtype, match):
         state_recurrence_mgpu(w, jnp.zeros((B, H, T, V)), w, jnp.zeros((B, H, T)), jnp.zeros((B, H, k, V)))
 
 
-def run_prefill(d, lengths, recurrence, form="st", **kw):
+def run_prefill(d, lengths, recurrence, **kw):
     out = chunk_gated_delta_rule_pallas(
         *(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")), initial_state=jnp.asarray(d["initial_state"]),
-        lengths=jnp.asarray(lengths, jnp.int32), interpret=True,
-        config=dict(recurrence=recurrence, recurrence_form=form, **WK16), **kw)
+        lengths=jnp.asarray(lengths, jnp.int32), interpret=True, config=dict(recurrence=recurrence, **WK16), **kw)
     return [np.asarray(x) for x in out]
 
 
-@pytest.mark.parametrize("form", ["st", "s"])
-def test_prefill_with_the_mosaic_recurrence(case, form):
-    """config recurrence="mosaic" (interpret mode: Mosaic GPU's interpreter), with the state held transposed (the
-    default form) or not (`recurrence_form="s"`), gives the prefill's outputs and states within the tolerance of the
-    default, and its in-call checkpoints equal the final states of calls that end there, bit for bit."""
+def test_prefill_with_the_mosaic_recurrence(case):
+    """config recurrence="mosaic" (interpret mode: Mosaic GPU's interpreter) gives the prefill's outputs and states
+    within the tolerance of the default, and its in-call checkpoints equal the final states of calls that end there,
+    bit for bit."""
     d, lengths, _ = case
-    o, final, ck = run_prefill(d, lengths, "mosaic", form, checkpoint_stride=64)
+    o, final, ck = run_prefill(d, lengths, "mosaic", checkpoint_stride=64)
     o_ref, final_ref, ck_ref = run_prefill(d, lengths, "triton", checkpoint_stride=64)
     assert rel(o, o_ref) <= TOL and rel(final, final_ref) <= TOL and rel(ck, ck_ref) <= TOL
     part = {n: d[n][:, :128] for n in ("q", "k", "v", "g", "beta")}
-    _, final_128 = run_prefill(dict(part, initial_state=d["initial_state"]), [min(n, 128) for n in lengths], "mosaic",
-                               form)
+    _, final_128 = run_prefill(dict(part, initial_state=d["initial_state"]), [min(n, 128) for n in lengths], "mosaic")
     assert np.array_equal(ck[:, 1], final_128)
 
 
@@ -214,8 +182,7 @@ def test_auto_takes_the_triton_recurrence_off_a_hopper_gpu(case):
 @pytest.mark.parametrize("config,match", [({"recurrence": "cuda"}, "recurrence="),
                                           ({"recurrence": "mosaic", "states_t": False, **WK16}, "states_t=True"),
                                           ({"recurrence": "mosaic"}, "fp16"),  # (interpret mode stores fp32)
-                                          ({"recurrence_ws": "yes"}, "recurrence_ws="),
-                                          ({"recurrence_form": "t"}, "recurrence_form=")])
+                                          ({"recurrence_ws": "yes"}, "recurrence_ws=")])
 def test_bad_recurrence_configs_are_refused(case, config, match):
     d, lengths, _ = case
     with pytest.raises(ValueError, match=match):
