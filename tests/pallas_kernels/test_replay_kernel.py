@@ -164,7 +164,7 @@ def test_launch_keys_take_effect_and_are_checked():
     with pytest.raises(ValueError, match="bv_replay"):
         chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config={"bv_replay": 24})
     for bad in ({"replay_s0_dots": 3}, {"replay_s0_dots": 1, "p_qs": "ieee"}, {"replay_qk_cols": "yes"},
-                {"replay_qk_cols": 2}):
+                {"replay_qk_cols": 2}, {"diag_block": 8}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             chunk_replay_step_pallas(*args, xc, vc, lengths, interpret=True, config=bad)
     with pytest.raises(ValueError, match="warps_replay_intra"):
