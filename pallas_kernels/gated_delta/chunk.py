@@ -75,10 +75,11 @@ from .wy import CHUNK
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
-#   diag_block: 16 (default: the diagonal [16, 16] tiles' inverse by a 15-step forward substitution), 8 or 4 (the
-#   substitution on [8, 8] or [4, 4] blocks at once, 7 or 3 steps, then the blocks merged by exact-fp32 dots:
-#   `wy.diag_tiles_blocked`; the blocks' bits as the default's, the entries below them not; a prefill-only option for
-#   measuring the substitution's chain, which run 180's ablation put at ~24% of the prep: the replay step refuses it);
+#   diag_block: 16 (default: the diagonal [16, 16] tiles' inverse by a 15-step forward substitution), 8, 4, 2 or 1
+#   (the substitution on [b, b] blocks at once, b - 1 steps, then the blocks merged by exact-fp32 dots, log2(16 / b)
+#   levels: `wy.diag_tiles_blocked`; the blocks' bits as the default's, the entries below them not; a prefill-only
+#   option for measuring the substitution's chain, which run 180's ablation put at ~24% of the prep: the replay step
+#   refuses it);
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
@@ -515,9 +516,9 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'doubling' or 'fwd64'")
     if cfg["inv"] == "tiled" and cfg["design"] != "split":
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
-    if cfg["diag_block"] not in (16, 8, 4) or isinstance(cfg["diag_block"], bool) or (cfg["diag_block"] != 16
-                                                                                    and cfg["inv"] != "tiled"):
-        raise ValueError(f"diag_block={cfg['diag_block']!r}: 16, or 8 or 4 with inv='tiled'")
+    if cfg["diag_block"] not in (16, 8, 4, 2, 1) or isinstance(cfg["diag_block"], bool) or (
+            cfg["diag_block"] != 16 and cfg["inv"] != "tiled"):
+        raise ValueError(f"diag_block={cfg['diag_block']!r}: 16, or 8, 4, 2 or 1 with inv='tiled'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
     t = cfg["states_t"]

@@ -456,7 +456,7 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
     if cfg["diag_block"] != 16:
         raise ValueError(f"diag_block={cfg['diag_block']!r}: the replay step runs the diagonal tiles' 16-row "
-                         "substitution one row per token (diag_block 8 and 4 are prefill-only measurement options)")
+                         "substitution one row per token (the others are prefill-only measurement options)")
     if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):
         raise ValueError(f"replay_s0_dots={cfg['replay_s0_dots']!r}: 2, or 1 when p_ws == p_qs (one dot computes "
                          f"w S0 and qg S0)")

@@ -139,7 +139,7 @@ def diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret):
     """T_i = (I + A_ii)^-1 of the four diagonal tiles with the forward substitution run on the tile's [block, block]
     diagonal blocks at once (block - 1 dependent steps instead of 15, each step one row of every block), then the
     blocks merged pairwise, log2(16 / block) levels of two exact-fp32 ("ieee") [16, 16] dots each
-    (`merge_diagonal_blocks`). Chunk config `diag_block` (8 or 4; 16, the default, is `diag_tiles_by_substitution`),
+    (`merge_diagonal_blocks`). Chunk config `diag_block` (8, 4, 2 or 1; 16, the default, is `diag_tiles_by_substitution`),
     a prefill-only measurement option: the replay step runs the 16-row substitution one row per token, so it refuses
     the others.
 
@@ -206,7 +206,7 @@ def tiled_inverse(ks, gcs, betas, cfg, interpret):
     slices (`chunk._chunk_slices`).
 
     Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution (`diag_tiles_by_substitution`; config `diag_block`
-    8 or 4: `diag_tiles_blocked`); then, block row by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with
+    8, 4, 2 or 1: `diag_tiles_blocked`); then, block row by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with
     sixteen [16, 16] dots (p_inv) — instead of the block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
     chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
     nb = CHUNK // SUB

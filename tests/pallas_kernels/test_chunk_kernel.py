@@ -346,7 +346,7 @@ def test_alternative_inverses(inv, design):
                                           ({"states_t": "h", "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
-                                          ({"diag_block": 2}, "diag_block"), ({"diag_block": True}, "diag_block"),
+                                          ({"diag_block": 3}, "diag_block"), ({"diag_block": True}, "diag_block"),
                                           ({"diag_block": 8, "inv": "block16", "prep_kernels": 2}, "diag_block"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
@@ -417,7 +417,7 @@ def test_small_grid_launch_rule():
     assert launch(2, {"tiny_grid": 512}) == (16, 3)
 
 
-@pytest.mark.parametrize("block", [8, 4])
+@pytest.mark.parametrize("block", [8, 4, 2, 1])
 def test_blocked_diagonal_inverse(block):
     """`wy.diag_tiles_blocked` (config diag_block): the diagonal [block, block] blocks carry the 16-row
     substitution's bits (the rows a step adds meet exact zeros from the other blocks), the merged tile is the inverse
