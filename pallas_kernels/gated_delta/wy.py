@@ -139,9 +139,9 @@ def diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret):
     """T_i = (I + A_ii)^-1 of the four diagonal tiles with the forward substitution run on the tile's [block, block]
     diagonal blocks at once (block - 1 dependent steps instead of 15, each step one row of every block), then the
     blocks merged pairwise, log2(16 / block) levels of two exact-fp32 ("ieee") [16, 16] dots each
-    (`merge_diagonal_blocks`). Chunk config `diag_block` (8, 4, 2 or 1; 16, the default, is `diag_tiles_by_substitution`),
-    a prefill-only measurement option: the replay step runs the 16-row substitution one row per token, so it refuses
-    the others.
+    (`merge_diagonal_blocks`). Chunk config `diag_block` (8, 4, 2 or 1; 16, the default, is
+    `diag_tiles_by_substitution`), a prefill-only measurement option: the replay step runs the 16-row substitution
+    one row per token, so it refuses the others.
 
     The diagonal blocks' values are the 16-row substitution's bits (the rows a step adds to one block meet exact
     zeros from the others, in the same places of the same reductions); only the entries below them — T_21 = -T_22
@@ -207,8 +207,9 @@ def tiled_inverse(ks, gcs, betas, cfg, interpret):
 
     Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution (`diag_tiles_by_substitution`; config `diag_block`
     8, 4, 2 or 1: `diag_tiles_blocked`); then, block row by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with
-    sixteen [16, 16] dots (p_inv) — instead of the block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
-    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
+    sixteen [16, 16] dots (p_inv) — instead of the block-Neumann merge's four masked [64, 64] products. Row r of
+    every tile depends only on tokens <= r of the chunk (T_i is lower triangular, its zeros exact), so the j < 64 row
+    property holds."""
     nb = CHUNK // SUB
     block = cfg.get("diag_block", SUB)
     ts = (diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret) if block == SUB
