@@ -77,9 +77,9 @@ from .wy import CHUNK
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
 #   diag_block: 16 (default: the diagonal [16, 16] tiles' inverse by a 15-step forward substitution), 8, 4, 2 or 1
 #   (the substitution on [b, b] blocks at once, b - 1 steps, then the blocks merged by exact-fp32 dots, log2(16 / b)
-#   levels: `wy.diag_tiles_blocked`; the blocks' bits as the default's, the entries below them not; a prefill-only
-#   option for measuring the substitution's chain, which run 180's ablation put at ~24% of the prep: the replay step
-#   refuses it);
+#   levels: `wy.diag_tiles_blocked`; the blocks' bits as the default's, the entries below them not; the replay step
+#   one row per token, `wy.blocked_row`): a candidate for the substitution's chain, which run 180's ablation put at
+#   ~24% of the prep, not yet measured on a GPU;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their

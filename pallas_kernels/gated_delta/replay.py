@@ -157,12 +157,17 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
     def cached(j, m):
         return x_tiles[j, m]
 
-    if prime:  # the whole diagonal tile by the prefill's loop (rows <= r: what the steps to row r cache)
-        t_ii = wy.diag_tiles_by_substitution([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0]
-    else:  # one step of that loop: row r from the rows < r the steps before cached (the loop starts at row 1)
+    block = cfg["diag_block"]
+    if prime:  # the whole diagonal tile as the prefill computes it (rows <= r: what the steps to row r cache)
+        t_ii = (wy.diag_tiles_by_substitution([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0] if block == SUB
+                else wy.diag_tiles_blocked([ks[i]], [gcs[i]], [betas[i]], block, cfg, interpret)[0])
+    elif block == SUB:  # one step of that loop: row r from the rows < r the steps before cached (from row 1)
         at = wy.diag_tile_transposed(ks[i], gcs[i], betas[i], r16 < c16, cfg, interpret)
         t_ii = jnp.where(r16 < r, cached(i, i), jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32))
         t_ii = jnp.where(r > 0, wy.substitution_step(r, at, t_ii, r16, c16), t_ii)
+    else:  # config diag_block: row r by the blocked form's stages, from the rows < r cached
+        at = wy.diag_tile_transposed(ks[i], gcs[i], betas[i], r16 < c16, cfg, interpret)
+        t_ii = wy.blocked_row(r, block, at, cached(i, i), r16, c16, interpret)
     x = {(i, i): t_ii}
     for j in range(i):
         for m in range(j + 1):
@@ -454,9 +459,6 @@ def _step_impl(q, k, v, g, beta, state, x_cache, vn_cache, lengths, *, scale, us
     cfg = ck._checked_config(config, V, use_qk_l2norm, scale)
     if cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1:
         raise ValueError("the replay step reproduces the split design with inv='tiled' and one prep kernel")
-    if cfg["diag_block"] != 16:
-        raise ValueError(f"diag_block={cfg['diag_block']!r}: the replay step runs the diagonal tiles' 16-row "
-                         "substitution one row per token (the others are prefill-only measurement options)")
     if cfg["replay_s0_dots"] not in (1, 2) or (cfg["replay_s0_dots"] == 1 and cfg["p_ws"] != cfg["p_qs"]):
         raise ValueError(f"replay_s0_dots={cfg['replay_s0_dots']!r}: 2, or 1 when p_ws == p_qs (one dot computes "
                          f"w S0 and qg S0)")

@@ -140,8 +140,8 @@ def diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret):
     diagonal blocks at once (block - 1 dependent steps instead of 15, each step one row of every block), then the
     blocks merged pairwise, log2(16 / block) levels of two exact-fp32 ("ieee") [16, 16] dots each
     (`merge_diagonal_blocks`). Chunk config `diag_block` (8, 4, 2 or 1; 16, the default, is
-    `diag_tiles_by_substitution`), a prefill-only measurement option: the replay step runs the 16-row substitution
-    one row per token, so it refuses the others.
+    `diag_tiles_by_substitution`; not the default: a candidate for the prep's speed, not yet measured on a GPU); the
+    replay step computes one row per token with `blocked_row`.
 
     The diagonal blocks' values are the 16-row substitution's bits (the rows a step adds to one block meet exact
     zeros from the others, in the same places of the same reductions); only the entries below them — T_21 = -T_22
@@ -178,6 +178,27 @@ def merge_diagonal_blocks(s, at, t, r16, c16, interpret):
     m = dot(a_lu_t, t, "ieee", interpret, trans_a=True)  # A_LU T_UU: rows L, columns U
     t_ll = jnp.where(lower_r & lower_c & pair, t, 0.0)
     return jnp.where(pair & lower_r & ~lower_c, -dot(t_ll, m, "ieee", interpret), t)
+
+
+def blocked_row(r, block, at, cached, r16, c16, interpret):
+    """Row r (traced) of `diag_tiles_blocked`'s tile from its rows < r (`cached`: rows >= r are not read), for the
+    replay step, one token per call: returns the tile with rows < r as cached, row r filled in, identity rows after.
+    Each stage sees what the whole-tile form sees in the rows <= r: at the substitution step of r's index in its block,
+    the [block, block] diagonal blocks; at the merge level of size s, the [s, s] diagonal blocks (entries outside them
+    are zero then: later levels fill them). The other rows differ, but row r of each step and dot depends on rows
+    <= r only (`blocked_substitution_step`'s sums meet exact zeros outside r's block; the merge's first factor is
+    lower triangular with exact zeros), so row r gets the whole-tile form's bits."""
+    eye = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
+    t = jnp.where(r16 < r, cached, eye)
+    within = (r16 // block) == (c16 // block)
+    step = blocked_substitution_step(r % block, block, at, jnp.where(within, t, 0.0), r16, c16)
+    t = jnp.where((r16 == r) & (r % block > 0), step, t)
+    s = block
+    while s < SUB:
+        merged = merge_diagonal_blocks(s, at, jnp.where((r16 // s) == (c16 // s), t, 0.0), r16, c16, interpret)
+        t = jnp.where(r16 == r, merged, t)
+        s *= 2
+    return t
 
 
 def tile_iotas():
