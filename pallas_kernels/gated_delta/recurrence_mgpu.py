@@ -59,47 +59,6 @@ def _tf32_rna(x):
     return lax.bitcast_convert_type((bits + 0x1000) & jnp.int32(-0x2000), jnp.float32)
 
 
-class _ChunkLoads:
-    """The one-warpgroup kernel's (`_kernel`) per-chunk loads for V block `cols` of value head hv of row b — w and
-    kd staged in fp16, u, gc — each on its barrier of `bars` (w, kd, u, gc), and the conversions of w and kd to fp32
-    in shared memory: w [C, K] as stored, kd transposed, kd^T [K, C] (the dots' operands)."""
-
-    def __init__(self, w_gmem, u_gmem, kd_gmem, gc_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, bars, b, hv, cols):
-        self.w_gmem, self.u_gmem, self.kd_gmem, self.gc_gmem = w_gmem, u_gmem, kd_gmem, gc_gmem
-        self.w16_s, self.w_s, self.kd16_s, self.kd_s, self.u_s, self.gc_s = w16_s, w_s, kd16_s, kd_s, u_s, gc_s
-        self.w_bar, self.kd_bar, self.u_bar, self.gc_bar = (bars.at[i] for i in range(4))
-        self.b, self.hv, self.cols = b, hv, cols
-
-    def load_w(self, c):
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        plgpu.copy_gmem_to_smem(self.w_gmem.at[self.b, self.hv, _rows(c), :], self.w16_s, self.w_bar)
-
-    def load_kd(self, c):
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        plgpu.copy_gmem_to_smem(self.kd_gmem.at[self.b, self.hv, _rows(c), :], self.kd16_s, self.kd_bar)
-
-    def load_u_gc(self, c):
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        plgpu.copy_gmem_to_smem(self.u_gmem.at[self.b, self.hv, _rows(c), self.cols], self.u_s, self.u_bar)
-        plgpu.copy_gmem_to_smem(self.gc_gmem.at[self.b, self.hv, _rows(c)], self.gc_s, self.gc_bar)
-
-    def convert_w(self, wait=True):  # w [C, K] (fp16 values are TF32's)
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        if wait:
-            plgpu.barrier_wait(self.w_bar)
-        self.w_s[...] = self.w16_s[...].astype(jnp.float32)
-
-    def convert_kd(self):  # kd^T [K, C]
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        plgpu.barrier_wait(self.kd_bar)
-        self.kd_s[...] = self.kd16_s.T[...].astype(jnp.float32)
-
-
 def _rows(c):
     """Chunk c's rows of a [.., Tp, ..] array."""
     return pl.ds(c * CHUNK, CHUNK)
@@ -120,9 +79,26 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     cols = pl.ds(j * bv, bv)
     out = _Stores(h_gmem, vn_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
-    ld = _ChunkLoads(w_gmem, u_gmem, kd_gmem, gc_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, bars, b, hv, cols)
-    load_w, load_kd, load_u_gc, convert_w, convert_kd = ld.load_w, ld.load_kd, ld.load_u_gc, ld.convert_w, ld.convert_kd
-    u_bar, gc_bar, s0_bar, w_bar = ld.u_bar, ld.gc_bar, bars.at[4], ld.w_bar
+    w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
+
+    def load_w(c):
+        plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, _rows(c), :], w16_s, w_bar)
+
+    def load_kd(c):
+        plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, _rows(c), :], kd16_s, kd_bar)
+
+    def load_u_gc(c):
+        plgpu.copy_gmem_to_smem(u_gmem.at[b, hv, _rows(c), cols], u_s, u_bar)
+        plgpu.copy_gmem_to_smem(gc_gmem.at[b, hv, _rows(c)], gc_s, gc_bar)
+
+    def convert_w(wait=True):  # w [C, K] as the first dot's B operand (K-major as stored; fp16 values are TF32's)
+        if wait:
+            plgpu.barrier_wait(w_bar)
+        w_s[...] = w16_s[...].astype(jnp.float32)
+
+    def convert_kd():  # kd^T [K, C] as the second dot's B operand
+        plgpu.barrier_wait(kd_bar)
+        kd_s[...] = kd16_s.T[...].astype(jnp.float32)
 
     plgpu.copy_gmem_to_smem(s0_gmem.at[b, hv, :, cols], kd_s, s0_bar)  # S0 [K, BV], through kd^T's buffer
     load_w(0)

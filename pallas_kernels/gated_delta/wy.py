@@ -135,6 +135,15 @@ def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
     return tuple(ts)
 
 
+def diag_tiles(ks, gcs, betas, cfg, interpret):
+    """The four diagonal tiles' inverses as config `diag_block` says: 16 (the default), `diag_tiles_by_substitution`;
+    8, 4, 2 or 1, `diag_tiles_blocked`. The prefill (`tiled_inverse`) and the replay step's prime call this."""
+    block = cfg["diag_block"]
+    if block == SUB:
+        return diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret)
+    return diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret)
+
+
 def diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret):
     """T_i = (I + A_ii)^-1 of the four diagonal tiles with the forward substitution run on the tile's [block, block]
     diagonal blocks at once (block - 1 dependent steps instead of 15, each step one row of every block), then the
@@ -232,9 +241,7 @@ def tiled_inverse(ks, gcs, betas, cfg, interpret):
     every tile depends only on tokens <= r of the chunk (T_i is lower triangular, its zeros exact), so the j < 64 row
     property holds."""
     nb = CHUNK // SUB
-    block = cfg.get("diag_block", SUB)
-    ts = (diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret) if block == SUB
-          else diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret))
+    ts = diag_tiles(ks, gcs, betas, cfg, interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
         x.update(merged_block_row(i, ks, gcs, betas, x, cfg, interpret))
