@@ -1376,11 +1376,6 @@ def main():
         "mgpu_out": dict(output="mosaic"),
         "mgpu_out_add": dict(output="mosaic", output_order="add"),
         "mgpu_out_vn": dict(output="mosaic", output_order="vn_acc"),
-        # the diagonal tiles' forward substitution on [b, b] blocks, merged by exact-fp32 dots (built 2026-12-06)
-        "diag8": dict(diag_block=8),
-        "diag4": dict(diag_block=4),
-        "diag2": dict(diag_block=2),
-        "diag1": dict(diag_block=1),
     }
     if args.quick:
         chunk_configs = {"default": None}

@@ -160,9 +160,6 @@ def main():
         config = None
     if not isinstance(config, dict):
         raise SystemExit(f"--config {args.config!r}: expected a JSON object of chunk config overrides")
-    if config.get("diag_block", 16) != 16 and "no_substitution" in variants:  # (it swaps the 16-row form out)
-        raise SystemExit("--variants no_substitution: replaces the 16-row substitution, which diag_block "
-                         f"{config['diag_block']} does not run")
     if args.reps < 1:
         raise SystemExit(f"--reps {args.reps}: at least 1")
     shapes = _shapes(args.shapes, SHAPES, "--shapes")

@@ -29,7 +29,6 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_kernels.py", "--chunk-checks", "split,small-grid", "--chunk-checks: unknown ['small-grid']"),
     ("gpu_prep_ablate.py", "--variants", "as_built,no_subst", "--variants: unknown ['no_subst']"),
     ("gpu_prep_ablate.py", "--config", "warps_prep=8", "--config 'warps_prep=8': expected a JSON object"),
-    ("gpu_prep_ablate.py", "--config", '{"diag_block": 4}', "no_substitution: replaces the 16-row substitution"),
     ("gpu_mgpu_recurrence.py", "--shapes", "2,300,2,4;1,64", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--shapes", "2,300,2", "expected B,T,HK,HV groups"),
     ("gpu_mgpu_output.py", "--orders", "h_acc,sum", "expected a comma list of"),

@@ -75,11 +75,6 @@ from .wy import CHUNK
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
-#   diag_block: 16 (default: the diagonal [16, 16] tiles' inverse by a 15-step forward substitution), 8, 4, 2 or 1
-#   (the substitution on [b, b] blocks at once, b - 1 steps, then the blocks merged by exact-fp32 dots, log2(16 / b)
-#   levels: `wy.diag_tiles_blocked`; the blocks' bits as the default's, the entries below them not; the replay step
-#   one row per token, `wy.blocked_row`): a candidate for the substitution's chain, which run 180's ablation put at
-#   ~24% of the prep, not yet measured on a GPU;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
@@ -182,7 +177,10 @@ from .wy import CHUNK
 # then: the same bits downstream, the prefill 0.99-1.03x the default's time; removed. Runs 179-182, 2026-12-06: config
 # recurrence_form="s", the state held untransposed as S [K, 32] so that B = 1 at HV = 32 gets 128 programs, and
 # prep_chunks, a prep program looping over 2-8 chunks so that Triton pipelines their loads: the same bits, the
-# prefill 1.02-1.03x and 1.07-1.22x the default's time; removed, kept on branch experiment/s50-s-form-prep-chunks.)
+# prefill 1.02-1.03x and 1.07-1.22x the default's time; removed, kept on branch experiment/s50-s-form-prep-chunks.
+# Run 184, 2026-12-06, an H100: diag_block 8 / 4 / 1, the diagonal tiles' forward substitution on [b, b] blocks merged
+# by exact-fp32 dots: as accurate (every case to three digits), but the prefill 0.99-1.05x the default's time and the
+# replay step's kernel 1 1.29x at b = 4; removed, kept on branch experiment/s51-diag-block.)
 # output: where the split design's output is computed (`_output_in_recurrence`, `_output_kernel`): "auto" (default:
 # "fused_intra" where the Mosaic GPU recurrence runs on a grid (V / 64, HV, B) of at least `fused_min_programs` (128)
 # programs at K = V = 128, else "triton"), "triton" (`_out_kernel`), "mosaic" (the same arithmetic as a Pallas Mosaic
@@ -231,7 +229,7 @@ from .wy import CHUNK
 # run 34 to run 113) put random keys with g ~ 0, beta = 1 at 2.000e-3 and 2.026e-3 on two draws, at and over the bar.
 DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
-    bv=64, inv="tiled", diag_block=16, warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
+    bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
     wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
@@ -516,9 +514,6 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"unknown inv {cfg['inv']!r}; expected 'tiled', 'block16', 'doubling' or 'fwd64'")
     if cfg["inv"] == "tiled" and cfg["design"] != "split":
         raise ValueError("inv='tiled' (the default) needs the split design; the fused design takes inv='block16'")
-    if cfg["diag_block"] not in (16, 8, 4, 2, 1) or isinstance(cfg["diag_block"], bool) or (
-            cfg["diag_block"] != 16 and cfg["inv"] != "tiled"):
-        raise ValueError(f"diag_block={cfg['diag_block']!r}: 16, or 8, 4, 2 or 1 with inv='tiled'")
     if cfg["prep_kernels"] not in (1, 2) or (cfg["prep_kernels"] == 2 and cfg["design"] != "split"):
         raise ValueError(f"prep_kernels={cfg['prep_kernels']!r}: 1, or 2 with the split design")
     t = cfg["states_t"]

@@ -157,15 +157,12 @@ def _prep_block_row(i, n, k_ref, v_ref, g_ref, beta_ref, x_ref, w_out, u_out, x_
     def cached(j, m):
         return x_tiles[j, m]
 
-    if prime:  # the whole diagonal tile as the prefill computes it (rows <= r: what the steps to row r cache)
-        t_ii = wy.diag_tiles([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0]
-    else:  # row r from the rows < r the steps before cached
+    if prime:  # the whole diagonal tile by the prefill's loop (rows <= r: what the steps to row r cache)
+        t_ii = wy.diag_tiles_by_substitution([ks[i]], [gcs[i]], [betas[i]], cfg, interpret)[0]
+    else:  # one step of that loop: row r from the rows < r the steps before cached (the loop starts at row 1)
         at = wy.diag_tile_transposed(ks[i], gcs[i], betas[i], r16 < c16, cfg, interpret)
-        if cfg["diag_block"] == SUB:  # one step of the substitution's loop (which starts at row 1)
-            t_ii = jnp.where(r16 < r, cached(i, i), jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32))
-            t_ii = jnp.where(r > 0, wy.substitution_step(r, at, t_ii, r16, c16), t_ii)
-        else:  # config diag_block: by the blocked form's stages
-            t_ii = wy.blocked_row(r, cfg["diag_block"], at, cached(i, i), r16, c16, interpret)
+        t_ii = jnp.where(r16 < r, cached(i, i), jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32))
+        t_ii = jnp.where(r > 0, wy.substitution_step(r, at, t_ii, r16, c16), t_ii)
     x = {(i, i): t_ii}
     for j in range(i):
         for m in range(j + 1):

@@ -135,81 +135,6 @@ def diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret):
     return tuple(ts)
 
 
-def diag_tiles(ks, gcs, betas, cfg, interpret):
-    """The four diagonal tiles' inverses as config `diag_block` says: 16 (the default), `diag_tiles_by_substitution`;
-    8, 4, 2 or 1, `diag_tiles_blocked`. The prefill (`tiled_inverse`) and the replay step's prime call this."""
-    block = cfg["diag_block"]
-    if block == SUB:
-        return diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret)
-    return diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret)
-
-
-def diag_tiles_blocked(ks, gcs, betas, block, cfg, interpret):
-    """T_i = (I + A_ii)^-1 of the four diagonal tiles with the forward substitution run on the tile's [block, block]
-    diagonal blocks at once (block - 1 dependent steps instead of 15, each step one row of every block), then the
-    blocks merged pairwise, log2(16 / block) levels of two exact-fp32 ("ieee") [16, 16] dots each
-    (`merge_diagonal_blocks`). Chunk config `diag_block` (8, 4, 2 or 1; 16, the default, is
-    `diag_tiles_by_substitution`; not the default: a candidate for the prep's speed, not yet measured on a GPU); the
-    replay step computes one row per token with `blocked_row`.
-
-    The diagonal blocks' values are the 16-row substitution's bits (the rows a step adds to one block meet exact
-    zeros from the others, in the same places of the same reductions); only the entries below them — T_21 = -T_22
-    A_21 T_11 at each level — are computed another way. Row r still depends only on rows <= r (the merge's first
-    factor is T_22, lower triangular with exact zeros), so the j < 64 row property holds."""
-    r16, c16 = tile_iotas()
-    upper = r16 < c16
-    ats = [diag_tile_transposed(kb, gc, beta, upper, cfg, interpret) for kb, gc, beta in zip(ks, gcs, betas)]
-    ts = [jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)] * len(ks)
-    for i in range(1, block):
-        ts = [blocked_substitution_step(i, block, at, t, r16, c16) for at, t in zip(ats, ts)]
-    s = block
-    while s < SUB:
-        ts = [merge_diagonal_blocks(s, at, t, r16, c16, interpret) for at, t in zip(ats, ts)]
-        s *= 2
-    return tuple(ts)
-
-
-def blocked_substitution_step(i, block, at, t, r16, c16):
-    """`substitution_step` on every [block, block] diagonal block of the tile at once: row i of each block from its
-    rows < i, with t block-diagonal (so each column's sum meets only its own block's rows). at = A_ii^T."""
-    arow = jnp.sum(jnp.where(c16 == (r16 // block) * block + i, at, 0.0), axis=1)  # [16] over j: A[i of j's block, j]
-    contrib = jnp.sum(arow[:, None] * t, axis=0)  # [16] over n: for row i of n's block
-    return jnp.where(r16 == (c16 // block) * block + i, t - contrib[None, :], t)
-
-
-def merge_diagonal_blocks(s, at, t, r16, c16, interpret):
-    """t, the inverses of the [s, s] diagonal blocks, to the inverses of the [2s, 2s] ones: in each pair (upper U,
-    lower L), T_LU = -T_LL (A_LU T_UU), two exact-fp32 dots over the whole tile (the pairs are disjoint).
-    at = A_ii^T."""
-    pair = (r16 // (2 * s)) == (c16 // (2 * s))
-    lower_r, lower_c = (r16 // s) % 2 == 1, (c16 // s) % 2 == 1
-    a_lu_t = jnp.where(pair & ~lower_r & lower_c, at, 0.0)  # A_LU^T: at[j, r] for j in U, r in L
-    m = dot(a_lu_t, t, "ieee", interpret, trans_a=True)  # A_LU T_UU: rows L, columns U
-    t_ll = jnp.where(lower_r & lower_c & pair, t, 0.0)
-    return jnp.where(pair & lower_r & ~lower_c, -dot(t_ll, m, "ieee", interpret), t)
-
-
-def blocked_row(r, block, at, cached, r16, c16, interpret):
-    """Row r (traced) of `diag_tiles_blocked`'s tile from its rows < r (`cached`: rows >= r are not read), for the
-    replay step, one token per call: returns the tile with rows < r as cached, row r filled in, identity rows after.
-    Each stage sees what the whole-tile form sees in the rows <= r: at the substitution step of r's index in its block,
-    the [block, block] diagonal blocks; at the merge level of size s, the [s, s] diagonal blocks (entries outside them
-    are zero then: later levels fill them). The other rows differ, but row r of each step and dot depends on rows
-    <= r only (`blocked_substitution_step`'s sums meet exact zeros outside r's block; the merge's first factor is
-    lower triangular with exact zeros), so row r gets the whole-tile form's bits."""
-    eye = jnp.where(r16 == c16, 1.0, 0.0).astype(jnp.float32)
-    t = jnp.where(r16 < r, cached, eye)
-    within = (r16 // block) == (c16 // block)
-    step = blocked_substitution_step(r % block, block, at, jnp.where(within, t, 0.0), r16, c16)
-    t = jnp.where((r16 == r) & (r % block > 0), step, t)
-    s = block
-    while s < SUB:
-        merged = merge_diagonal_blocks(s, at, jnp.where((r16 // s) == (c16 // s), t, 0.0), r16, c16, interpret)
-        t = jnp.where(r16 == r, merged, t)
-        s *= 2
-    return t
-
-
 def tile_iotas():
     """(row, column) indices of a [16, 16] tile."""
     return lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0), lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
@@ -235,13 +160,12 @@ def tiled_inverse(ks, gcs, betas, cfg, interpret):
     """X = (I + A)^-1 of one chunk as its ten lower [16, 16] tiles {(i, m): X_im, m <= i}, from the chunk's 16-row
     slices (`chunk._chunk_slices`).
 
-    Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution (`diag_tiles_by_substitution`; config `diag_block`
-    8, 4, 2 or 1: `diag_tiles_blocked`); then, block row by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with
-    sixteen [16, 16] dots (p_inv) — instead of the block-Neumann merge's four masked [64, 64] products. Row r of
-    every tile depends only on tokens <= r of the chunk (T_i is lower triangular, its zeros exact), so the j < 64 row
-    property holds."""
+    Diagonal tiles T_i = (I + A_ii)^-1 by forward substitution (`diag_tiles_by_substitution`); then, block row
+    by block row, X_im = -T_i (sum_{m <= j < i} A_ij X_jm) with sixteen [16, 16] dots (p_inv) — instead of the
+    block-Neumann merge's four masked [64, 64] products. Row r of every tile depends only on tokens <= r of the
+    chunk (T_i is lower triangular, its zeros exact), so the j < 64 row property holds."""
     nb = CHUNK // SUB
-    ts = diag_tiles(ks, gcs, betas, cfg, interpret)
+    ts = diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret)
     x = {(i, i): ts[i] for i in range(nb)}
     for i in range(1, nb):
         x.update(merged_block_row(i, ks, gcs, betas, x, cfg, interpret))

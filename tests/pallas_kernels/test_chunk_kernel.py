@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
@@ -47,8 +46,6 @@ def _design_config(design):
         return {"design": "split", "prep_kernels": 2, "inv": "block16"}
     if design == "split_wk16":  # the GPU default's fp16 storage of w and kd, forced in interpret mode
         return {"design": "split", "prep_kernels": 1, "wk_dtype": "float16"}
-    if design == "diag4":  # the diagonal tiles' substitution on [4, 4] blocks, merged at two levels
-        return {"design": "split", "prep_kernels": 1, "diag_block": 4}
     return {"design": design, "prep_kernels": 1}
 
 
@@ -67,8 +64,6 @@ def valid_rows(o, lengths):
         (2, 65, 2, 4, "very_negative", "realistic", [65, 30], "fused"),
         (3, 130, 1, 2, "realistic", "mixed", [130, 64, 1], "fused"),
         (2, 65, 2, 4, "very_negative", "mixed", [65, 30], "split2"),
-        (2, 130, 1, 4, "realistic", "one", [130, 77], "diag4"),
-        (1, 65, 1, 2, "near_zero", "mixed", None, {"diag_block": 8}),
     ],
 )
 def test_matches_oracle_and_reference(B, T, HK, HV, g_kind, beta_kind, lengths, design):
@@ -221,12 +216,12 @@ def test_bf16_inputs_and_zero_initial_state():
     assert rel_err(s, rs) <= 2e-5
 
 
-@pytest.fixture(params=["split", "fused", "split2", "split_wk16", "split_block16", "diag4"])
+@pytest.fixture(params=["split", "fused", "split2", "split_wk16", "split_block16"])
 def design(request):
     """Both kernel designs (three calls: prep, state-only recurrence, output; or two: prep, recurrence + output),
     the split design with its prep in two kernels ("split2": inverse, then w / u / kd), with w and kd stored in
-    fp16 between prep and recurrence as on the GPU ("split_wk16"), the [64, 64] block-Neumann inverse
-    ("split_block16"), and the diagonal tiles' substitution on [4, 4] blocks with two merge levels ("diag4")."""
+    fp16 between prep and recurrence as on the GPU ("split_wk16"), and the [64, 64] block-Neumann inverse
+    ("split_block16")."""
     return request.param
 
 
@@ -316,17 +311,15 @@ def test_partial_chunk_rows_equal_full_chunk_rows(design, seq, start):
         assert np.array_equal(o_j, o_full[:, :j]), j
 
 
-@pytest.mark.parametrize("inv,design", [("doubling", "split"), ("fwd64", "split"), ("tiled", "split"),
-                                        ("tiled", {"diag_block": 8}), ("tiled", {"diag_block": 4})])
+@pytest.mark.parametrize("inv,design", [("doubling", "split"), ("fwd64", "split"), ("tiled", "split")])
 def test_alternative_inverses(inv, design):
-    """The loop-free ("doubling"), plain forward-substitution ("fwd64") and tiled inverses (the diagonal tiles by the
-    16-row substitution or on [8, 8] / [4, 4] blocks merged by dots), on an adversarial input (identical keys in every
-    chunk, beta = 1, g ~ 0). Tolerance vs the oracle: 1e-4 for 'doubling' (its repeated squaring amplifies fp32
-    rounding on nearly parallel keys: ~3e-5 seen), 2e-5 for the others. Row-causality: bitwise."""
+    """The loop-free ("doubling"), plain forward-substitution ("fwd64") and tiled inverses, on an adversarial input
+    (identical keys in every chunk, beta = 1, g ~ 0). Tolerance vs the oracle: 1e-4 for 'doubling' (its repeated
+    squaring amplifies fp32 rounding on nearly parallel keys: ~3e-5 seen), 2e-5 for the others. Row-causality: bitwise."""
     rng = np.random.default_rng(11)
     d = random_gdn_inputs(rng, 1, 100, 1, 2, K, V, np.float32, g_kind="near_zero", beta_kind="one")
     d["k"][:] = d["k"][:, :1]
-    cfg = {"inv": inv, "design": "split", "prep_kernels": 1, **(design if isinstance(design, dict) else {})}
+    cfg = {"inv": inv, "design": design, "prep_kernels": 1}
     out = chunk_gated_delta_rule_pallas(*(jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")),
                                         initial_state=jnp.asarray(d["initial_state"]), interpret=True, config=cfg)
     o, s = (np.asarray(x) for x in out)
@@ -346,8 +339,6 @@ def test_alternative_inverses(inv, design):
                                           ({"states_t": "h", "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
-                                          ({"diag_block": 3}, "diag_block"), ({"diag_block": True}, "diag_block"),
-                                          ({"diag_block": 8, "inv": "block16", "prep_kernels": 2}, "diag_block"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
@@ -415,40 +406,3 @@ def test_small_grid_launch_rule():
     assert launch(1, interpret=True) == (64, 1) and launch(1, design="fused") == (64, 1)
     assert launch(4, {"small_grid": 1000}) == (32, 2) and launch(1, {"tiny_grid": 0}) == (32, 2)
     assert launch(2, {"tiny_grid": 512}) == (16, 3)
-
-
-@pytest.mark.parametrize("block", [8, 4, 2, 1])
-def test_blocked_diagonal_inverse(block):
-    """`wy.diag_tiles_blocked` (config diag_block): the diagonal [block, block] blocks carry the 16-row
-    substitution's bits (the rows a step adds meet exact zeros from the other blocks), the merged tile is the inverse
-    of I + A_ii within 1e-6 (random keys, and identical keys with beta = 1, g = 0, where A_ii's entries are all 1),
-    and row r of it depends only on rows <= r: the tile of a slice whose rows > r are padding has the same rows <= r,
-    bit for bit (jitted on CPU; interpret-mode dots are exact fp32)."""
-    from pallas_kernels.gated_delta import wy
-    from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG
-
-    cfg = dict(DEFAULT_CONFIG, p_kk="ieee")
-    rng = np.random.default_rng(23 + block)
-    blocked = jax.jit(lambda kb, gc, b: wy.diag_tiles_blocked([kb], [gc], [b], block, cfg, True)[0])
-    plain = jax.jit(lambda kb, gc, b: wy.diag_tiles_by_substitution([kb], [gc], [b], cfg, True)[0])
-    same = (np.arange(16)[:, None] // block) == (np.arange(16)[None, :] // block)
-    for case in ("random", "identical"):
-        kb = rng.standard_normal((16, 32))
-        if case == "identical":
-            kb[:] = kb[:1]
-        kb = np.asarray(wy.l2norm(jnp.asarray(kb, jnp.float32)))
-        gc = (np.zeros(16) if case == "identical" else np.cumsum(-np.abs(rng.standard_normal(16)) * 0.3)).astype(
-            np.float32)
-        beta = (np.ones(16) if case == "identical" else 1 / (1 + np.exp(-rng.standard_normal(16)))).astype(np.float32)
-        t, t16 = np.asarray(blocked(kb, gc, beta)), np.asarray(plain(kb, gc, beta))
-        assert np.array_equal(np.where(same, t, 0), np.where(same, t16, 0)), case
-        a = np.tril((beta[:, None] * kb.astype(np.float64)) @ kb.T.astype(np.float64)
-                    * np.exp(gc[:, None].astype(np.float64) - gc[None, :]), -1)
-        exact = np.linalg.inv(np.eye(16) + a)
-        assert np.max(np.abs(t - exact)) <= 1e-6 * max(1.0, np.max(np.abs(exact))), case
-        assert np.array_equal(np.triu(t, 1), np.zeros((16, 16))), case
-        for r in (0, 5, 9, 14):  # rows > r as padding: zero keys and beta
-            pad = np.arange(16) > r
-            t_r = np.asarray(blocked(np.where(pad[:, None], 0, kb).astype(np.float32), gc,
-                                     np.where(pad, 0, beta).astype(np.float32)))
-            assert np.array_equal(t_r[:r + 1], t[:r + 1]), (case, r)

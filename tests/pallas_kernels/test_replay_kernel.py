@@ -82,10 +82,6 @@ def _decode(x, s0, prompt, steps, config=None):
     # the gram tiles as one bf16 dot (the default before run 114; now one fp16 dot: `chunk._gram_precision`), in the
     # prefill, prime and step alike
     (1, 2, jnp.bfloat16, "near_zero", "one", (45, 20), 60, V, {"p_kk": "bf16"}),
-    # the diagonal tiles' inverse on [4, 4] / [1, 1] blocks merged by dots (config diag_block; `wy.blocked_row` per
-    # token), rows at every position of the tiles
-    (1, 2, np.float32, "realistic", "mixed", (70, 37, 5), 80, V, {"diag_block": 4}),
-    (1, 4, jnp.bfloat16, "near_zero", "one", (21, 64), 70, V, {"diag_block": 1}),
 ])
 def test_replay_steps_equal_one_prefill_bitwise(HK, HV, dtype, g_kind, beta_kind, prompt, steps, v_dim, config):
     rng = np.random.default_rng(HV + steps)
