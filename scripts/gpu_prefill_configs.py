@@ -4,14 +4,15 @@ their times, interleaved in one process, with and without in-call checkpoints (w
 Run on the GPU machine from the repo root (nothing to install):
   PYTHONPATH=. python3 scripts/gpu_prefill_configs.py --configs '{"triton": {"output": "triton"}, "default": {}}'
       [--stride 256] [--shapes B,T,HK,HV;...] [--timing-shapes B,T,HK,HV;...] [--no-checks] [--no-stride-timing]
-      [--out DIR]
+      [--ragged] [--out DIR]
 Checks (bf16 q / k / v, realistic gates, a random initial state, rows of different lengths, shapes (2, 300, 2, 4),
 (3, 1000, 16, 32), (1, 8192, 16, 32)): each configuration's outputs and final state without checkpoints, and its
 outputs, final state and checkpoints every --stride tokens, against the first configuration's, element by element.
 Timing: the four bar shapes of issue 3, or --timing-shapes (full rows, no initial state), each configuration timed
 without and with checkpoints every --stride tokens; medians of 7 x 10 back-to-back calls (`gpu_kernels.bench_jax`),
 the configurations taking turns per shape. Exit status 0 whatever it finds (a measurement); results.json into --out,
-also when a `timeout` stops it (what ran is kept).
+also when a `timeout` stops it (what ran is kept). --ragged: checks and timing on rows of mixed lengths
+(`ragged_lengths`), for configurations that treat chunks of padding apart (`skip_padding`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunk import chunk_gated_delta_rule_pallas
 from scripts.gpu_kernels import bench_jax
@@ -37,11 +39,19 @@ def prefill(cfg, stride):
     return jax.jit(functools.partial(chunk_gated_delta_rule_pallas, config=cfg or None, checkpoint_stride=stride))
 
 
-def checks(configs, stride, shapes, results):
+def ragged_lengths(B: int, T: int):
+    """--ragged: row b holds about (b + 1) / B of the T tokens, off the 64 grid but for row 0, the last row full: a
+    batch of mixed lengths padded to the longest (rows b < B - 1 end in chunks of padding only)."""
+    return jnp.asarray([T if b == B - 1 else max(1, T * (b + 1) // B - (23 * b) % 64) for b in range(B)], jnp.int32)
+
+
+def checks(configs, stride, shapes, results, ragged=False):
     """Without and with checkpoints every `stride` tokens (a configuration may take other kernels with them)."""
     names = list(configs)
     for shp in shapes:
         q, k, v, g, beta, s0, lengths = inputs(*shp)
+        if ragged:
+            lengths = ragged_lengths(shp[0], shp[1])
         for st in (None, stride):
             outs = {n: prefill(configs[n], st)(q, k, v, g, beta, initial_state=s0, lengths=lengths) for n in names}
             for n in names[1:]:
@@ -53,14 +63,16 @@ def checks(configs, stride, shapes, results):
                 results["checks"].append(dict(shape=shp, config=n, stride=st, rows=rows))
 
 
-def timing(configs, stride, shapes, results):
+def timing(configs, stride, shapes, results, ragged=False):
     for shp in shapes:
         q, k, v, g, beta, _, _ = inputs(*shp)
-        row = dict(shape=shp, ms={})
+        lengths = ragged_lengths(shp[0], shp[1]) if ragged else None
+        row = dict(shape=shp, ms={}, lengths=None if lengths is None else lengths.tolist())
         for st in (None, stride) if stride else (None,):
             for n, cfg in configs.items():
                 f = prefill(cfg, st)
-                row["ms"][f"{n}{'' if st is None else f' ck{st}'}"] = bench_jax(f, q, k, v, g, beta, n=10) * 1e3
+                row["ms"][f"{n}{'' if st is None else f' ck{st}'}"] = bench_jax(
+                    lambda *a, f=f: f(*a, lengths=lengths), q, k, v, g, beta, n=10) * 1e3
         base = {st: row["ms"][f"{next(iter(configs))}{'' if st is None else f' ck{st}'}"]
                 for st in ((None, stride) if stride else (None,))}
         log(f"{str(shp):>22s} " + ", ".join(
@@ -92,6 +104,9 @@ def main():
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-stride-timing", action="store_true", help="time without checkpoints only")
+    ap.add_argument("--ragged", action="store_true",
+                    help="checks and timing on rows of mixed lengths (`ragged_lengths`: row b about (b + 1) / B of "
+                         "T, padding chunks after it) instead of the fixed lengths (checks) and full rows (timing)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     configs = json.loads(args.configs)
@@ -105,9 +120,9 @@ def main():
     def body(results):
         results["meta"]["configs"] = configs
         if not args.no_checks:
-            checks(configs, args.stride, shapes, results)
+            checks(configs, args.stride, shapes, results, args.ragged)
         if not args.no_timing:
-            timing(configs, None if args.no_stride_timing else args.stride, timing_shapes, results)
+            timing(configs, None if args.no_stride_timing else args.stride, timing_shapes, results, args.ragged)
 
     run_and_save(args.out, body)
 

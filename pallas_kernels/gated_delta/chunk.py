@@ -75,6 +75,9 @@ from .wy import CHUNK
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
+#   skip_padding: False (default) or True: the prep's programs on chunks of padding only (past their row's length)
+#   write the zeros the prep computes there without loading or computing anything (`_prep_split_kernel`; the same
+#   bits by construction, tested bitwise on CPU), for batches of mixed lengths padded to the longest;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
@@ -231,7 +234,7 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
-    wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4,
+    wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4, skip_padding=False,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
     recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=128,
     fused_warpgroups=3, fused_registers="auto", output_order="h_acc",
@@ -380,18 +383,35 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
                        interpret):
     """Split design, parallel part 1: w, u, kd, gc of one chunk (u and gc in fp32; w and kd in their refs' dtype,
-    `_wk_dtype`). Needs no q."""
+    `_wk_dtype`). Needs no q. With `skip_padding`, a chunk wholly past its row's length (padding only) is neither
+    loaded nor computed: its w, u, kd and gc are written as the exact zeros the computation gives there."""
     if cfg["inv"] == "tiled":
-        ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2)
-        _store_gc(gc_ref, gcs)
-        _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref, u_ref,
-                        kd_ref, cfg, interpret)
+        def live(start=None):
+            ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, start)
+            _store_gc(gc_ref, gcs)
+            _store_tiled_wy(wy.tiled_inverse(ks, gcs, betas, cfg, interpret), ks, gcs, betas, valids, v_ref, w_ref,
+                            u_ref, kd_ref, cfg, interpret)
+
+        if not cfg["skip_padding"]:
+            live()
+            return
+        first = pl.program_id(0) * CHUNK  # (outside the branches: interpret mode reads grid indices at the top only)
+        padding = first >= len_ref[0]
+        pl.when(padding)(lambda: _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref))
+        pl.when(jnp.logical_not(padding))(lambda: live(first))
         return
     valid = _valid_rows(len_ref[0])
     k = _load_key(k_ref, valid, use_l2)
     gc = jnp.cumsum(_masked(g_ref, valid))
     gc_ref[...] = gc
     _store_wy(w_ref, u_ref, kd_ref, wy.wy_form(k, _masked(v_ref, valid), _masked(beta_ref, valid), gc, cfg, interpret))
+
+
+def _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref):
+    """A chunk of padding only: w = u = kd = 0 and gc = 0, what the prep computes there (k, beta and g masked to exact
+    zeros make the chunk's inverse I and every product +0), so the recurrence leaves the state as it is."""
+    for ref in (w_ref, u_ref, kd_ref, gc_ref):
+        ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
 
 def _store_wy(w_ref, u_ref, kd_ref, wuk):
@@ -538,6 +558,10 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
+    if not isinstance(cfg["skip_padding"], bool) or (cfg["skip_padding"] and (
+            cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1)):
+        raise ValueError(f"skip_padding={cfg['skip_padding']!r}: a bool; True with the split design, inv='tiled' and "
+                         f"one prep kernel")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)

@@ -10,6 +10,8 @@ Tolerances (interpret mode computes every dot in exact fp32):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -339,6 +341,8 @@ def test_alternative_inverses(inv, design):
                                           ({"states_t": "h", "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
+                                          ({"skip_padding": 1}, "skip_padding"),
+                                          ({"skip_padding": True, "prep_kernels": 2}, "skip_padding"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
@@ -406,3 +410,29 @@ def test_small_grid_launch_rule():
     assert launch(1, interpret=True) == (64, 1) and launch(1, design="fused") == (64, 1)
     assert launch(4, {"small_grid": 1000}) == (32, 2) and launch(1, {"tiny_grid": 0}) == (32, 2)
     assert launch(2, {"tiny_grid": 512}) == (16, 3)
+
+
+def test_skip_padding_changes_no_bit():
+    """Config skip_padding: the prep's programs on chunks of padding only (past their row's length) write zeros
+    without loading or computing. Everything the prefill returns (outputs, final states, checkpoints every 64) and
+    the prep's own outputs (w, u, kd, gc: compared as bytes, so a zero's sign counts) equal the default's, on rows of
+    mixed lengths (0, inside a chunk, on the grid, full), NaN in the padding, a random initial state."""
+    rng = np.random.default_rng(31)
+    d = random_gdn_inputs(rng, 4, 330, 1, 2, K, V, np.float32, beta_kind="mixed")
+    x = {n: jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")}
+    lengths = jnp.asarray([100, 0, 330, 192], jnp.int32)
+    for n in ("k", "v", "g"):
+        x[n] = x[n].at[0, 100:].set(jnp.nan).at[1].set(jnp.nan)
+    outs = {}
+    for skip in (False, True):
+        call = functools.partial(chunk_gated_delta_rule_pallas, *x.values(), initial_state=jnp.asarray(
+            d["initial_state"]), lengths=lengths, interpret=True)
+        outs[skip] = (call(checkpoint_stride=64, config={"skip_padding": skip}),
+                      call(config={"skip_padding": skip, "only_prep": True}))
+    for name, a, b in zip(("o", "final", "checkpoints", "w", "u", "kd", "gc"), (*outs[False][0], *outs[False][1]),
+                          (*outs[True][0], *outs[True][1])):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(b).all() if name != "o" else np.isfinite(b[0, :100]).all(), name
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+    gc = np.asarray(outs[True][1][3])
+    assert not gc[1].any() and not gc[0, :, 128:].any() and gc[0, :, :100].any()  # padding chunks hold zeros
