@@ -75,9 +75,11 @@ from .wy import CHUNK
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
-#   skip_padding: False (default) or True: the prep's programs on chunks of padding only (past their row's length)
-#   write the zeros the prep computes there without loading or computing anything (`_prep_split_kernel`; the same
-#   bits by construction, tested bitwise on CPU), for batches of mixed lengths padded to the longest;
+#   skip_padding: False (default) or True, for batches of mixed lengths padded to the longest: the prep's programs on
+#   chunks of padding only (past their row's length) write the zeros the prep computes there without loading or
+#   computing anything (`_prep_split_kernel`), and the fused recurrence (output "fused_intra") runs a row's chunks
+#   up to its last token only, storing zeros as the later chunks' outputs and taking the final state as their
+#   checkpoints (what the full loop's identity updates give: the same values, tested bitwise on CPU);
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
@@ -812,7 +814,7 @@ def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, 
         o, final, *inside = state_recurrence_output_intra_mgpu(
             w, u, kd, gc, initial_state, q, k, r_q, r_k, scale=scale, out_dtype=v.dtype, qk_dtype=_qk_dtype(cfg),
             checkpoint_chunks=per, warpgroups=cfg["fused_warpgroups"], registers=_fused_registers(cfg),
-            interpret=interpret)
+            lengths=lengths if cfg["skip_padding"] else None, interpret=interpret)
         state_at = lambda i: inside[0][:, i // per - 1]  # noqa: E731  (the kernel's m-th stored state)
     else:
         if recurrence == "mosaic":

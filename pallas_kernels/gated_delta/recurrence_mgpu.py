@@ -218,7 +218,7 @@ def _store_final(s_final, h_s, dst):
 
 def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: int, interpret: bool,
                intra: bool = False, groups: int = 1, scale: float = 1.0, ck_per: int = 0,
-               intra_warpgroup: bool = False, registers: tuple[int, int, int] | None = None):
+               intra_warpgroup: bool = False, registers: tuple[int, int, int] | None = None, skip: bool = False):
     """`_kernel`'s arithmetic on two warpgroups (`warp_specialised=True`): warpgroup 1 loads w and kd and converts
     them to fp32 in shared memory, so that warpgroup 0 runs the recurrence's chain without the conversions in it.
     The same buffers as `_kernel`; `ready` ([w, kd], arrived by the producer when the fp32 buffer holds chunk c's
@@ -250,11 +250,18 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     gc and computes qg and Aqk, writing Aqk(c) once c - 1's output dots are done and qg(c) once c's first dot is done
     with w's buffer. The same buffers, barriers and arithmetic; only which warpgroup runs what. `registers`:
     (consumer, warpgroup 2, warpgroup 1) registers per thread (`setmaxnreg`: `REGISTER_SPLIT_RULE`), or None
-    (no `setmaxnreg`: every warpgroup gets what ptxas allots for 384 threads, at most 168 each)."""
+    (no `setmaxnreg`: every warpgroup gets what ptxas allots for 384 threads, at most 168 each).
+
+    `skip` (with `intra`): an input after r_k, the rows' lengths int32 [B]; a program runs its row's chunks up to the
+    last one holding a token (at least one) and stores zeros as the output of the chunks after them (padding only,
+    where the full loop's updates would leave the state as it is and its outputs are zeros); the checkpoints of those
+    chunks are not stored (the caller takes the final state for them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if intra:
-        q_gmem, k_gmem, rq_gmem, rk_gmem, sf_gmem, o_gmem, *refs = refs
+        q_gmem, k_gmem, rq_gmem, rk_gmem, *refs = refs
+        len_gmem = refs.pop(0) if skip else None
+        sf_gmem, o_gmem, *refs = refs
         ck_gmem = refs.pop(0) if ck_per else None
         (w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, aqk_s, o_s, q_s, k_union, rq_s, rk_s, gcp_s, bars,
          ready, free) = refs
@@ -266,6 +273,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         h_gmem, vn_gmem, sf_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut = refs
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
+    # the chunks this program runs: all nt, or with `skip` its row's up to the last one holding a token (at least one)
+    nt_run = jnp.maximum(1, jnp.minimum(nt, (len_gmem[b] + CHUNK - 1) // CHUNK)) if skip else nt
     cols = pl.ds(j * bv, bv)
     out = _Stores(h_gmem, vn_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
@@ -321,7 +330,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     def intra_then_load(c):  # (the `intra` producers') qg, Aqk of chunk c, whose loads were issued; then c + 1's loads
         qg, aqk = _intra(q_s, k_s, rq_s, rk_s, gcp_s, k16_s, intra_bars, scale, interpret=interpret, aliased=True)
         plgpu.commit_smem()  # every thread has read q, k, the norms and gc (and the q k^T wgmma is done)
-        load_intra(jnp.minimum(c + 1, nt - 1))
+        load_intra(jnp.minimum(c + 1, nt_run - 1))
         return qg, aqk
 
     def hand_on_qg(c, qg):  # (the `intra` producers') qg(c) into w's buffer once c's first dot is done with it;
@@ -329,7 +338,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         qg_s[...] = qg
         plgpu.commit_smem()
         plgpu.barrier_arrive(intra_ready)
-        return intra_then_load(jnp.minimum(c + 1, nt - 1))
+        return intra_then_load(jnp.minimum(c + 1, nt_run - 1))
 
     def _intra_producer():
         """The producer of the `intra` form, a chunk ahead: qg(c + 1) and Aqk(c + 1) are computed (in registers) while
@@ -343,13 +352,13 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
 
         def body(c, qg_aqk):
             qg, aqk = qg_aqk
-            more = c + 1 < nt
+            more = c + 1 < nt_run
             convert_w_then_load(c, more)
             aqk_s[...] = aqk
             convert_kd_then_load(c, more)
             return hand_on_qg(c, qg)
 
-        lax.fori_loop(0, nt, body, intra_then_load(0))
+        lax.fori_loop(0, nt_run, body, intra_then_load(0))
         for bar in intra_bars:  # the last loads issued
             plgpu.barrier_wait(bar)
         plgpu.barrier_wait(kd_free)
@@ -361,9 +370,9 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         if ut:
             load_u_gc(0)
 
-        @pl.loop(0, nt)
+        @pl.loop(0, nt_run)
         def _(c):
-            more = c + 1 < nt
+            more = c + 1 < nt_run
             plgpu.barrier_wait(w_bar)
 
             @pl.when(c > 0)
@@ -410,9 +419,9 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         plgpu.copy_gmem_to_smem(w_gmem.at[b, hv, rows(0), :], w16_s, w_bar)
         plgpu.copy_gmem_to_smem(kd_gmem.at[b, hv, rows(0), :], kd16_s, kd_bar)
 
-        @pl.loop(0, nt)
+        @pl.loop(0, nt_run)
         def _(c):
-            more = c + 1 < nt
+            more = c + 1 < nt_run
             convert_w_then_load(c, more)
             convert_kd_then_load(c, more)
 
@@ -436,7 +445,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             aqk_s[...] = aqk
             return hand_on_qg(c, qg)
 
-        lax.fori_loop(0, nt, body, intra_then_load(0))
+        lax.fori_loop(0, nt_run, body, intra_then_load(0))
         for bar in intra_bars:  # the last loads issued
             plgpu.barrier_wait(bar)
         plgpu.barrier_wait(out_free)
@@ -491,7 +500,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
             out.v_new(c, v)
 
             if not ut:
-                @pl.when(c + 1 < nt)
+                @pl.when(c + 1 < nt_run)
                 def _():
                     load_u_gc(c + 1)
 
@@ -526,7 +535,18 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
                 plgpu.copy_smem_to_gmem(o_s, o_gmem.at[b, rows(c), hv, cols])
             return s_next
 
-        _store_final(lax.fori_loop(0, nt, body, s_init), qg_s if intra else h_s, sf_gmem.at[b, hv, cols, :])
+        _store_final(lax.fori_loop(0, nt_run, body, s_init), qg_s if intra else h_s, sf_gmem.at[b, hv, cols, :])
+        if skip:
+            @pl.when(nt_run < nt)
+            def _():  # the output of the chunks of padding only: zeros (o_s is free: every store has completed)
+                o_s[...] = plgpu.layout_cast(jnp.zeros((CHUNK, bv), o_s.dtype), plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+
+                @pl.loop(nt_run, nt)
+                def _(c):
+                    plgpu.copy_smem_to_gmem(o_s, o_gmem.at[b, rows(c), hv, cols])
+
+                plgpu.wait_smem_to_gmem(0)
 
 
 def _smem(*shape, dtype=jnp.float32):
@@ -619,7 +639,7 @@ def valid_register_split(registers) -> bool:
 def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r_k, *, scale: float, out_dtype,
                                        qk_dtype=jnp.float16, checkpoint_chunks: int | None = None, bv: int = 64,
                                        warpgroups: int = 2, registers: tuple[int, int, int] | None = None,
-                                       interpret: bool = False):
+                                       lengths=None, interpret: bool = False):
     """The recurrence with the whole output computed inside it (`_kernel_ws`'s `intra`; the warp-specialised form
     without the producer's u transpose, for shared memory): w, u, kd, gc, initial_state as `state_recurrence_mgpu`
     takes them; h and v_new never go through memory; qg and Aqk are computed by a producer warpgroup from q, k
@@ -631,7 +651,11 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     `warpgroups`: 2 (one producer warpgroup converts w and kd and computes qg and Aqk) or 3 (one for each:
     `_kernel_ws`'s `intra_warpgroup`), the same bits; `registers` (with 3): per-thread registers of the consumer, the
     qg / Aqk and the w / kd warpgroups (`setmaxnreg`), or None. (The prefill calls it with 3 and
-    `DEFAULT_REGISTER_SPLIT` by default: chunk config `fused_warpgroups`, `fused_registers`.)"""
+    `DEFAULT_REGISTER_SPLIT` by default: chunk config `fused_warpgroups`, `fused_registers`.)
+    `lengths` (int32 [B], or None: every chunk): a row's chunks past the last one holding a token are padding only
+    (the prep's zeros: w = u = kd = 0, gc = 0, q and k masked), whose updates would leave the state as it is; they are
+    not run — their outputs are stored as zeros and their checkpoints are the final state (chunk config
+    `skip_padding`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
@@ -644,6 +668,9 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         raise ValueError(f"state_recurrence_output_intra_mgpu: q, k must be 16-bit [{B}, {tp}, HK, {K}] with HK "
                          f"dividing {HV}, r_q, r_k [{B}, HK, {tp}]; got q {q.shape} {q.dtype}, k {k.shape}, r_q "
                          f"{r_q.shape}, r_k {r_k.shape}")
+    if lengths is not None and (jnp.shape(lengths) != (B,) or jnp.result_type(lengths) != jnp.int32):
+        raise ValueError(f"state_recurrence_output_intra_mgpu: lengths must be int32 [{B}] or None; got "
+                         f"{jnp.shape(lengths)} {jnp.result_type(lengths)}")
     if jnp.dtype(qk_dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"state_recurrence_output_intra_mgpu: qk_dtype is float16 or bfloat16 (k's copy shares "
                          f"its memory), not {jnp.dtype(qk_dtype).name}")
@@ -666,7 +693,7 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     ck_type = [jax.ShapeDtypeStruct((B, HV, n_ck, V, K), f32)] if per else []
     s_t, o, *ck = plgpu.kernel(
         functools.partial(_kernel_ws, nt=nt, bv=bv, interpret=interpret, intra=True, groups=HV // HK,
-                          scale=float(scale), ck_per=per, intra_warpgroup=warpgroups == 3,
+                          scale=float(scale), ck_per=per, intra_warpgroup=warpgroups == 3, skip=lengths is not None,
                           registers=None if interpret else registers),
         out_type=[jax.ShapeDtypeStruct((B, HV, V, K), f32), jax.ShapeDtypeStruct((B, tp, HV, V), out_dtype),
                   *ck_type],
@@ -682,8 +709,16 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         num_threads=warpgroups, thread_name="wg",
         **params,
-    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), q, k, r_q, r_k)
+    )(w, u.astype(f32), kd, gc.astype(f32), initial_state.astype(f32), q, k, r_q, r_k,
+      *([] if lengths is None else [lengths]))
     out = (o, jnp.swapaxes(s_t, -1, -2))
     if checkpoint_chunks is None:
         return out
-    return out + (jnp.swapaxes(ck[0], -1, -2).transpose(0, 2, 1, 3, 4) if per else jnp.zeros((B, 0, HV, K, V), f32),)
+    if not per:
+        return out + (jnp.zeros((B, 0, HV, K, V), f32),)
+    ck = jnp.swapaxes(ck[0], -1, -2).transpose(0, 2, 1, 3, 4)  # [B, M, HV, K, V]
+    if lengths is not None:  # the checkpoints of chunks not run: the final state (not stored by the kernel)
+        run = jnp.maximum(1, jnp.minimum(nt, (lengths + CHUNK - 1) // CHUNK))  # [B] chunks run
+        stored = (jnp.arange(1, n_ck + 1) * per)[None, :] < run[:, None]  # [B, M]
+        ck = jnp.where(stored[:, :, None, None, None], ck, out[1][:, None])
+    return out + (ck,)

@@ -238,6 +238,29 @@ def test_output_fused_row_alone_and_split_on_the_grid(case):
     assert np.array_equal(np.asarray(s2), batch[1])
 
 
+@pytest.mark.parametrize("wgs", [3, 2])
+def test_skip_padding_in_the_fused_kernel_changes_no_bit(wgs):
+    """Config skip_padding with the output inside the recurrence: a program runs its row's chunks up to the last one
+    holding a token, stores zeros as the output of the chunks after it and the caller takes the final state as their
+    checkpoints. Rows of lengths 128 (two of four chunks run), 100, 0 (one chunk run), 165 and 256 (all run), NaN in
+    the padding: the outputs, final states and checkpoints (every chunk) equal the full loop's as bytes (a zero's sign
+    counts), on three warpgroups and on two."""
+    d = random_gdn_inputs(np.random.default_rng(5), 5, 256, HK, HV, K, V, beta_kind="mixed")
+    for n in ("q", "k"):
+        d[n] = np.array(jnp.asarray(d[n], jnp.bfloat16))
+    lengths = [128, 100, 0, 165, 256]
+    for r, n in enumerate(lengths):
+        for name in ("q", "k", "v", "g"):
+            d[name][r, n:] = np.nan
+    got = {skip: [np.asarray(x) for x in prefill(d, lengths, checkpoint_stride=64, recurrence="mosaic",
+                                                 output="fused_intra", fused_warpgroups=wgs, skip_padding=skip)]
+           for skip in (False, True)}
+    for name, a, b in zip(("o", "final", "checkpoints"), got[False], got[True]):
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
+    assert np.isfinite(got[True][1]).all() and np.isfinite(got[True][2]).all()
+    assert not got[True][0][0, 128:].any() and not got[True][0][2].any()  # the chunks not run: zeros
+
+
 def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
     """The recurrence that computes the output, its qg and Aqk inside lowers for CUDA at K = V = 128, bf16 q, k and
     outputs, with and without in-call checkpoints, on two warpgroups and on three (with a register split) (the
@@ -256,6 +279,12 @@ def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
                                        checkpoint_chunks=per, warpgroups=wgs, registers=regs))
         text = fn.trace(*rec, *intra).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and ("setmaxnreg" in text) == (regs is not None)
+    for per in (None, 2):  # with the rows' lengths (chunk config skip_padding): a loop of each row's own length
+        fn = jax.jit(lambda *a, per=per: state_recurrence_output_intra_mgpu(
+            *a[:-1], out_dtype=jnp.bfloat16, scale=D ** -0.5, checkpoint_chunks=per, warpgroups=3,
+            registers=(232, 200, 72), lengths=a[-1]))
+        lowered = fn.trace(*rec, *intra, sds((B,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
@@ -289,14 +318,16 @@ def test_auto_computes_the_output_inside_the_recurrence_on_large_gpu_grids():
 
 @pytest.mark.parametrize("change,match", [(dict(qk_dtype=jnp.float32), "qk_dtype"),
                                           (dict(checkpoint_chunks=0), "checkpoint_chunks"),
+                                          (dict(lengths=np.zeros(2, np.int32)), "lengths must be int32"),
+                                          (dict(lengths=np.zeros(1, np.float32)), "lengths must be int32"),
                                           (dict(q_shape=(1, 128, 3, 64)), "HK dividing"),
                                           (dict(warpgroups=4), "warpgroups is 2 or 3"),
                                           (dict(registers=(216, 216, 72)), "registers is None or"),
                                           (dict(warpgroups=3, registers=(256, 144, 104)), "registers is None or")])
 def test_fused_intra_refuses_bad_inputs(change, match):
     """`state_recurrence_output_intra_mgpu` refuses a 4-byte qk_dtype, a checkpoint interval below 1, key heads
-    that do not divide the value heads, a warpgroup count other than 2 or 3 and a register split without three
-    warpgroups or over the register file, before any lowering."""
+    that do not divide the value heads, a warpgroup count other than 2 or 3, a register split without three
+    warpgroups or over the register file and lengths other than int32 [B], before any lowering."""
     from pallas_kernels.gated_delta.recurrence_mgpu import state_recurrence_output_intra_mgpu
 
     B, H, T, D = 1, 4, 128, 64
