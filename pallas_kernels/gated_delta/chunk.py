@@ -79,7 +79,8 @@ from .wy import CHUNK
 #   chunks of padding only (past their row's length) write the zeros the prep computes there without loading or
 #   computing anything (`_prep_split_kernel`), and the fused recurrence (output "fused_intra") runs a row's chunks
 #   up to its last token only, storing zeros as the later chunks' outputs and taking the final state as their
-#   checkpoints (what the full loop's identity updates give: the same values, tested bitwise on CPU);
+#   checkpoints (what the full loop's identity updates give: the same values, tested bitwise on CPU); the other
+#   kernels (prep_kernels=2, inv other than "tiled", the fused design, the unfused recurrences) run every chunk;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
@@ -397,6 +398,7 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
         if not cfg["skip_padding"]:
             live()
             return
+        # (a chunk of padding only: the zeros `live` would compute there, without its loads)
         first = pl.program_id(0) * CHUNK  # (outside the branches: interpret mode reads grid indices at the top only)
         padding = first >= len_ref[0]
         pl.when(padding)(lambda: _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref))
@@ -560,10 +562,8 @@ def _checked_config(config, V: int, use_l2: bool = True, scale: float | None = N
         raise ValueError(f"output_order={cfg['output_order']!r}: expected one of {OUTPUT_ORDERS}")
     if cfg["recurrence_ws"] not in (False, True, "u"):
         raise ValueError(f"recurrence_ws={cfg['recurrence_ws']!r}: expected False, True or 'u'")
-    if not isinstance(cfg["skip_padding"], bool) or (cfg["skip_padding"] and (
-            cfg["design"] != "split" or cfg["inv"] != "tiled" or cfg["prep_kernels"] != 1)):
-        raise ValueError(f"skip_padding={cfg['skip_padding']!r}: a bool; True with the split design, inv='tiled' and "
-                         f"one prep kernel")
+    if not isinstance(cfg["skip_padding"], bool):
+        raise ValueError(f"skip_padding={cfg['skip_padding']!r}: expected True or False")
     if cfg["state_update"] not in ("mul_add", "fma", "auto"):
         raise ValueError(f"state_update={cfg['state_update']!r}: expected 'mul_add', 'fma' or 'auto'")
     cfg["p_kk"] = _gram_precision(cfg["p_kk"], use_l2)

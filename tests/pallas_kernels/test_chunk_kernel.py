@@ -342,7 +342,6 @@ def test_alternative_inverses(inv, design):
                                           ({"states_t": True, "design": "fused", "inv": "block16"}, "states_t"),
                                           ({"prep_kernels": 2, "design": "fused", "inv": "block16"}, "prep_kernels"),
                                           ({"skip_padding": 1}, "skip_padding"),
-                                          ({"skip_padding": True, "prep_kernels": 2}, "skip_padding"),
                                           ({"design": "fused"}, "fused design takes inv='block16'")])
 def test_bad_config_is_refused(config, match):
     z = jnp.zeros((1, 64, 1, K))
