@@ -398,10 +398,9 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
         if not cfg["skip_padding"]:
             live()
             return
-        # (a chunk of padding only: the zeros `live` would compute there, without its loads)
         first = pl.program_id(0) * CHUNK  # (outside the branches: interpret mode reads grid indices at the top only)
         padding = first >= len_ref[0]
-        pl.when(padding)(lambda: _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref))
+        pl.when(padding)(lambda: _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref))  # what `live` computes there
         pl.when(jnp.logical_not(padding))(lambda: live(first))
         return
     valid = _valid_rows(len_ref[0])
