@@ -75,12 +75,15 @@ from .wy import CHUNK
 #   [64, 64]; the default up to run 23), "doubling" (loop-free: diagonal blocks by repeated squaring; measured
 #   slower) or "fwd64" (plain 64-row forward substitution, a slow fallback); warps_* / stages_*: Triton launch
 #   parameters; design: "split" or "fused" (module docstring); bv_out: V block of the split design's output kernel;
-#   skip_padding: False (default) or True, for batches of mixed lengths padded to the longest: the prep's programs on
+#   skip_padding: True (default) or False, for batches of mixed lengths padded to the longest: the prep's programs on
 #   chunks of padding only (past their row's length) write the zeros the prep computes there without loading or
 #   computing anything (`_prep_split_kernel`), and the fused recurrence (output "fused_intra") runs a row's chunks
 #   up to its last token only, storing zeros as the later chunks' outputs and taking the final state as their
 #   checkpoints (what the full loop's identity updates give: the same values, tested bitwise on CPU); the other
-#   kernels (prep_kernels=2, inv other than "tiled", the fused design, the unfused recurrences) run every chunk;
+#   kernels (prep_kernels=2, inv other than "tiled", the fused design, the unfused recurrences) run every chunk.
+#   Run 185 (an H100): every element of the outputs, final states and checkpoints equal to False's at three shapes
+#   of mixed lengths; rows of about (b + 1) / B of T (`gpu_prefill_configs.py --ragged`): 0.70x the prefill's time at
+#   (8, 4096), 0.81x at (4, 4096); full rows 1.006x / 1.008x at (8, 4096) / (1, 8192). The default since;
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
@@ -237,7 +240,7 @@ DEFAULT_CONFIG = dict(
     design="split", bv_out=128, warps_out=4, stages_out=1, prep_kernels=1, warps_apply=4,
     bv=64, inv="tiled", warps_prep=4, stages_prep=1, warps_state=4, stages_state=1,
     small_grid=132, bv_small=32, stages_small=2, tiny_grid=264, bv_tiny=16, stages_tiny=3,
-    wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4, skip_padding=False,
+    wk_dtype="auto", states_t=True, bv_replay=64, warps_replay_intra=4, skip_padding=True,
     replay_s0_dots=1, replay_state_rows="auto", replay_qk_cols="auto", replay_kd="prep", state_update="mul_add",
     recurrence="auto", recurrence_ws="u", output="auto", fused_min_programs=128,
     fused_warpgroups=3, fused_registers="auto", output_order="h_acc",
