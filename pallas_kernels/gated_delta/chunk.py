@@ -26,6 +26,9 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    `output="auto"`, the default), 2. and 3. are one Mosaic GPU kernel instead
    (`recurrence_mgpu.state_recurrence_output_intra_mgpu`): the output, its qg and Aqk and the checkpoints computed
    inside the recurrence, h and v_new never in memory; the same bits.
+   Chunks of padding only (rows shorter than the batch's longest; config `skip_padding`, the default) are neither
+   loaded nor computed by 1. (it writes the zeros it would compute) nor run by that kernel (a row's loop ends at its
+   last token; zeros for the later outputs, the final state for their checkpoints): the same values.
 
 "fused" (two kernels: the output computed inside the recurrence, four dots per chunk on the sequential path):
 1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
