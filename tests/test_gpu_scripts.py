@@ -300,3 +300,17 @@ def test_prep_ablations_compile_each_variant_apart(tmp_path, monkeypatch):
     assert sums["no_u"] == sums["no_kd"] == sums["as_built"]
     assert (wy.diag_tiles_by_substitution, wy.merged_block_row, chunk._wy_block_row, chunk._store_tiled_wy,
             chunk._load_key, chunk._prep_split_kernel) == before
+
+
+def test_ragged_lengths_leave_chunks_of_padding_only():
+    """`gpu_prefill_configs.py --ragged` (how run 185 measured `skip_padding`): row b holds about (b + 1) / B of the T
+    tokens, the last row all of them; every other row ends before T - 64, so its last chunks are padding only, and a
+    single row is full."""
+    from scripts.gpu_prefill_configs import ragged_lengths
+
+    got = [int(n) for n in ragged_lengths(8, 4096)]
+    assert got == [512, 1001, 1490, 2043, 2532, 3021, 3574, 4096]
+    for B, T in ((2, 300), (3, 1000), (4, 4096), (2, 8192)):
+        lens = [int(n) for n in ragged_lengths(B, T)]
+        assert lens[-1] == T and all(0 < n <= T - 64 for n in lens[:-1]), (B, T, lens)
+    assert [int(n) for n in ragged_lengths(1, 8192)] == [8192]
