@@ -412,10 +412,11 @@ def test_small_grid_launch_rule():
 
 
 def test_skip_padding_changes_no_bit():
-    """Config skip_padding: the prep's programs on chunks of padding only (past their row's length) write zeros
-    without loading or computing. Everything the prefill returns (outputs, final states, checkpoints every 64) and
-    the prep's own outputs (w, u, kd, gc: compared as bytes, so a zero's sign counts) equal the default's, on rows of
-    mixed lengths (0, inside a chunk, on the grid, full), NaN in the padding, a random initial state."""
+    """Config skip_padding (the default): the prep's programs on chunks of padding only (past their row's length)
+    write zeros without loading or computing. Everything the prefill returns (outputs, final states, checkpoints every
+    64) and the prep's own outputs (w, u, kd, gc: compared as bytes, so a zero's sign counts) equal those computed
+    with skip_padding=False, on rows of mixed lengths (0, inside a chunk, on the grid, full), NaN in the padding, a
+    random initial state."""
     rng = np.random.default_rng(31)
     d = random_gdn_inputs(rng, 4, 330, 1, 2, K, V, np.float32, beta_kind="mixed")
     x = {n: jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")}
