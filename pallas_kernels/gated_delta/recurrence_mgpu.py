@@ -64,6 +64,12 @@ def _rows(c):
     return pl.ds(c * CHUNK, CHUNK)
 
 
+def _chunks_run(lengths, nt: int):
+    """The chunks a row of `lengths` tokens runs under `skip` (`state_recurrence_output_intra_mgpu`'s `lengths`): up
+    to the last one holding a token, at least one, at most nt (a scalar in the kernel, [B] in its caller)."""
+    return jnp.maximum(1, jnp.minimum(nt, (lengths + CHUNK - 1) // CHUNK))
+
+
 def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
             w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, *, nt: int, bv: int, interpret: bool):
     """One program: V block j of value head h of row b, every chunk in order (module docstring). GMEM refs, the
@@ -274,7 +280,7 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     # the chunks this program runs: all nt, or with `skip` its row's up to the last one holding a token (at least one)
-    nt_run = jnp.maximum(1, jnp.minimum(nt, (len_gmem[b] + CHUNK - 1) // CHUNK)) if skip else nt
+    nt_run = _chunks_run(len_gmem[b], nt) if skip else nt
     cols = pl.ds(j * bv, bv)
     out = _Stores(h_gmem, vn_gmem, sa_s, va_s, h_s, vn_s, b, hv, cols)
     w_bar, kd_bar, u_bar, gc_bar, s0_bar = (bars.at[i] for i in range(5))
@@ -718,7 +724,6 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
         return out + (jnp.zeros((B, 0, HV, K, V), f32),)
     ck = jnp.swapaxes(ck[0], -1, -2).transpose(0, 2, 1, 3, 4)  # [B, M, HV, K, V]
     if lengths is not None:  # the checkpoints of chunks not run: the final state (not stored by the kernel)
-        run = jnp.maximum(1, jnp.minimum(nt, (lengths + CHUNK - 1) // CHUNK))  # [B] chunks run
-        stored = (jnp.arange(1, n_ck + 1) * per)[None, :] < run[:, None]  # [B, M]
+        stored = (jnp.arange(1, n_ck + 1) * per)[None, :] < _chunks_run(lengths, nt)[:, None]  # [B, M]
         ck = jnp.where(stored[:, :, None, None, None], ck, out[1][:, None])
     return out + (ck,)
