@@ -73,7 +73,8 @@ def _store_skipping(skip):
     return store
 
 
-def _copy_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg, interpret):
+def _copy_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg, interpret,
+                 padding_read=True):
     k = k_ref[...].astype(f32) * beta_ref[...].astype(f32)[:, None]
     w_ref[...] = k.astype(w_ref.dtype)
     kd_ref[...] = (k * 2.0).astype(kd_ref.dtype)

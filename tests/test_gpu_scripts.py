@@ -302,6 +302,34 @@ def test_prep_ablations_compile_each_variant_apart(tmp_path, monkeypatch):
             chunk._load_key, chunk._prep_split_kernel) == before
 
 
+def test_padding_ab_compiles_each_variant_apart(tmp_path, monkeypatch):
+    """scripts/gpu_padding_ab.py in interpret mode on two rows of 64 and 128 tokens: the three variants' outputs and
+    final states equal element by element, each timed; as built the prep was asked to leave the chunks of padding
+    unwritten, under "written" (its swap) to write them, under "no_skip" to write them — and the swap is undone."""
+    from pallas_kernels.gated_delta import chunk
+    from scripts import gpu_padding_ab
+
+    asked, swapped_asked = [], []
+    real = chunk._prep_one_call
+
+    def spy(log):
+        return lambda *a, **kw: log.append(kw["padding_read"]) or real(*a, **kw)
+
+    monkeypatch.setattr(chunk, "_prep_one_call", spy(asked))
+    monkeypatch.setattr(gpu_padding_ab, "_PREP_ONE_CALL", spy(swapped_asked))
+    before = chunk._prep_one_call
+    monkeypatch.setattr(sys, "argv", ["gpu_padding_ab.py", "--shapes", "2,128,1,2", "--reps", "1", "--interpret",
+                                      "--out", str(tmp_path)])
+    gpu_padding_ab.main()
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert len(res["checks"]) == 4 and all(c["equal"] for c in res["checks"])
+    [row] = res["timing"]
+    assert row["lengths"] == [64, 128] and set(row["ms"]) == set(gpu_padding_ab.VARIANTS)
+    assert all(ms > 0 for ms in row["ms"].values())
+    assert asked == [False, True] and swapped_asked == [True]  # as_built, no_skip; written
+    assert chunk._prep_one_call is before
+
+
 def test_ragged_lengths_leave_chunks_of_padding_only():
     """`gpu_prefill_configs.py --ragged` (how run 185 measured `skip_padding`): row b holds about (b + 1) / B of the T
     tokens, the last row all of them; every other row ends before T - 64, so its last chunks are padding only, and a

@@ -27,8 +27,9 @@ Two designs (dimension legend in `reference.py`; C = 64, NT = ceil(T / C)); `con
    (`recurrence_mgpu.state_recurrence_output_intra_mgpu`): the output, its qg and Aqk and the checkpoints computed
    inside the recurrence, h and v_new never in memory; the same bits.
    Chunks of padding only (rows shorter than the batch's longest; config `skip_padding`, the default) are neither
-   loaded nor computed by 1. (it writes the zeros it would compute) nor run by that kernel (a row's loop ends at its
-   last token; zeros for the later outputs, the final state for their checkpoints): the same values.
+   loaded nor computed by 1. (it writes the zeros it would compute, or, before that kernel, which reads none of them
+   but a row's first, nothing) nor run by that kernel (a row's loop ends at its last token; zeros for the later
+   outputs, the final state for their checkpoints): the same values.
 
 "fused" (two kernels: the output computed inside the recurrence, four dots per chunk on the sequential path):
 1. `_prep_kernel`: as above plus Aqk and qg, written in fp32.
@@ -81,8 +82,9 @@ from .wy import CHUNK
 #   skip_padding: True (default) or False, for batches of mixed lengths padded to the longest: the prep's programs on
 #   chunks of padding only (past their row's length) write the zeros the prep computes there without loading or
 #   computing anything (`_prep_split_kernel`), and the fused recurrence (output "fused_intra") runs a row's chunks
-#   up to its last token only, storing zeros as the later chunks' outputs and taking the final state as their
-#   checkpoints (what the full loop's identity updates give: the same values, tested bitwise on CPU); the other
+#   up to its last token only (at least one), storing zeros as the later chunks' outputs and taking the final state
+#   as their checkpoints (what the full loop's identity updates give: the same values, tested bitwise on CPU); before
+#   it the prep writes nothing for a row's chunks of padding but its first, which that kernel never reads; the other
 #   kernels (prep_kernels=2, inv other than "tiled", the fused design, the unfused recurrences) run every chunk.
 #   Run 185 (an H100): every element of the outputs, final states and checkpoints equal to False's at three shapes
 #   of mixed lengths; rows of about (b + 1) / B of T (`gpu_prefill_configs.py --ragged`): 0.70x the prefill's time at
@@ -390,10 +392,12 @@ def _state_kernel(w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gc_ref, s0_ref, o_ref, 
 
 
 def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, use_l2, cfg,
-                       interpret):
+                       interpret, padding_read=True):
     """Split design, parallel part 1: w, u, kd, gc of one chunk (u and gc in fp32; w and kd in their refs' dtype,
     `_wk_dtype`). Needs no q. With `skip_padding`, a chunk wholly past its row's length (padding only) is neither
-    loaded nor computed: its w, u, kd and gc are written as the exact zeros the computation gives there."""
+    loaded nor computed: its w, u, kd and gc are written as the exact zeros the computation gives there — or, where
+    the kernel that follows reads no such chunk but a row's first (`padding_read=False`: the fused recurrence under
+    `skip_padding`, `recurrence_mgpu._chunks_run`), written for the first chunk only and left unwritten after it."""
     if cfg["inv"] == "tiled":
         def live(start=None):
             ks, gcs, betas, valids = _chunk_slices(k_ref, g_ref, beta_ref, len_ref[0], use_l2, start)
@@ -406,7 +410,8 @@ def _prep_split_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_
             return
         first = pl.program_id(0) * CHUNK  # (outside the branches: interpret mode reads grid indices at the top only)
         padding = first >= len_ref[0]
-        pl.when(padding)(lambda: _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref))  # what `live` computes there
+        read = padding if padding_read else jnp.logical_and(padding, first == 0)  # the chunks of padding read later
+        pl.when(read)(lambda: _store_padding_chunk(w_ref, u_ref, kd_ref, gc_ref))  # what `live` computes there
         pl.when(jnp.logical_not(padding))(lambda: live(first))
         return
     valid = _valid_rows(len_ref[0])
@@ -746,23 +751,31 @@ class _ChunkGrid:
 
 def _split_calls(q, k, v, g, beta, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride, interpret, cfg):
     """The split design's pallas_calls (inputs already padded to the grid): prep (one kernel, or two with
-    prep_kernels=2) -> recurrence -> output."""
+    prep_kernels=2) -> recurrence -> output (or the recurrence that computes the output: `fused`)."""
+    K, V, HV = q.shape[3], v.shape[3], v.shape[2]
+    prep_only = cfg.get("only_prep") or cfg.get("stop_after") in ("prep", "inverse")  # benchmarking hooks
+    recurrence = None if prep_only else _recurrence_kernel(cfg, K, V, _wk_dtype(cfg, use_l2, interpret), interpret)
+    fused = not prep_only and _output_in_recurrence(cfg, recurrence, q.shape[0], HV, K, V, use_l2,
+                                                    (q.dtype, k.dtype), v.dtype, interpret)
     if cfg["prep_kernels"] == 2:
         w, u, kd, gc = _prep_two_calls(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
-    else:
-        w, u, kd, gc = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg)
-    if cfg.get("only_prep") or cfg.get("stop_after") in ("prep", "inverse"):
+    else:  # under skip_padding the fused recurrence reads no chunk of padding but a row's first
+        w, u, kd, gc = _prep_one_call(q, k, v, g, beta, lengths, use_l2=use_l2, interpret=interpret, cfg=cfg,
+                                      padding_read=not (fused and cfg["skip_padding"]))
+    if prep_only:
         return tuple(x for x in (w, u, kd, gc) if x is not None)
     return _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, T=T, scale=scale, use_l2=use_l2,
-                                  checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg)
+                                  checkpoint_stride=checkpoint_stride, interpret=interpret, cfg=cfg,
+                                  recurrence=recurrence, fused=fused)
 
 
-def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
-    """The split design's prep kernel: (w, u, kd, gc)."""
+def _prep_one_call(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg, padding_read=True):
+    """The split design's prep kernel: (w, u, kd, gc); with `padding_read=False` (`_prep_split_kernel`) the chunks of
+    padding after a row's first are left unwritten."""
     cg = _ChunkGrid(q, v)
     wk = _wk_dtype(cfg, use_l2, interpret)
     return pl.pallas_call(
-        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret),
+        functools.partial(_prep_split_kernel, use_l2=use_l2, cfg=cfg, interpret=interpret, padding_read=padding_read),
         grid=cg.grid,
         in_specs=[cg.lengths, cg.key, cg.value, cg.token, cg.token],
         out_specs=[cg.rows(cg.K), cg.rows(cg.V), cg.rows(cg.K), cg.gc],
@@ -803,15 +816,15 @@ def _prep_two_calls(q, k, v, g, beta, lengths, *, use_l2, interpret, cfg):
 
 
 def _recurrence_and_output(q, k, v, w, u, kd, gc, initial_state, lengths, *, T, scale, use_l2, checkpoint_stride,
-                           interpret, cfg):
-    """The split design's recurrence and output kernels, and the in-call checkpoints."""
+                           interpret, cfg, recurrence, fused):
+    """The split design's recurrence ("triton" or "mosaic": `_recurrence_kernel`) and output kernels, or with `fused`
+    (`_output_in_recurrence`) the recurrence that computes the output; and the in-call checkpoints."""
     B, tp, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     nt = tp // CHUNK
     f32 = jnp.float32
     ht, vt = _transposed(cfg)  # h [.., nt, V, K] / v_new [.., V, Tp] transposed (else [.., nt, K, V] / [.., Tp, V])
-    recurrence = _recurrence_kernel(cfg, K, V, w.dtype, interpret)
-    if _output_in_recurrence(cfg, recurrence, B, HV, K, V, use_l2, (q.dtype, k.dtype), v.dtype, interpret):
+    if fused:
         # the output, its qg and Aqk and the in-call checkpoints inside the recurrence: h and v_new never go through
         # memory (`state_recurrence_output_intra_mgpu`)
         r_q, r_k = key_norms(q, k, lengths, warps=cfg["warps_out"], interpret=interpret)

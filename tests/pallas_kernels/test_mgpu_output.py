@@ -239,12 +239,16 @@ def test_output_fused_row_alone_and_split_on_the_grid(case):
 
 
 @pytest.mark.parametrize("wgs", [3, 2])
-def test_skip_padding_in_the_fused_kernel_changes_no_bit(wgs):
+def test_skip_padding_in_the_fused_kernel_changes_no_bit(wgs, monkeypatch):
     """Config skip_padding with the output inside the recurrence: a program runs its row's chunks up to the last one
     holding a token, stores zeros as the output of the chunks after it and the caller takes the final state as their
-    checkpoints. Rows of lengths 128 (two of four chunks run), 100, 0 (one chunk run), 165 and 256 (all run), NaN in
-    the padding: the outputs, final states and checkpoints (every chunk) equal the full loop's as bytes (a zero's sign
-    counts), on three warpgroups and on two."""
+    checkpoints; the prep before it leaves the chunks of padding after a row's first unwritten (asked of it here:
+    `padding_read=False`; interpret mode fills what a kernel leaves unwritten with NaN, so a read of one would show).
+    Rows of lengths 128 (two of four chunks run), 100, 0 (one chunk run), 165 and 256 (all run), NaN in the padding:
+    the outputs, final states and checkpoints (every chunk) equal the full loop's as bytes (a zero's sign counts), on
+    three warpgroups and on two."""
+    from pallas_kernels.gated_delta import chunk
+
     d = random_gdn_inputs(np.random.default_rng(5), 5, 256, HK, HV, K, V, beta_kind="mixed")
     for n in ("q", "k"):
         d[n] = np.array(jnp.asarray(d[n], jnp.bfloat16))
@@ -252,13 +256,42 @@ def test_skip_padding_in_the_fused_kernel_changes_no_bit(wgs):
     for r, n in enumerate(lengths):
         for name in ("q", "k", "v", "g"):
             d[name][r, n:] = np.nan
+    asked, prep_one_call = [], chunk._prep_one_call
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["padding_read"])
+        return prep_one_call(*args, **kwargs)
+
+    monkeypatch.setattr(chunk, "_prep_one_call", spy)
     got = {skip: [np.asarray(x) for x in prefill(d, lengths, checkpoint_stride=64, recurrence="mosaic",
                                                  output="fused_intra", fused_warpgroups=wgs, skip_padding=skip)]
            for skip in (False, True)}
+    assert asked == [True, False]  # (traced once each: the first calls of these configurations in the process)
     for name, a, b in zip(("o", "final", "checkpoints"), got[False], got[True]):
         assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
     assert np.isfinite(got[True][1]).all() and np.isfinite(got[True][2]).all()
     assert not got[True][0][0, 128:].any() and not got[True][0][2].any()  # the chunks not run: zeros
+
+
+def test_prep_leaves_padding_unwritten_past_a_rows_first_chunk_where_asked():
+    """`chunk._prep_one_call(padding_read=False)` (the prep before the fused recurrence under skip_padding): a chunk
+    of padding only is written (as zeros) where it is its row's first, since the fused recurrence runs at least one
+    chunk of every row, and left unwritten after it (NaN here: interpret mode's fill); every chunk holding a token is
+    the same bytes as with padding_read=True (which writes zeros in every chunk of padding)."""
+    from pallas_kernels.gated_delta import chunk
+
+    d = random_gdn_inputs(np.random.default_rng(8), 3, 256, HK, HV, K, V, beta_kind="mixed")
+    x = [jnp.asarray(d[n]) for n in ("q", "k", "v", "g", "beta")]
+    lengths = jnp.asarray([0, 70, 256], jnp.int32)
+    cfg = chunk._checked_config({"wk_dtype": "float16"}, V)
+    outs = {read: [np.asarray(a) for a in chunk._prep_one_call(*x, lengths, use_l2=True, interpret=True, cfg=cfg,
+                                                                padding_read=read)] for read in (True, False)}
+    for name, full, part in zip(("w", "u", "kd", "gc"), outs[True], outs[False]):
+        live = [(0, slice(0, 64)), (1, slice(0, 128)), (2, slice(0, 256))]  # (row, tokens of its chunks run)
+        for r, rows in live:
+            assert np.array_equal(full[r, :, rows].view(np.uint8), part[r, :, rows].view(np.uint8)), (name, r)
+        assert not full[0].any() and not full[1, :, 128:].any(), name  # padding_read=True: zeros
+        assert np.isnan(part[0, :, 64:]).all() and np.isnan(part[1, :, 128:]).all(), name  # not written
 
 
 def test_fused_kernel_lowers_for_an_h200_at_the_models_head_size():
