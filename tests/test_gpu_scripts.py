@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +43,18 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_compile_times.py", "--order", "generate,prefill", "--order must name prefill, decode, generate once each"),
     ("gpu_prefill_configs.py", "--timing-shapes", "8,4096,16,30", "--timing-shapes '8,4096,16,30': shapes B,T,HK,HV"),
 ])
-def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known):
+def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known, monkeypatch, capsys):
+    """The script run as `__main__` in this process (its imports are this process's already: a subprocess each cost
+    ~2.5 s of CI) exits with an error naming what it refuses and writes nothing; the environment variables scripts set
+    at import are put back."""
     more = ["--configs", '{"a": {}, "b": {}}'] if script == "gpu_prefill_configs.py" else []
-    r = _run([str(ROOT / "scripts" / script), flag, bad, *more, "--out", str(tmp_path)], tmp_path)
-    assert r.returncode != 0 and known in r.stderr, r.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", [script, flag, bad, *more, "--out", str(tmp_path)])
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+    said = capsys.readouterr().err + ("" if isinstance(exit_.value.code, int) else str(exit_.value.code))
+    assert exit_.value.code not in (0, None) and known in said, said[-2000:]
     assert not any((tmp_path / name).exists() for name in ("model_bench.json", "results.json", "compile_times.json"))
 
 
@@ -85,49 +94,54 @@ def test_compile_times_script_fills_a_compile_cache(tmp_path):
     assert len(list(cache.iterdir())) >= 3  # prefill, decode and generate's programs at least
 
 
-def test_model_bench_prefill_profile_stage(tmp_path):
+@pytest.fixture(scope="module")
+def model_bench(tmp_path_factory):
+    """One run of scripts/gpu_model_bench.py at the tiny preset through the stages the tests below read (one process:
+    four took ~3x its time in CI): (the run, its model_bench.json)."""
+    out = tmp_path_factory.mktemp("model_bench")
     r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages",
-              "ceilings,digest,prefill_profile", "--prefill-tokens", "128", "--out", str(tmp_path)], tmp_path)
+              "ceilings,digest,prefill_profile,shared_prompt,replay_profile,bitwise", "--prefill-tokens", "128",
+              "--shared-batch", "2", "--shared-prompt-len", "70", "--decode-batch", "2", "--context", "64",
+              "--bitwise-lengths", "130", "--bitwise-batches", "1,2", "--out", str(out)], out)
     assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    res = json.loads((tmp_path / "model_bench.json").read_text())
+    return r, json.loads((out / "model_bench.json").read_text())
+
+
+def test_model_bench_prefill_profile_stage(model_bench):
+    res = model_bench[1]
     assert res["digest"]["stable"] is True and len(res["digest"]["digest"]) == 16 and res["digest"]["median_s"] > 0
     for tag in ("normal", "deterministic"):
         rows = res[f"prefill_profile_{tag}"]
         assert rows and all(row["us"] >= 0 and row["count"] >= 1 for row in rows)
 
 
-def test_model_bench_shared_prompt_stage(tmp_path):
-    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,shared_prompt",
-              "--shared-batch", "2", "--shared-prompt-len", "70", "--out", str(tmp_path)], tmp_path)
-    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    res = json.loads((tmp_path / "model_bench.json").read_text())["shared_prompt"]
+def test_model_bench_shared_prompt_stage(model_bench):
+    res = model_bench[1]["shared_prompt"]
     assert res["request 0 alone == in the shared batch"] is True and res["score shared == apart"] is True
     assert all(res[k]["median_s"] > 0 and len(res[k]["times_s"]) == 3
                for k in ("one prompt", "distinct prompts", "score, shared prefix", "score, apart"))
 
 
-def test_model_bench_replay_profile_stage(tmp_path):
-    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,replay_profile",
-              "--decode-batch", "2", "--context", "64", "--out", str(tmp_path)], tmp_path)
-    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    res = json.loads((tmp_path / "model_bench.json").read_text())
+def test_model_bench_replay_profile_stage(model_bench):
+    res = model_bench[1]
     for tag in ("replay", "deterministic"):
         rows = res[f"profile_{tag}"]
         assert rows and all(row["us_per_step"] >= 0 and row["count"] >= 0 for row in rows)
 
 
-def test_model_bench_bitwise_stage_takes_its_batch_sizes(tmp_path):
+def test_model_bench_bitwise_stage_takes_its_batch_sizes(model_bench, tmp_path, monkeypatch, capsys):
     """--bitwise-batches picks the bitwise stage's batch sizes (1 and 2 here: rows alone, first and last, and the
     split), and a list that is not one of positive ints is refused before anything runs."""
-    r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "ceilings,bitwise",
-              "--bitwise-lengths", "130", "--bitwise-batches", "1,2", "--out", str(tmp_path)], tmp_path)
-    assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    checks = json.loads((tmp_path / "model_bench.json").read_text())["bitwise_len130"]
+    checks = model_bench[1]["bitwise_len130"]
     assert sorted(checks) == ["B=1 row=0", "B=2 row=0", "B=2 row=1", "split at 64"] and all(checks.values())
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for bad in ("0,8", "1,x", ""):
-        r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages", "bitwise",
-                  "--bitwise-batches", bad, "--out", str(tmp_path)], tmp_path)
-        assert r.returncode == 2 and "--bitwise-batches" in r.stderr, (r.stdout + r.stderr)[-2000:]
+        monkeypatch.setattr(sys, "argv", ["gpu_model_bench.py", "--preset", "tiny", "--stages", "bitwise",
+                                          "--bitwise-batches", bad, "--out", str(tmp_path)])
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(str(ROOT / "scripts" / "gpu_model_bench.py"), run_name="__main__")
+        assert exit_.value.code == 2 and "--bitwise-batches" in capsys.readouterr().err, bad
+    assert not (tmp_path / "model_bench.json").exists()
 
 
 def test_model_bench_mixed_phases_cover_every_block_row():
