@@ -149,6 +149,45 @@ def stage_prefill(model, T: int, rate: float, tag: str):
     return t
 
 
+def stage_prefill_ragged(model, B: int, T: int, tag: str, reps: int = 3):
+    """B rows of mixed lengths (row b about (b + 1) / B of T, the last full: `gpu_prefill_configs.ragged_lengths`)
+    prefilled in one call padded to T, with the chunked GDN kernels skipping the chunks of padding only (chunk config
+    `skip_padding`, the default) and computing them (False): whether the last tokens' logits of the two are equal in
+    every element, and the time of each (compiled ahead of time, each under its config; `reps` rounds taking turns,
+    medians of 3 calls each)."""
+    from pallas_kernels.gated_delta import chunk
+    from scripts.gpu_prefill_configs import ragged_lengths
+
+    lengths = ragged_lengths(B, T)
+    toks = jax.random.randint(jax.random.key(2), (B, T), 0, model.config.vocab_size, jnp.int32)
+    state = model.init_state(B, T)
+    fn = functools.partial(jaxgdn.prefill_chunk, last_only=True)
+    progs, saved = {}, chunk.DEFAULT_CONFIG["skip_padding"]
+    try:
+        for skip in (True, False):  # the kernels read DEFAULT_CONFIG when traced: one compiled program each
+            chunk.DEFAULT_CONFIG["skip_padding"] = skip
+            jax.clear_caches()
+            progs[skip] = jaxgdn.model.jit(fn).lower(model, state, toks, lengths).compile()
+    finally:
+        chunk.DEFAULT_CONFIG["skip_padding"] = saved
+        jax.clear_caches()
+    logits = {skip: np.asarray(p(model, state, toks, lengths)[1]) for skip, p in progs.items()}
+    times: dict = {True: [], False: []}
+    for r in range(reps):
+        for skip in ((True, False) if r % 2 == 0 else (False, True)):
+            times[skip].append(timed(progs[skip], model, state, toks, lengths, reps=3))
+    t_skip, t_full = statistics.median(times[True]), statistics.median(times[False])
+    tokens = int(np.sum(np.asarray(lengths)))
+    out = {"B": B, "T": T, "lengths": [int(n) for n in lengths], "seconds_skip_padding": t_skip,
+           "seconds_every_chunk": t_full, "ratio": t_skip / t_full, "tokens_per_s": tokens / t_skip,
+           "logits_equal": bool(np.array_equal(logits[True], logits[False])), "times": {
+               "skip_padding": times[True], "every_chunk": times[False]}}
+    RESULTS[f"prefill_ragged_{tag}"] = out
+    log(f"prefill_ragged[{tag}] B={B} T={T} ({tokens} tokens): {t_skip * 1e3:.1f} ms skipping padding chunks, "
+        f"{t_full * 1e3:.1f} ms computing them ({out['ratio']:.3f}x); last logits equal: {out['logits_equal']}")
+    return out
+
+
 def kernel_times(trace_dir: str, top: int = 15) -> list[tuple[str, float, int]]:
     """(name, total µs, count) of the device kernels in a `jax.profiler` trace (its perfetto JSON), largest first.
     Events of processes whose name mentions a GPU; on a machine without one, every complete event (for tests)."""
@@ -472,9 +511,14 @@ def main():
                     help="the bitwise stage's batch sizes (comma list of positive ints)")
     ap.add_argument("--stages", default="ceilings,prefill,decode,det,replay,bitwise,replay_bitwise",
                     help="comma list, run in this order; also 'shared_prompt' (generate on k copies of one "
-                         "prompt against k distinct prompts), 'profile' (decode kernel times, normal and "
+                         "prompt against k distinct prompts), 'prefill_ragged' (a batch of mixed lengths "
+                         "with and without the kernels skipping chunks of padding, normal and deterministic), "
+                         "'profile' (decode kernel times, normal and "
                          "deterministic), 'replay_profile' (the same for replay decode and deterministic "
                          "recurrent decode) and 'prefill_profile' (the same for a prefill)")
+    ap.add_argument("--ragged-batch", type=int, default=8, help="prefill_ragged stage: rows per call")
+    ap.add_argument("--ragged-tokens", type=int, default=4096,
+                    help="prefill_ragged stage: the longest row (row b holds about (b + 1) / B of it)")
     ap.add_argument("--replay-tokens", type=int, default=210,
                     help="tokens each row generates in the replay_bitwise stages (issue 7 asks for >= 200)")
     ap.add_argument("--shared-batch", type=int, default=8, help="shared_prompt stage: requests per call")
@@ -490,6 +534,8 @@ def main():
     if args.phases == "mixed" and args.context < 64:
         ap.error(f"--phases mixed needs --context >= 64 (row b's prompt is context - (23 b mod 64)); got "
                  f"{args.context}")
+    if args.ragged_batch < 1 or args.ragged_tokens < 1:
+        ap.error(f"--ragged-batch and --ragged-tokens must be positive; got {args.ragged_batch}, {args.ragged_tokens}")
     try:
         bitwise_batches = tuple(int(b) for b in args.bitwise_batches.split(","))
     except ValueError:
@@ -521,6 +567,9 @@ def main():
                                                         new_tokens=args.replay_tokens)),
         ("shared_prompt", lambda: stage_shared_prompt(model.with_deterministic(), args.shared_batch,
                                                       args.shared_prompt_len)),
+        ("prefill_ragged", lambda: (stage_prefill_ragged(model, args.ragged_batch, args.ragged_tokens, "normal"),
+                                    stage_prefill_ragged(model.with_deterministic(), args.ragged_batch,
+                                                         args.ragged_tokens, "deterministic"))),
         ("prefill_profile", lambda: (stage_prefill_profile(model, args.prefill_tokens, "normal"),
                                      stage_prefill_profile(model.with_deterministic(), args.prefill_tokens,
                                                            "deterministic"))),

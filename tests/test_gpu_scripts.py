@@ -38,6 +38,7 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
+    ("gpu_model_bench.py", "--ragged-batch", "0", "--ragged-batch and --ragged-tokens must be positive"),
     ("gpu_compile_times.py", "--layers", "4,x", "--layers must be a comma list of integers"),
     ("gpu_compile_times.py", "--layers", "4,33", "--layers must name layer counts from 1 to the preset's 32"),
     ("gpu_compile_times.py", "--order", "generate,prefill", "--order must name prefill, decode, generate once each"),
@@ -100,8 +101,9 @@ def model_bench(tmp_path_factory):
     four took ~3x its time in CI): (the run, its model_bench.json)."""
     out = tmp_path_factory.mktemp("model_bench")
     r = _run([str(ROOT / "scripts" / "gpu_model_bench.py"), "--preset", "tiny", "--stages",
-              "ceilings,digest,prefill_profile,shared_prompt,replay_profile,bitwise", "--prefill-tokens", "128",
-              "--shared-batch", "2", "--shared-prompt-len", "70", "--decode-batch", "2", "--context", "64",
+              "ceilings,digest,prefill_profile,shared_prompt,replay_profile,bitwise,prefill_ragged", "--prefill-tokens",
+              "128", "--shared-batch", "2", "--shared-prompt-len", "70", "--decode-batch", "2", "--context", "64",
+              "--ragged-batch", "3", "--ragged-tokens", "200",
               "--bitwise-lengths", "130", "--bitwise-batches", "1,2", "--out", str(out)], out)
     assert r.returncode == 0 and "errors: none" in r.stdout, (r.stdout + r.stderr)[-3000:]
     return r, json.loads((out / "model_bench.json").read_text())
@@ -127,6 +129,16 @@ def test_model_bench_replay_profile_stage(model_bench):
     for tag in ("replay", "deterministic"):
         rows = res[f"profile_{tag}"]
         assert rows and all(row["us_per_step"] >= 0 and row["count"] >= 0 for row in rows)
+
+
+def test_model_bench_prefill_ragged_stage(model_bench):
+    """The batch of mixed lengths (rows of about 1/3, 2/3 and all of 200 tokens), prefilled with and without the
+    kernels skipping chunks of padding: the same last logits, both timed, normal and deterministic."""
+    for tag in ("normal", "deterministic"):
+        res = model_bench[1][f"prefill_ragged_{tag}"]
+        assert res["lengths"] == [66, 110, 200] and res["logits_equal"] is True, res
+        assert res["seconds_skip_padding"] > 0 and res["seconds_every_chunk"] > 0
+        assert len(res["times"]["skip_padding"]) == len(res["times"]["every_chunk"]) == 3
 
 
 def test_model_bench_bitwise_stage_takes_its_batch_sizes(model_bench, tmp_path, monkeypatch, capsys):
