@@ -88,9 +88,10 @@ from .wy import CHUNK
 #   kernels (prep_kernels=2, inv other than "tiled", the fused design, the unfused recurrences) run every chunk.
 #   Run 185 (an H100): every element of the outputs, final states and checkpoints equal to False's at three shapes
 #   of mixed lengths; rows of about (b + 1) / B of T (`gpu_prefill_configs.py --ragged`): 0.70x the prefill's time at
-#   (8, 4096), 0.81x at (4, 4096); full rows 1.006x / 1.008x at (8, 4096) / (1, 8192). The default since. The prep
-#   leaving the chunks the fused recurrence does not read unwritten: 0.95x / 0.95x / 0.98x that at (8, 4096) /
-#   (4, 4096) / (2, 8192) with mixed lengths (run 186: 0.68x / 0.80x / 0.88x of skip_padding=False);
+#   (8, 4096), 0.81x at (4, 4096); full rows 1.006x / 1.008x at (8, 4096) / (1, 8192). The default since. With the
+#   prep leaving unwritten the chunks the fused recurrence does not read, the prefill takes 0.95x / 0.95x / 0.98x its
+#   time with them written at (8, 4096) / (4, 4096) / (2, 8192) with mixed lengths, 0.68x / 0.80x / 0.88x
+#   skip_padding=False's (run 186);
 #   prep_kernels: 1, or 2 (split design: the inverse in its own small kernel, then w / u / kd); wk_dtype: storage
 #   of w and kd between prep and recurrence ("auto", "float16", "float32": `_wk_dtype`); states_t: the recurrence
 #   writes the per-chunk states h and v_new transposed ([V, K] and [V, Tp]), so the output kernel's dots read their
