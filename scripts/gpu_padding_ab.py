@@ -28,21 +28,20 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta import chunk
-from scripts.gpu_kernels import bench_jax
 from scripts.gpu_mgpu_recurrence import compare, inputs, log, run_and_save
 from scripts.gpu_prefill_configs import _shapes, ragged_lengths
-from scripts.gpu_prep_ablate import swapped
+from scripts.gpu_prep_ablate import swapped, timed_in_turns
 
 SHAPES = [(8, 4096, 16, 32), (4, 4096, 16, 32), (2, 8192, 16, 32)]
 VARIANTS = ("as_built", "written", "no_skip")
 
 
+_PREP_ONE_CALL = chunk._prep_one_call
+
+
 def _written(*args, **kwargs):
     """`chunk._prep_one_call` writing every chunk of padding (what it did before `padding_read`)."""
     return _PREP_ONE_CALL(*args, **dict(kwargs, padding_read=True))
-
-
-_PREP_ONE_CALL = chunk._prep_one_call
 
 
 def compiled_prefill(variant, args, interpret):
@@ -73,11 +72,7 @@ def run(shapes, reps, full, interpret, results):
                 log(f"{str(shp):>22s} {n:>10s} {name:>6s} {'EQUAL' if c['equal'] else 'DIFFER'}"
                     f" ({c.get('differ', '?')} of {c.get('of', '?')} differ)")
         del outs
-        ms = {n: [] for n in VARIANTS}
-        calls, inner = (1, 1) if interpret else (10, 5)
-        for r in range(reps):
-            for n in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-                ms[n].append(bench_jax(progs[n], *args, n=calls, reps=inner) * 1e3)
+        ms = timed_in_turns(progs, args, reps, interpret)
         row = dict(shape=shp, full=full, lengths=[int(x) for x in lengths],
                    ms={n: float(np.median(t)) for n, t in ms.items()},
                    spread={n: [min(t), max(t)] for n, t in ms.items()})

@@ -121,6 +121,19 @@ def compiled_prep(variant, args, config, interpret):
         return jax.jit(f).lower(*args).compile()
 
 
+def timed_in_turns(progs, args, reps, interpret):
+    """ms per call of each compiled program in `progs` ({name: program}) on `args`: --reps rounds of medians of 5 x 10
+    back-to-back calls (one call in interpret mode), the programs taking turns, reversed every other round. Returns
+    {name: [ms per round]}."""
+    names = list(progs)
+    ms = {n: [] for n in names}
+    calls, inner = (1, 1) if interpret else (10, 5)
+    for r in range(reps):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            ms[n].append(bench_jax(progs[n], *args, n=calls, reps=inner) * 1e3)
+    return ms
+
+
 def ablate(shapes, variants, config, reps, interpret, results):
     for shp in shapes:
         q, k, v, g, beta, _, _ = inputs(*shp)
@@ -128,11 +141,7 @@ def ablate(shapes, variants, config, reps, interpret, results):
         progs = {n: compiled_prep(n, args, config, interpret) for n in variants}
         # what each compiled variant computes, read after all were compiled: distinct programs give distinct w
         sums = {n: float(jnp.sum(jnp.abs(p(*args)[0].astype(f32)))) for n, p in progs.items()}
-        ms = {n: [] for n in variants}
-        calls, inner = (1, 1) if interpret else (10, 5)
-        for r in range(reps):
-            for n in (variants if r % 2 == 0 else variants[::-1]):
-                ms[n].append(bench_jax(progs[n], *args, n=calls, reps=inner) * 1e3)
+        ms = timed_in_turns(progs, args, reps, interpret)
         row = dict(shape=shp, ms={n: float(np.median(t)) for n, t in ms.items()}, spread={n: [min(t), max(t)]
                    for n, t in ms.items()}, w_abs_sum=sums)
         base = row["ms"].get("as_built")

@@ -21,6 +21,19 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
                           timeout=timeout)
 
 
+def _main_exits(script, argv, tmp_path, monkeypatch, capsys):
+    """scripts/`script` run as `__main__` in this process with `argv` (its imports are this process's already: a
+    subprocess each cost ~2.5 s of CI), in `tmp_path`, the environment variables scripts set at import put back; it
+    must exit. Returns (the exit code, what it said: stderr and a SystemExit message)."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+    code = exit_.value.code
+    return code, capsys.readouterr().err + ("" if code is None or isinstance(code, int) else str(code))
+
+
 @pytest.mark.parametrize("script,flag,bad,known", [
     ("gpu_kernels.py", "--only", "accuracy,bitwse", "unknown sections ['bitwse']"),
     ("gpu_kernels.py", "--skip", "sweeep", "unknown sections ['sweeep']"),
@@ -45,17 +58,11 @@ def _run(args, tmp_path, extra_env=None, timeout=600):
     ("gpu_prefill_configs.py", "--timing-shapes", "8,4096,16,30", "--timing-shapes '8,4096,16,30': shapes B,T,HK,HV"),
 ])
 def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, bad, known, monkeypatch, capsys):
-    """The script run as `__main__` in this process (its imports are this process's already: a subprocess each cost
-    ~2.5 s of CI) exits with an error naming what it refuses and writes nothing; the environment variables scripts set
-    at import are put back."""
+    """The script (run as `__main__` in this process: `_main_exits`) exits with an error naming what it refuses and
+    writes nothing."""
     more = ["--configs", '{"a": {}, "b": {}}'] if script == "gpu_prefill_configs.py" else []
-    monkeypatch.setattr(sys, "argv", [script, flag, bad, *more, "--out", str(tmp_path)])
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
-    said = capsys.readouterr().err + ("" if isinstance(exit_.value.code, int) else str(exit_.value.code))
-    assert exit_.value.code not in (0, None) and known in said, said[-2000:]
+    code, said = _main_exits(script, [flag, bad, *more, "--out", str(tmp_path)], tmp_path, monkeypatch, capsys)
+    assert code not in (0, None) and known in said, said[-2000:]
     assert not any((tmp_path / name).exists() for name in ("model_bench.json", "results.json", "compile_times.json"))
 
 
@@ -146,13 +153,10 @@ def test_model_bench_bitwise_stage_takes_its_batch_sizes(model_bench, tmp_path, 
     split), and a list that is not one of positive ints is refused before anything runs."""
     checks = model_bench[1]["bitwise_len130"]
     assert sorted(checks) == ["B=1 row=0", "B=2 row=0", "B=2 row=1", "split at 64"] and all(checks.values())
-    monkeypatch.setattr(os, "environ", dict(os.environ))
     for bad in ("0,8", "1,x", ""):
-        monkeypatch.setattr(sys, "argv", ["gpu_model_bench.py", "--preset", "tiny", "--stages", "bitwise",
-                                          "--bitwise-batches", bad, "--out", str(tmp_path)])
-        with pytest.raises(SystemExit) as exit_:
-            runpy.run_path(str(ROOT / "scripts" / "gpu_model_bench.py"), run_name="__main__")
-        assert exit_.value.code == 2 and "--bitwise-batches" in capsys.readouterr().err, bad
+        code, said = _main_exits("gpu_model_bench.py", ["--preset", "tiny", "--stages", "bitwise", "--bitwise-batches",
+                                                        bad, "--out", str(tmp_path)], tmp_path, monkeypatch, capsys)
+        assert code == 2 and "--bitwise-batches" in said, bad
     assert not (tmp_path / "model_bench.json").exists()
 
 

@@ -658,10 +658,10 @@ def state_recurrence_output_intra_mgpu(w, u, kd, gc, initial_state, q, k, r_q, r
     `_kernel_ws`'s `intra_warpgroup`), the same bits; `registers` (with 3): per-thread registers of the consumer, the
     qg / Aqk and the w / kd warpgroups (`setmaxnreg`), or None. (The prefill calls it with 3 and
     `DEFAULT_REGISTER_SPLIT` by default: chunk config `fused_warpgroups`, `fused_registers`.)
-    `lengths` (int32 [B], or None: every chunk): a row's chunks past the last one holding a token are padding only
-    (the prep's zeros: w = u = kd = 0, gc = 0, q and k masked), whose updates would leave the state as it is; they are
-    not run — their outputs are stored as zeros and their checkpoints are the final state (chunk config
-    `skip_padding`)."""
+    `lengths` (int32 [B], or None: every chunk): a row's chunks past the last one holding a token (`_chunks_run`) are
+    padding only, whose updates (the prep computes w = u = kd = 0, gc = 0 there) would leave the state as it is; they
+    are neither loaded nor run — their outputs are stored as zeros and their checkpoints are the final state (chunk
+    config `skip_padding`; the prep then leaves those chunks of w, u, kd and gc unwritten)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, HV, tp, K = w.shape
