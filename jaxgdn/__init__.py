@@ -14,6 +14,7 @@ from .engine import Conversation, ConversationResult, Engine, EngineOutput, Engi
 from .generate import GenerationResult, Generations, generate
 from .model import Model, decode_step, prefill_chunk
 from .presets import tiny_model
+from .program_cache import compile_cache
 from .score import score
 from .tokenizer import load_tokenizer
 from .state import AttentionLayerState, GDNLayerState, ModelState, Provenance
@@ -25,5 +26,5 @@ __all__ = [
     "decode_step", "prefill_chunk", "tiny_model", "Checkpoint", "CheckpointRefused", "PrefixCache", "check_cache",
     "Generations", "score", "Engine", "Request", "Conversation", "SamplingParams", "EngineOutput", "EngineStats",
     "ConversationResult", "load_tokenizer", "AttentionLayerState", "GDNLayerState", "ModelState", "Provenance",
-    "sharding",
+    "sharding", "compile_cache",
 ]

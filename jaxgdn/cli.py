@@ -23,45 +23,10 @@ import time
 from pathlib import Path
 
 from .errors import CapacityError, CheckpointError, InputError, JaxGDNError
+from .program_cache import compile_cache
 
 PRESETS = ("tiny", "tiny-next")
 PRESET_MAX_LENGTH = 4096  # the CLI's capacity limit for the embedded presets (they have no max_position_embeddings)
-
-
-# ---- the persistent compilation cache (--compile-cache) ----------------------------------------------------------
-
-_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                   "jax_persistent_cache_min_entry_size_bytes")
-
-
-@contextlib.contextmanager
-def compile_cache(path: str | None):
-    """JAX's persistent compilation cache in `path` (every program kept) for the command's duration; then JAX's
-    settings as they were and its cache handle dropped, so an in-process caller (`main([...])`) is left as it was.
-    None: nothing changes (a cache JAX_COMPILATION_CACHE_DIR names stays in use). `--compile-cache` of every command;
-    `scripts/gpu_compile_times.py` uses it too."""
-    if path is None:
-        yield
-        return
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"--compile-cache {path}: cannot make the directory ({e.strerror or e})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise InputError(f"--compile-cache {path}: the directory is not writable")
-    before = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
-    compilation_cache.reset_cache()  # JAX opens its cache once per process: make it open this one
-    try:
-        for name, value in zip(_CACHE_SETTINGS, (os.path.abspath(path), 0.0, -1)):  # -1: no size floor
-            jax.config.update(name, value)
-        yield
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
 
 
 # ---- output files: temp file beside the target, renamed on success ---------------------------------------------
@@ -1009,7 +974,7 @@ def main(argv=None) -> int:
                                     f"preset's capacity of {PRESET_MAX_LENGTH} tokens")
             rc = _demo(args)
         else:
-            with compile_cache(getattr(args, "compile_cache", None)):
+            with compile_cache(getattr(args, "compile_cache", None), label="--compile-cache"):
                 rc = _COMMANDS[args.command](args, out)
         sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's exit flush (a message, status 120)
         out.commit()

@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxgdn  # noqa: E402
-from jaxgdn.cli import compile_cache  # noqa: E402
+from jaxgdn.program_cache import compile_cache, stable_kernel_names  # noqa: E402
 from jaxgdn.config import PRESETS  # noqa: E402
 from pallas_kernels.backend import BACKENDS  # noqa: E402
 from scripts.gpu_model_bench import build, timed_calls  # noqa: E402
@@ -103,12 +103,15 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--order", default=",".join(ENTRY_POINTS),
-                    help="the order the entry points are first called in (a cache entry holds the Mosaic GPU kernels' "
-                         "names, which number the kernels a process lowered before it: jax 0.11.2)")
+                    help="the order the entry points are first called in (with --compile-cache a later process finds "
+                         "the programs in any order: `jaxgdn.program_cache.stable_kernel_names`)")
     ap.add_argument("--backend", choices=BACKENDS, default=None,
                     help="the GDN layers' kernel backend (default: the device's; 'reference': the kernels' share)")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache in DIR (every program kept): run twice to see a warm one")
+    ap.add_argument("--names-check", action="store_true",
+                    help="first: the prefill's logits with the Mosaic GPU kernels' names numbered (jax's) and stable "
+                         "(`stable_kernel_names`), compared bitwise (the first --layers count; no cache)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     try:
@@ -129,8 +132,34 @@ def main():
             "device": jax.devices()[0].device_kind, "host": platform.node(), "argv": vars(args)}
     log(json.dumps(meta))
     results = {"meta": meta, "by_layers": {}}
+    if args.names_check:
+        results["names_check"] = names_check(args.preset, layer_counts[0], args.prefill_tokens, args.backend)
+        write(args.out, results)
     with compile_cache(args.compile_cache):  # the CLI's --compile-cache: every program kept in DIR
         measure(args, layer_counts, order, results)
+
+
+def names_check(preset: str, layers: int, T: int, backend) -> dict:
+    """The model's prefill (B = 1, T tokens; the last logits and the new state) lowered and compiled twice, with jax's
+    numbered Mosaic GPU kernel names and inside `stable_kernel_names`: the kernels' code must be the same (only their
+    name attribute differs), so every array must be equal in every element. Logged; returns {equal, arrays}."""
+    model = build(preset, layers).with_backend(backend)
+    toks = jax.random.randint(jax.random.key(2), (1, T), 0, model.config.vocab_size, jnp.int32)
+    state = model.init_state(1, T)
+
+    def logits():  # a new function object each time: lowered and compiled again, not taken from jit's cache
+        fn = jaxgdn.model.jit(functools.partial(jaxgdn.prefill_chunk, last_only=True))
+        return [np.asarray(x) for x in jax.tree.leaves(fn(model, state, toks))]
+
+    numbered = logits()
+    with stable_kernel_names():
+        stable = logits()
+    equal = len(numbered) == len(stable) and all(np.array_equal(a, b) for a, b in zip(numbered, stable))
+    out = {"equal": equal, "arrays": len(numbered)}
+    log(f"names check ({layers} layers, {T} tokens): the last logits and the state with stable kernel names "
+        f"{'EQUAL' if equal else 'DIFFER'} to the numbered names' in every element ({len(numbered)} arrays, "
+        f"{sum(a.size for a in numbered)} values)")
+    return out
 
 
 def measure(args, layer_counts, order, results: dict):

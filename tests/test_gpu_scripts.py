@@ -89,17 +89,20 @@ def test_compile_times_script(tmp_path, monkeypatch):
 
 def test_compile_times_script_fills_a_compile_cache(tmp_path):
     """--compile-cache DIR (a subprocess: JAX's cache settings are the process's): the programs land in DIR, and the
-    JSON records the directory and that it was empty before; --order sets the order of the first calls."""
+    JSON records the directory and that it was empty before; --order sets the order of the first calls; --names-check
+    finds the prefill's arrays equal with and without stable kernel names (on a CPU no Mosaic GPU kernel is lowered:
+    the plumbing, and that the context changes nothing else)."""
     cache = tmp_path / "xla"
     r = _run([str(ROOT / "scripts" / "gpu_compile_times.py"), "--preset", "tiny", "--layers", "1", "--prefill-tokens",
               "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache),
-              "--order", "generate,decode,prefill", "--out", str(tmp_path)], tmp_path)
+              "--order", "generate,decode,prefill", "--names-check", "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     res = json.loads((tmp_path / "compile_times.json").read_text())
     meta = res["meta"]
     assert meta["compile_cache"] == str(cache) and meta["cache_entries_before"] == 0
     assert list(res["by_layers"]["1"]) == ["generate", "decode", "prefill"]  # --order: the order they were called in
     assert len(list(cache.iterdir())) >= 3  # prefill, decode and generate's programs at least
+    assert res["names_check"]["equal"] is True and res["names_check"]["arrays"] >= 2
 
 
 @pytest.fixture(scope="module")

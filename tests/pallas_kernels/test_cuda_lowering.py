@@ -139,22 +139,54 @@ def test_chunk_with_the_mosaic_recurrence_lowers_for_h200(K, V, stride):
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
 
 
-def test_mosaic_gpu_kernels_are_numbered_by_the_process():
-    """A canary for a documented caveat (README, "First calls compile"): jax 0.11.2 names every Mosaic GPU kernel it
-    lowers with a per-process count (the module's `mosaic_gpu.dump_basename`), and the kernel's hash and module are
-    part of the program, so the same prefill lowered twice in one process is two programs to XLA and to JAX's
-    persistent compilation cache, and a new process finds a cached program only if it lowered as many Mosaic GPU
-    kernels before it. The Triton kernels' lowering is the same both times. When this fails, jax lowers a kernel
-    alike each time: drop the caveat."""
+def _mosaic_prefill_lowered_twice():
+    """The prefill with the Mosaic GPU recurrence lowered twice in this process: ((lowered, Triton modules) x 2)."""
     f = lambda q, k, v, g, b, s0, n: chunk_gated_delta_rule_pallas(q, k, v, g, b, initial_state=s0, lengths=n,
                                                                    config={"recurrence": "mosaic"})
     args = chunk_args(1, 128, 2, 4, 64, 64, jnp.bfloat16)
-    (one, triton_one), (two, triton_two) = lower_for_h200(f, *args), lower_for_h200(f, *args)
+    return lower_for_h200(f, *args), lower_for_h200(f, *args)
+
+
+def _mosaic_kernel_ids(lowered):
+    """The Mosaic GPU kernels' hashes, and their numbered names (`\\00name_count\\00` before the dialect's name in
+    the module's bytes)."""
+    text = lowered.as_text()
+    return (re.findall(r'kernel_hash = "(.*?)", module', text),
+            re.findall(r"\\00([A-Za-z_]+_\d+)\\00stable_mosaic_gpu", text))
+
+
+def test_mosaic_gpu_kernels_are_numbered_by_the_process():
+    """A canary for what `jaxgdn.program_cache.stable_kernel_names` works around: jax 0.11.2 names every Mosaic GPU
+    kernel it lowers with a per-process count (the module's `mosaic_gpu.dump_basename`), and the kernel's hash and
+    module are part of the program, so the same prefill lowered twice in one process is two programs to XLA and to
+    JAX's persistent compilation cache, and a new process finds a cached program only if it lowered as many Mosaic
+    GPU kernels before it. The Triton kernels' lowering is the same both times. When this fails, jax lowers a kernel
+    alike each time: drop the work-around."""
+    (one, triton_one), (two, triton_two) = _mosaic_prefill_lowered_twice()
     assert [str(m) for m in triton_one] == [str(m) for m in triton_two]
-    hashes = [re.findall(r'kernel_hash = "(.*?)", module', x.as_text()) for x in (one, two)]
-    assert len(hashes[0]) == len(hashes[1]) == 1 and hashes[0] != hashes[1]
-    names = [re.findall(r"\\00([A-Za-z_]+_\d+)\\00stable_mosaic_gpu", x.as_text()) for x in (one, two)]
-    assert len(names[0]) == 1 and len(names[1]) == 1 and names[0] != names[1], names
+    (hashes_one, names_one), (hashes_two, names_two) = _mosaic_kernel_ids(one), _mosaic_kernel_ids(two)
+    assert len(hashes_one) == len(hashes_two) == 1 and hashes_one != hashes_two
+    assert len(names_one) == len(names_two) == 1 and names_one != names_two, (names_one, names_two)
+
+
+def test_stable_kernel_names_lower_a_mosaic_gpu_kernel_alike_every_time(tmp_path):
+    """Inside `stable_kernel_names` (and so inside `jaxgdn.compile_cache`) the same prefill lowers to the same program
+    every time in one process — its Mosaic GPU kernel's hash the same, no numbered name in it — so a process finds
+    it in the persistent cache whatever it lowered before; outside, jax's count is back (the context restores the
+    lowering)."""
+    from jaxgdn import compile_cache
+    from jaxgdn.program_cache import stable_kernel_names
+
+    with stable_kernel_names():
+        (one, _), (two, _) = _mosaic_prefill_lowered_twice()
+    with compile_cache(tmp_path / "cache"):  # the public form: the cache settings and the names together
+        (three, _), _ = _mosaic_prefill_lowered_twice()
+    assert one.as_text() == two.as_text() == three.as_text()
+    hashes, numbered = _mosaic_kernel_ids(one)
+    assert len(hashes) == 1 and numbered == []
+    (after, _), _ = _mosaic_prefill_lowered_twice()  # the context gone: the per-process count again
+    hashes_after, numbered_after = _mosaic_kernel_ids(after)
+    assert len(numbered_after) == 1 and hashes_after != hashes
 
 
 @pytest.mark.parametrize("B,T,stride,config", [(1, 8192, 1000, None), (64, 1, None, None),
