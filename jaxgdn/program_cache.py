@@ -12,8 +12,9 @@ before it: the same calls in the same order (run 190, an H100: `generate` then `
 ran them the other way round waited 9.2 s for each, against 2.0-2.5 s when the order matched, run 165).
 `stable_kernel_names` names each kernel after its module alone while it is active — the attribute set before jax
 asks for it, which `get_or_set_dump_options` then keeps — so the same kernel lowers to the same bytes every time.
-The name is used for nothing else than the files `MOSAIC_GPU_DUMP_*` debugging writes (kernels of one name would
-then share a file name). The kernel's code does not change: the attribute is not read by its compilation.
+jax's Python side reads the name only to name the files its Mosaic GPU dump options write (kernels of one name then
+share a file name); whether the compiled kernel is the same with either name is for a GPU to show
+(`scripts/gpu_compile_times.py --names-check`: the prefill's arrays with and without, bitwise).
 """
 
 from __future__ import annotations

@@ -110,8 +110,9 @@ def main():
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache in DIR (every program kept): run twice to see a warm one")
     ap.add_argument("--names-check", action="store_true",
-                    help="first: the prefill's logits with the Mosaic GPU kernels' names numbered (jax's) and stable "
-                         "(`stable_kernel_names`), compared bitwise (the first --layers count; no cache)")
+                    help="first: the prefill's last logits and state with the Mosaic GPU kernels' names numbered "
+                         "(jax's) and stable (`stable_kernel_names`), compared bitwise (the first --layers count; no "
+                         "cache)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     try:
