@@ -32,8 +32,9 @@ _DUMP_NAME = "mosaic_gpu.dump_basename"
 @contextlib.contextmanager
 def stable_kernel_names():
     """Mosaic GPU kernels lowered inside this context carry their module's name alone, without jax's per-process
-    count (module docstring), so a kernel lowers to the same program in any process, after anything. On exit jax's
-    lowering is as it was. Nothing changes where jax has no Mosaic GPU lowering of that form (other versions)."""
+    count (module docstring), so a kernel lowers to the same program in any process, after anything. Process-wide
+    while active (it swaps one jax function, in every thread); on exit jax's lowering is as it was. Nothing changes
+    where jax has no Mosaic GPU lowering of that form (other versions)."""
     try:
         from jax._src.lib.mlir import ir
         from jax.experimental.mosaic.gpu import core as mgpu_core
