@@ -10,7 +10,7 @@ a Python loop, so the traced program holds every layer; how much of that the com
 (runs 165-167, an H100, BENCHMARKS.md "How long a first call waits": 17-19 s for the prefill's first call at 4 layers,
 38 s at 32, 2.8 s with the cache warm).
   PYTHONPATH=. python3 scripts/gpu_compile_times.py [--preset qwen3.5-9b] [--layers 4,8,32] [--compile-cache DIR]
-      [--backend reference|pallas|interpret] [--order prefill,decode,generate] [--out DIR]
+      [--backend reference|pallas|interpret] [--order prefill,decode,generate] [--names-check] [--out DIR]
 With --compile-cache, JAX's persistent compilation cache holds every program in DIR: a second process with the same
 DIR shows what a user's restart waits for. On a CPU it runs with `--preset tiny` (the test uses `--layers 1,2`).
 Writes compile_times.json into --out after every depth.
@@ -103,8 +103,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--order", default=",".join(ENTRY_POINTS),
-                    help="the order the entry points are first called in (with --compile-cache a later process finds "
-                         "the programs in any order: `jaxgdn.program_cache.stable_kernel_names`)")
+                    help="the order the entry points are first called in (with --compile-cache the Mosaic GPU kernels' "
+                         "names do not count the process's lowerings: `jaxgdn.program_cache.stable_kernel_names`)")
     ap.add_argument("--backend", choices=BACKENDS, default=None,
                     help="the GDN layers' kernel backend (default: the device's; 'reference': the kernels' share)")
     ap.add_argument("--compile-cache", metavar="DIR",
