@@ -13,8 +13,9 @@ ran them the other way round waited 9.2 s for each, against 2.0-2.5 s when the o
 `stable_kernel_names` names each kernel after its module alone while it is active — the attribute set before jax
 asks for it, which `get_or_set_dump_options` then keeps — so the same kernel lowers to the same bytes every time.
 jax's Python side reads the name only to name the files its Mosaic GPU dump options write (kernels of one name then
-share a file name); whether the compiled kernel is the same with either name is for a GPU to show
-(`scripts/gpu_compile_times.py --names-check`: the prefill's arrays with and without, bitwise).
+share a file name). On an H100 (run 191) the prefill's arrays were equal in every element with and without it
+(`scripts/gpu_compile_times.py --names-check`), and a process calling in the other order found the cached programs
+(1.25 s for the prefill, 2.4 s for `generate`).
 """
 
 from __future__ import annotations
