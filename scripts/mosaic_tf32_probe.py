@@ -17,6 +17,13 @@ Exit status 0 whatever it finds: it is a measurement. What it found on the H200 
 Mosaic GPU wgmma truncates fp32 operands, and on operands rounded to nearest first it gives the Triton dots' bits;
 exact exp and rsqrt agree, the fast exp and the row sum's order of additions do not.
 
+With --tile-sums it asks what moving u = X (beta v) into the fused Mosaic GPU recurrence would need
+(`docs/speed_gaps.md`, "What is left for the prefill", item 1): block row i of u as the prep computes it
+(`chunk._wy_block_row`, Pallas-Triton: one [16, 16] x [16, V] TF32 dot per tile X_im, m <= i, the results added in
+order) against a Mosaic GPU kernel computing each tile's product as a 64-row wgmma (the tile at rows 0..15 among
+zeros, K = 16, N = --tile-n) on operands rounded to TF32 beforehand, the tiles' products either chained in one
+accumulator (`chain`) or each in a fresh accumulator and added in registers in the prep's order (`sum`).
+
 On a CPU (`--lower-only`) it only lowers the Mosaic GPU kernels for an abstract H200 (what the CI checks: the API of
 jax 0.11.2 as this script uses it).
 """
@@ -24,6 +31,7 @@ jax 0.11.2 as this script uses it).
 from __future__ import annotations
 
 import argparse
+import functools
 
 import numpy as np
 
@@ -69,6 +77,107 @@ def mosaic_dot(a, b_t):
                        plgpu.Barrier(num_barriers=2)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(a, b_t)
+
+
+def mosaic_tile_sums(x_tiles, b_t, *, chained: bool):
+    """x_tiles [n, 64, 16] fp32 (each a [16, 16] tile at rows 0..15, zeros below), b_t [n, N, 16] fp32 (K-major) ->
+    sum_m x_tiles[m] @ b_t[m].T [64, N]: one Mosaic GPU kernel, one warpgroup, one TF32 wgmma per tile (K = 16:
+    64-byte swizzle); `chained`: every wgmma into one accumulator, else each into a fresh one, the results added in
+    registers in m's order (`chunk._wy_block_row`'s order: ((p0 + p1) + p2) + ...)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, M, K = x_tiles.shape
+    N = b_t.shape[1]
+    swz = plgpu.find_swizzle(K * 32)  # bytes: K fp32 per row
+    tiled = (plgpu.TilingTransform((8, swz // 4)), plgpu.SwizzleTransform(swz))
+    out_swz = plgpu.find_swizzle(N * 32)
+    out_tiled = (plgpu.TilingTransform((8, out_swz // 4)), plgpu.SwizzleTransform(out_swz))
+
+    def kernel(a_gmem, b_gmem, out_gmem, a_smem, b_smem, o_smem, barriers):
+        plgpu.copy_gmem_to_smem(a_gmem, a_smem, barriers.at[0])
+        plgpu.copy_gmem_to_smem(b_gmem, b_smem, barriers.at[1])
+        plgpu.barrier_wait(barriers.at[0])
+        plgpu.barrier_wait(barriers.at[1])
+        if chained:
+            def with_accumulator(acc):
+                for m in range(n):
+                    plgpu.wgmma(acc, a_smem.at[m], b_smem.at[m].T)
+                o_smem[...] = acc[...]
+            pl.run_scoped(with_accumulator, plgpu.ACC((M, N), jnp.float32))
+        else:
+            total = None
+            for m in range(n):
+                def one(acc, m=m):
+                    plgpu.wgmma(acc, a_smem.at[m], b_smem.at[m].T)
+                    return acc[...]
+                part = pl.run_scoped(one, plgpu.ACC((M, N), jnp.float32))
+                total = part if total is None else total + part
+            o_smem[...] = total
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        scratch_types=[plgpu.SMEM((n, M, K), jnp.float32, transforms=tiled),
+                       plgpu.SMEM((n, N, K), jnp.float32, transforms=tiled),
+                       plgpu.SMEM((M, N), jnp.float32, transforms=out_tiled),
+                       plgpu.Barrier(num_barriers=2)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x_tiles, b_t)
+
+
+def triton_block_row(x, bk, bv, i: int):
+    """w and u of block row i as the prep computes them: `chunk._wy_block_row` in a Pallas-Triton kernel (4 warps,
+    the prep's default precision "tf32"). x [NB, NB, 16, 16] (tile (i, m) at x[i, m]), bk [NB, 16, K], bv [NB, 16, V]
+    -> (w [16, K], u [16, V])."""
+    from jax.experimental.pallas import triton as plt
+
+    from pallas_kernels.gated_delta import chunk as ck
+
+    def kernel(x_ref, bk_ref, bv_ref, w_ref, u_ref):
+        tiles = {(i, m): x_ref[i, m] for m in range(i + 1)}
+        bks = [bk_ref[m] for m in range(i + 1)]
+        bvs = [bv_ref[m] for m in range(i + 1)]
+        w, u = ck._wy_block_row(i, tiles, bks, bvs, ck.DEFAULT_CONFIG, False)
+        w_ref[...] = w
+        u_ref[...] = u
+
+    f32 = jnp.float32
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((16, bk.shape[-1]), f32), jax.ShapeDtypeStruct((16, bv.shape[-1]), f32)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+    )(x, bk, bv)
+
+
+def tile_sums_probe(seeds: int, n_cols: int) -> None:
+    """u's block row i = 1..3 by the prep (Triton) against Mosaic GPU's two forms, fresh random operands: X tiles as
+    an inverse's entries (N(0, 1) / 4, its diagonal tiles unit lower-triangular) and beta v rows (bf16 values times
+    beta in (0, 1)), V = 128, Mosaic's N = `n_cols` (the fused kernel's V block: its first columns compared)."""
+    for seed in range(seeds):
+        rng = np.random.default_rng(200 + seed)
+        x = (rng.standard_normal((4, 4, 16, 16)) / 4).astype(np.float32)
+        for m in range(4):
+            x[m, m] = np.tril(x[m, m], -1) + np.eye(16, dtype=np.float32)
+        v = rng.standard_normal((4, 16, 128)).astype(jnp.bfloat16).astype(np.float32)
+        beta = rng.uniform(0.0, 1.0, (4, 16, 1)).astype(np.float32)
+        bv = (v * beta).astype(np.float32)
+        bk = (rng.standard_normal((4, 16, 128)) / 11).astype(np.float32)
+        for i in (1, 2, 3):
+            _, u = (np.asarray(t) for t in jax.jit(functools.partial(triton_block_row, i=i))(x, bk, bv))
+            tiles = np.zeros((i + 1, 64, 16), np.float32)
+            for m in range(i + 1):
+                tiles[m, :16] = tf32_rna(x[i, m])
+            b_t = np.stack([tf32_rna(bv[m][:, :n_cols].T) for m in range(i + 1)])  # [n, N, 16]
+            exact = sum(tiles[m, :16].astype(np.float64) @ b_t[m].astype(np.float64).T for m in range(i + 1))
+            print(f"tile sums, seed {seed}, block row {i} ({i + 1} tiles, N = {n_cols}):", flush=True)
+            for chained in (True, False):
+                got = np.asarray(jax.jit(functools.partial(mosaic_tile_sums, chained=chained))(
+                    jnp.asarray(tiles), jnp.asarray(b_t)))[:16]
+                compare(f"mosaic {'chain' if chained else 'sum'} vs prep", got, u[:, :n_cols])
+            compare("prep vs rna-rounded fp64", u[:, :n_cols], exact.astype(np.float32))
 
 
 def triton_dot(a, b_t, rows: int):
@@ -197,8 +306,22 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="128,64;64,64;128,16", help="K,N pairs, ';'-separated (M = 64)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--no-ops", action="store_true", help="skip the elementwise / reduction comparison")
+    ap.add_argument("--tile-sums", action="store_true",
+                    help="only the tile-sum probe: u's block row by the prep against Mosaic GPU wgmmas (docstring)")
+    ap.add_argument("--tile-n", type=int, default=64, help="the Mosaic GPU tile-sum kernel's N (a V block)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(n) for n in kn.split(",")) for kn in args.shapes.split(";")]
+    if args.lower_only and args.tile_sums:
+        for n in (2, 4):
+            sds = (jax.ShapeDtypeStruct((n, 64, 16), jnp.float32), jax.ShapeDtypeStruct((n, args.tile_n, 16), jnp.float32))
+            for chained in (True, False):
+                print(f"tile sums, {n} tiles, chained={chained}: "
+                      f"{_lowered(functools.partial(mosaic_tile_sums, chained=chained), *sds)}")
+        return 0
+    if args.tile_sums:
+        print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+        tile_sums_probe(args.seeds, args.tile_n)
+        return 0
     if args.lower_only:
         for K, N in shapes:
             sds = (jax.ShapeDtypeStruct((64, K), jnp.float32), jax.ShapeDtypeStruct((N, K), jnp.float32))

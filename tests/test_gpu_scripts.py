@@ -259,8 +259,8 @@ def test_replay_diff_passes_its_config_to_the_step():
 def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     """`scripts/mosaic_tf32_probe.py --lower-only`: its Mosaic GPU TF32 wgmma kernel lowers for CUDA here (the jax
     0.11.2 API it uses: TMA copies into swizzled shared memory, a barrier each, wgmma, the store back), at an output
-    narrower than a 128-byte swizzle too, and its elementwise / row-sum kernel with and without approx_math; and its
-    TF32 roundings: to nearest, ties away from zero, and toward zero."""
+    narrower than a 128-byte swizzle too, and its elementwise / row-sum kernel with and without approx_math; its
+    TF32 roundings: to nearest, ties away from zero, and toward zero; and `--tile-sums`' kernel."""
     import numpy as np
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -276,6 +276,11 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     x = np.array([1 + ulp / 2, 1 + ulp / 4, 1 + 3 * ulp / 4, -(1 + ulp / 2), 3.0], np.float32)
     assert probe.tf32_rna(x).tolist() == [1 + ulp, 1.0, 1 + ulp, -(1 + ulp), 3.0]
     assert probe.tf32_rz(x).tolist() == [1.0, 1.0, 1.0, -1.0, 3.0]
+    # --tile-sums: the Mosaic GPU kernel of 64-row wgmmas on [16, 16] tiles (K = 16, a 64-byte swizzle), chained and
+    # summed, for 2 and 4 tiles
+    assert probe.main(["--lower-only", "--tile-sums"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("lowered, a Mosaic GPU custom call") == 4, out
 
 
 def test_cache_memory_script(tmp_path):
