@@ -42,6 +42,25 @@ from jax.experimental import pallas as pl
 SWIZZLE = 128  # bytes: 32 fp32 per swizzled row
 
 
+def _swizzled(n_cols: int):
+    """The shared-memory transforms of an fp32 buffer with `n_cols` columns: 8-row tiles, the widest swizzle its rows
+    allow (128 bytes at 32 columns and more)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(n_cols * 32)  # bytes
+    return plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)
+
+
+def _operands_in_smem(a_gmem, b_gmem, a_smem, b_smem, barriers):
+    """Both operands into shared memory by TMA, one barrier each, and waited for."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.copy_gmem_to_smem(a_gmem, a_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(b_gmem, b_smem, barriers.at[1])
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
+
+
 def mosaic_dot(a, b_t):
     """a [M, K] fp32, b_t [N, K] fp32 -> a @ b_t.T [M, N] fp32: one Mosaic GPU kernel, one TF32 wgmma chain (M a
     multiple of 64, K of 32, N of 8; `docs/mosaic_gpu.md`)."""
@@ -50,14 +69,10 @@ def mosaic_dot(a, b_t):
     M, K = a.shape
     N = b_t.shape[0]
     swizzled = (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
-    out_swizzle = plgpu.find_swizzle(N * 32)  # bytes (the output's rows may be narrower than 128 bytes)
-    out_swizzled = (plgpu.TilingTransform((8, out_swizzle // 4)), plgpu.SwizzleTransform(out_swizzle))
+    out_swizzled = _swizzled(N)  # the output's rows may be narrower than 128 bytes
 
     def kernel(a_gmem, b_gmem, out_gmem, a_smem, b_smem, o_smem, barriers):
-        plgpu.copy_gmem_to_smem(a_gmem, a_smem, barriers.at[0])
-        plgpu.copy_gmem_to_smem(b_gmem, b_smem, barriers.at[1])
-        plgpu.barrier_wait(barriers.at[0])
-        plgpu.barrier_wait(barriers.at[1])
+        _operands_in_smem(a_gmem, b_gmem, a_smem, b_smem, barriers)
 
         def with_accumulator(acc):
             plgpu.wgmma(acc, a_smem, b_smem.T)  # fp32 operands: TF32; B K-major (stored [N, K])
@@ -88,16 +103,10 @@ def mosaic_tile_sums(x_tiles, b_t, *, chained: bool):
 
     n, M, K = x_tiles.shape
     N = b_t.shape[1]
-    swz = plgpu.find_swizzle(K * 32)  # bytes: K fp32 per row
-    tiled = (plgpu.TilingTransform((8, swz // 4)), plgpu.SwizzleTransform(swz))
-    out_swz = plgpu.find_swizzle(N * 32)
-    out_tiled = (plgpu.TilingTransform((8, out_swz // 4)), plgpu.SwizzleTransform(out_swz))
+    tiled, out_tiled = _swizzled(K), _swizzled(N)  # K = 16: 64-byte rows
 
     def kernel(a_gmem, b_gmem, out_gmem, a_smem, b_smem, o_smem, barriers):
-        plgpu.copy_gmem_to_smem(a_gmem, a_smem, barriers.at[0])
-        plgpu.copy_gmem_to_smem(b_gmem, b_smem, barriers.at[1])
-        plgpu.barrier_wait(barriers.at[0])
-        plgpu.barrier_wait(barriers.at[1])
+        _operands_in_smem(a_gmem, b_gmem, a_smem, b_smem, barriers)
         if chained:
             def with_accumulator(acc):
                 for m in range(n):
