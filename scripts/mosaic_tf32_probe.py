@@ -162,7 +162,8 @@ def triton_block_row(x, bk, bv, i: int):
 
 
 def tile_sums_probe(seeds: int, n_cols: int) -> None:
-    """u's block row i = 1..3 by the prep (Triton) against Mosaic GPU's two forms, fresh random operands: X tiles as
+    """u's block row i = 1..3 by the prep (Triton) against Mosaic GPU's two forms, and all four block rows against one
+    Mosaic GPU wgmma chain over the whole [64, 64] X (`mosaic_dot`, K = 64), fresh random operands: X tiles as
     an inverse's entries (N(0, 1) / 4, its diagonal tiles unit lower-triangular) and beta v rows (bf16 values times
     beta in (0, 1)), V = 128, Mosaic's N = `n_cols` (the fused kernel's V block: its first columns compared)."""
     for seed in range(seeds):
@@ -174,8 +175,12 @@ def tile_sums_probe(seeds: int, n_cols: int) -> None:
         beta = rng.uniform(0.0, 1.0, (4, 16, 1)).astype(np.float32)
         bv = (v * beta).astype(np.float32)
         bk = (rng.standard_normal((4, 16, 128)) / 11).astype(np.float32)
-        for i in (1, 2, 3):
+        prep = []  # u's block rows as the prep computes them
+        for i in range(4):
             _, u = (np.asarray(t) for t in jax.jit(functools.partial(triton_block_row, i=i))(x, bk, bv))
+            prep.append(u[:, :n_cols])
+            if i == 0:
+                continue
             tiles = np.zeros((i + 1, 64, 16), np.float32)
             for m in range(i + 1):
                 tiles[m, :16] = tf32_rna(x[i, m])
@@ -187,6 +192,16 @@ def tile_sums_probe(seeds: int, n_cols: int) -> None:
                     jnp.asarray(tiles), jnp.asarray(b_t)))[:16]
                 compare(f"mosaic {'chain' if chained else 'sum'} vs prep", got, u[:, :n_cols])
             compare("prep vs rna-rounded fp64", u[:, :n_cols], exact.astype(np.float32))
+        # all of u at once: one wgmma chain over the whole block lower-triangular X (K = 64: each block row's tiles in
+        # m's order, then zeros), as the fused recurrence would run it
+        x_whole = np.zeros((64, 64), np.float32)
+        for i in range(4):
+            for m in range(i + 1):
+                x_whole[16 * i:16 * i + 16, 16 * m:16 * m + 16] = x[i, m]
+        b_whole = np.concatenate(list(bv), axis=0)[:, :n_cols].T  # [N, 64], K-major
+        got = np.asarray(jax.jit(mosaic_dot)(jnp.asarray(tf32_rna(x_whole)), jnp.asarray(tf32_rna(b_whole))))
+        print(f"tile sums, seed {seed}, all of u by one [64, 64] x [64, {n_cols}] wgmma chain:", flush=True)
+        compare("mosaic whole X vs prep", got, np.concatenate(prep, axis=0))
 
 
 def triton_dot(a, b_t, rows: int):
