@@ -22,7 +22,9 @@ With --tile-sums it asks what moving u = X (beta v) into the fused Mosaic GPU re
 (`chunk._wy_block_row`, Pallas-Triton: one [16, 16] x [16, V] TF32 dot per tile X_im, m <= i, the results added in
 order) against a Mosaic GPU kernel computing each tile's product as a 64-row wgmma (the tile at rows 0..15 among
 zeros, K = 16, N = --tile-n) on operands rounded to TF32 beforehand, the tiles' products either chained in one
-accumulator (`chain`) or each in a fresh accumulator and added in registers in the prep's order (`sum`).
+accumulator (`chain`) or each in a fresh accumulator and added in registers in the prep's order (`sum`); then all of
+u against one wgmma chain over the whole block lower-triangular X [64, 64] (K = 64). What it found on an H100
+(BENCHMARKS.md, runs 192-193): both chains give the prep's u in every element; `sum` does not.
 
 On a CPU (`--lower-only`) it only lowers the Mosaic GPU kernels for an abstract H200 (what the CI checks: the API of
 jax 0.11.2 as this script uses it).
@@ -314,6 +316,20 @@ def _lowered(fn, *avals) -> str:
     return "lowered, " + ("a Mosaic GPU custom call" if "mosaic_gpu" in text else "no Mosaic call")
 
 
+def _triton_lowered() -> str:
+    """Whether `triton_block_row` lowers for CUDA here: Pallas-Triton needs a GPU's kind, so an abstract H200."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    f32 = jnp.float32
+    avals = (jax.ShapeDtypeStruct((4, 4, 16, 16), f32), jax.ShapeDtypeStruct((4, 16, 128), f32),
+             jax.ShapeDtypeStruct((4, 16, 128), f32))
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
+        text = jax.jit(functools.partial(triton_block_row, i=3)).trace(*avals).lower(
+            lowering_platforms=("cuda",)).as_text()
+    return "lowered, " + ("a GPU custom call" if "custom_call @__gpu" in text else "no GPU call")
+
+
 def compare(name: str, x: np.ndarray, y: np.ndarray) -> dict:
     differ = x != y
     scale = np.abs(y).max()
@@ -337,10 +353,12 @@ def main(argv=None) -> int:
     shapes = [tuple(int(n) for n in kn.split(",")) for kn in args.shapes.split(";")]
     if args.lower_only and args.tile_sums:
         for n in (2, 4):
-            sds = (jax.ShapeDtypeStruct((n, 64, 16), jnp.float32), jax.ShapeDtypeStruct((n, args.tile_n, 16), jnp.float32))
+            sds = (jax.ShapeDtypeStruct((n, 64, 16), jnp.float32),
+                   jax.ShapeDtypeStruct((n, args.tile_n, 16), jnp.float32))
             for chained in (True, False):
                 print(f"tile sums, {n} tiles, chained={chained}: "
                       f"{_lowered(functools.partial(mosaic_tile_sums, chained=chained), *sds)}")
+        print(f"tile sums, the prep's block row 3 (Pallas-Triton): {_triton_lowered()}")
         return 0
     if args.tile_sums:
         print(jax.devices()[0].device_kind, jax.__version__, flush=True)

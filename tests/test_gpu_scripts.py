@@ -277,10 +277,11 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     assert probe.tf32_rna(x).tolist() == [1 + ulp, 1.0, 1 + ulp, -(1 + ulp), 3.0]
     assert probe.tf32_rz(x).tolist() == [1.0, 1.0, 1.0, -1.0, 3.0]
     # --tile-sums: the Mosaic GPU kernel of 64-row wgmmas on [16, 16] tiles (K = 16, a 64-byte swizzle), chained and
-    # summed, for 2 and 4 tiles
+    # summed, for 2 and 4 tiles, and the prep's block row in Pallas-Triton (`chunk._wy_block_row` as the probe calls it)
     assert probe.main(["--lower-only", "--tile-sums"]) == 0
     out = capsys.readouterr().out
     assert out.count("lowered, a Mosaic GPU custom call") == 4, out
+    assert "block row 3 (Pallas-Triton): lowered, a GPU custom call" in out, out
 
 
 def test_cache_memory_script(tmp_path):
