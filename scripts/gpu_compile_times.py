@@ -103,8 +103,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--order", default=",".join(ENTRY_POINTS),
-                    help="the order the entry points are first called in (with --compile-cache the Mosaic GPU kernels' "
-                         "names do not count the process's lowerings: `jaxgdn.program_cache.stable_kernel_names`)")
+                    help="the order the entry points are first called in (with --compile-cache a later process finds "
+                         "the programs in any order: `jaxgdn.program_cache.stable_kernel_names`, run 191)")
     ap.add_argument("--backend", choices=BACKENDS, default=None,
                     help="the GDN layers' kernel backend (default: the device's; 'reference': the kernels' share)")
     ap.add_argument("--compile-cache", metavar="DIR",

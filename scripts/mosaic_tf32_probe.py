@@ -311,22 +311,15 @@ def tf32_rna(x: np.ndarray) -> np.ndarray:
 
 
 def _lowered(fn, *avals) -> str:
-    """Whether `fn` lowers for CUDA here (an exception if not) to a Mosaic GPU custom call."""
-    text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-    return "lowered, " + ("a Mosaic GPU custom call" if "mosaic_gpu" in text else "no Mosaic call")
-
-
-def _triton_lowered() -> str:
-    """Whether `triton_block_row` lowers for CUDA here: Pallas-Triton needs a GPU's kind, so an abstract H200."""
+    """Whether `fn` lowers for CUDA here (an exception if not), and to what: a Mosaic GPU custom call or Pallas-Triton's
+    GPU call. Under an abstract H200 mesh: Pallas-Triton's lowering needs a GPU's kind."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    f32 = jnp.float32
-    avals = (jax.ShapeDtypeStruct((4, 4, 16, 16), f32), jax.ShapeDtypeStruct((4, 16, 128), f32),
-             jax.ShapeDtypeStruct((4, 16, 128), f32))
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
-        text = jax.jit(functools.partial(triton_block_row, i=3)).trace(*avals).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    if "mosaic_gpu" in text:
+        return "lowered, a Mosaic GPU custom call"
     return "lowered, " + ("a GPU custom call" if "custom_call @__gpu" in text else "no GPU call")
 
 
@@ -358,7 +351,11 @@ def main(argv=None) -> int:
             for chained in (True, False):
                 print(f"tile sums, {n} tiles, chained={chained}: "
                       f"{_lowered(functools.partial(mosaic_tile_sums, chained=chained), *sds)}")
-        print(f"tile sums, the prep's block row 3 (Pallas-Triton): {_triton_lowered()}")
+        f32 = jnp.float32
+        avals = (jax.ShapeDtypeStruct((4, 4, 16, 16), f32), jax.ShapeDtypeStruct((4, 16, 128), f32),
+                 jax.ShapeDtypeStruct((4, 16, 128), f32))
+        print(f"tile sums, the prep's block row 3 (Pallas-Triton): "
+              f"{_lowered(functools.partial(triton_block_row, i=3), *avals)}")
         return 0
     if args.tile_sums:
         print(jax.devices()[0].device_kind, jax.__version__, flush=True)
