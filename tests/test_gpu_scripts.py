@@ -91,11 +91,13 @@ def test_compile_times_script_fills_a_compile_cache(tmp_path):
     """--compile-cache DIR (a subprocess: JAX's cache settings are the process's): the programs land in DIR, and the
     JSON records the directory and that it was empty before; --order sets the order of the first calls; --names-check
     finds the prefill's arrays equal with and without stable kernel names (on a CPU no Mosaic GPU kernel is lowered:
-    the plumbing, and that the context changes nothing else)."""
+    the plumbing, and that the context changes nothing else). A second process calling in the other order finds
+    every entry point's program in DIR: what it adds are small eager programs (random inputs, casts) that the
+    first process compiled in its --names-check, before the cache was open (run 191's "19 -> 30 entries")."""
     cache = tmp_path / "xla"
-    r = _run([str(ROOT / "scripts" / "gpu_compile_times.py"), "--preset", "tiny", "--layers", "1", "--prefill-tokens",
-              "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache),
-              "--order", "generate,decode,prefill", "--names-check", "--out", str(tmp_path)], tmp_path)
+    args = [str(ROOT / "scripts" / "gpu_compile_times.py"), "--preset", "tiny", "--layers", "1", "--prefill-tokens",
+            "64", "--decode-batch", "2", "--prompt-tokens", "10", "--new-tokens", "2", "--compile-cache", str(cache)]
+    r = _run(args + ["--order", "generate,decode,prefill", "--names-check", "--out", str(tmp_path)], tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     res = json.loads((tmp_path / "compile_times.json").read_text())
     meta = res["meta"]
@@ -103,6 +105,14 @@ def test_compile_times_script_fills_a_compile_cache(tmp_path):
     assert list(res["by_layers"]["1"]) == ["generate", "decode", "prefill"]  # --order: the order they were called in
     assert len(list(cache.iterdir())) >= 3  # prefill, decode and generate's programs at least
     assert res["names_check"]["equal"] is True and res["names_check"]["arrays"] >= 2
+
+    entry_points = ("jit_prefill_chunk-", "jit_decode_step-", "jit__generate_core-", "jit__prefill_core-")
+    first = {p.name for p in cache.iterdir()}
+    assert all(any(name.startswith(e) for name in first) for e in entry_points), sorted(first)
+    r = _run(args + ["--order", "prefill,decode,generate", "--out", str(tmp_path / "second")], tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    added = {p.name for p in cache.iterdir()} - first
+    assert not [name for name in added if name.startswith(entry_points)], sorted(added)
 
 
 @pytest.fixture(scope="module")
