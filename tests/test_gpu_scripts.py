@@ -294,6 +294,25 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     assert "block row 3 (Pallas-Triton): lowered, a GPU custom call" in out, out
 
 
+def test_triton_order_probe_models_an_inverse_and_lowers_its_kernel(capsys):
+    """`scripts/triton_order_probe.py`: each modelled summation order computes the inverse of I + A by forward
+    substitution (to fp32 rounding), the orders differ in some elements (so one matching a GPU kernel's tiles in every
+    element tells them apart), and the probe's kernel — the prep's own substitution code — lowers for CUDA here."""
+    import numpy as np
+
+    from scripts import triton_order_probe as probe
+
+    rng = np.random.default_rng(3)
+    at = np.triu(rng.uniform(-0.5, 0.5, (16, 16)), 1).astype(np.float32)  # A^T: A strictly lower
+    eye = np.eye(16)
+    models = {order: probe.substitution_model(at, order) for order in ("g", "g8", "plain")}
+    for order, t in models.items():
+        np.testing.assert_allclose((eye + at.T.astype(np.float64)) @ t, eye, atol=1e-5, err_msg=order)
+    assert not np.array_equal(models["g"], models["plain"]) and not np.array_equal(models["g"], models["g8"])
+    assert probe.main(["--lower-only"]) == 0
+    assert "lowered, a GPU custom call" in capsys.readouterr().out
+
+
 def test_cache_memory_script(tmp_path):
     """scripts/gpu_cache_memory.py at a tiny size: a prompt's checkpoints hold less than with a key/value copy each,
     and the longer request restored from them equals it cold; a batch restored from them by `state_from_checkpoints`
