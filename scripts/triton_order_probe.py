@@ -8,8 +8,8 @@ from the prep's PTX for sm_90a (`ptxas_report.py --replay --dump`, 2026-12-07): 
     p_g = fma(a_g, t_gn, a_(g+8) t_(g+8)n)                         (in the thread: the add contracted into an FMA)
     s   = butterfly of adds over lane offsets 16, 8, 4           (g xor 4, then g xor 2, then g xor 1)
 (`tree_sum`). This script runs `wy.diag_tiles_by_substitution` — the prep's own code — in a Pallas-Triton kernel
-with the prep's warps on random keys, gates and betas, and recomputes each tile's 15 steps in float64-exact NumPy
-from the kernel's own A_ii^T under three orders: the model above, the model with the FMA on row g + 8, and a plain
+with the prep's warps on random keys, gates and betas, and recomputes each tile's 15 steps in NumPy (the FMA
+through float64) from the kernel's own A_ii^T under three orders: the model above, the model with the FMA on row g + 8, and a plain
 left-to-right sum. On a GPU the model matching in every element is the order; on a CPU (interpret mode, XLA's order)
 the figures say nothing about Triton, and --lower-only only lowers the kernel for an abstract H200. The probe's
 kernel takes the prep's layout (checked offline: its TTGIR's tiles are `nvidia_mma` with warps [1, 4], as the
@@ -38,9 +38,9 @@ K = 128
 
 
 def fma32(a, b, c):
-    """fp32 fma(a, b, c), one rounding: a * b is exact in float64 (24 + 24 bits), and the float64 sum's rounding
-    before the float32 one can differ from a single rounding only at float64 ties, which these inputs do not reach
-    (an element that did would show as a difference, not hide one)."""
+    """fp32 fma(a, b, c): a * b is exact in float64 (24 + 24 bits); the sum rounded to float64 and then to float32
+    differs from one rounding only where the first lands on a float32 halfway point (about one sum in 2^29), and such
+    an element would show as a difference, not hide one."""
     return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
 
 
