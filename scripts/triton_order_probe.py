@@ -10,8 +10,9 @@ from the prep's PTX for sm_90a (`ptxas_report.py --replay --dump`, 2026-12-07): 
 (`tree_sum`). This script runs `wy.diag_tiles_by_substitution` — the prep's own code — in a Pallas-Triton kernel
 with the prep's warps on random keys, gates and betas, and recomputes each tile's 15 steps in NumPy (the FMA
 through float64) from the kernel's own A_ii^T under three orders: the model above, the model with the FMA on row
-g + 8, and a plain left-to-right sum. On a GPU the model matching in every element is the order; on a CPU (interpret mode, XLA's order)
-the figures say nothing about Triton, and --lower-only only lowers the kernel for an abstract H200. The probe's
+g + 8, and a plain left-to-right sum. On a GPU the model matching in every element is the order; on a CPU
+(interpret mode, XLA's order) the figures say nothing about Triton, and --lower-only only lowers the kernel for an
+abstract H200. The probe's
 kernel takes the prep's layout (checked offline: its TTGIR's tiles are `nvidia_mma` with warps [1, 4], as the
 prep's, once T_i feeds a [16, 128] dot, and its PTX has the same FMA-then-butterfly sums). Not yet run on a GPU
 (written 2026-12-07; no device time was left that session).
