@@ -9,15 +9,21 @@ from the prep's PTX for sm_90a (`ptxas_report.py --replay --dump`, 2026-12-07): 
     s   = butterfly of adds over lane offsets 16, 8, 4           (g xor 4, then g xor 2, then g xor 1)
 (`tree_sum`). This script runs `wy.diag_tiles_by_substitution` — the prep's own code — in a Pallas-Triton kernel
 with the prep's warps on random keys, gates and betas, and recomputes each tile's 15 steps in NumPy (the FMA
-through float64) from the kernel's own A_ii^T under three orders: the model above, the model with the FMA on row
-g + 8, and a plain left-to-right sum. On a GPU the model matching in every element is the order; on a CPU
-(interpret mode, XLA's order) the figures say nothing about Triton, and --lower-only only lowers the kernel for an
-abstract H200. The probe's
-kernel takes the prep's layout (checked offline: its TTGIR's tiles are `nvidia_mma` with warps [1, 4], as the
-prep's, once T_i feeds a [16, 128] dot, and its PTX has the same FMA-then-butterfly sums). Not yet run on a GPU
-(written 2026-12-07; no device time was left that session).
+through float64) from the kernel's own A_ii^T under four orders: the model above ("g"), the model with the FMA on
+row g + 8 ("g8"), the same tree with no FMA ("tree") and a plain left-to-right sum ("plain"). On a GPU the model
+matching in every element is the order; on a CPU (interpret mode, XLA's order) the figures say nothing about
+Triton, and --lower-only only lowers the kernels for an abstract H200. The probe's kernel takes the prep's layout
+(checked offline: its TTGIR's tiles are `nvidia_mma` with warps [1, 4], as the prep's, once T_i feeds a [16, 128]
+dot, and its PTX has the same FMA-then-butterfly sums).
 
-  PYTHONPATH=. python3 scripts/triton_order_probe.py [--seeds 8] [--lower-only]
+Then the question for a Mosaic GPU kernel 1: can Mosaic GPU's own `jnp.sum` give those bits? Its row sum of a
+WGMMA-layout array shuffles in the other order (lane offsets 4, 8, 16), so the probe's Mosaic GPU kernel runs the 15
+steps on the Triton kernel's own A_ii^T with the tile's rows renumbered to make the two trees one
+(`MOSAIC_PLACEMENTS`, `_mosaic_kernel`), and counts the elements of its T that differ from the Triton kernel's T
+(and, for the "rev" placement, from the models). Zero in every seed for a placement would mean the substitution can
+move to Mosaic GPU with the prefill's bits, by that placement. Not yet run on a GPU (written 2026-12-07).
+
+  PYTHONPATH=. python3 scripts/triton_order_probe.py [--seeds 8] [--lower-only] [--no-mosaic]
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.experimental import pallas as pl
 
@@ -47,7 +54,8 @@ def fma32(a, b, c):
 
 def tree_sum(a, t, fma_row: str):
     """sum_j a[j] t[j, :] (a [16], t [16, 16] fp32) in the modelled Triton order; fma_row "g" or "g8": which row's
-    product the FMA takes (the other is a rounded product), "plain": a left-to-right sum of rounded products."""
+    product the FMA takes (the other is a rounded product), "tree": the same tree with both products rounded and
+    added, "plain": a left-to-right sum of rounded products."""
     a, t = a.astype(np.float32), t.astype(np.float32)
     if fma_row == "plain":
         s = np.zeros(t.shape[1], np.float32)
@@ -55,7 +63,10 @@ def tree_sum(a, t, fma_row: str):
             s = (s + (a[j] * t[j]).astype(np.float32)).astype(np.float32)
         return s
     half = SUB // 2
-    if fma_row == "g":
+    if fma_row == "tree":  # no FMA: both products rounded, then added
+        p = [((a[g] * t[g]).astype(np.float32) + (a[g + half] * t[g + half]).astype(np.float32)).astype(np.float32)
+             for g in range(half)]
+    elif fma_row == "g":
         p = [fma32(a[g], t[g], (a[g + half] * t[g + half]).astype(np.float32)) for g in range(half)]
     else:
         p = [fma32(a[g + half], t[g + half], (a[g] * t[g]).astype(np.float32)) for g in range(half)]
@@ -99,6 +110,83 @@ def substitution_call(interpret: bool):
         compiler_params=ck._triton_params(warps, 1), interpret=interpret, name="triton_order_probe"))
 
 
+# The Mosaic GPU side. Its row sum of a [64, N] WGMMA-layout array (`fragmented_array.reduce`, jax 0.11.2, read
+# 2026-12-07) adds a thread's two rows m and m + 8 in registers, then shuffles over lane offsets 4, 8, 16 (row groups
+# m xor 1, m xor 2, m xor 4: the other way round from Triton's 16, 8, 4), then adds the four warps' partial sums
+# through shared memory. With a tile's 16 rows placed in rows 0-15 (warp 0; rows 16-63 zeros, whose partial sums
+# +0 add exactly) and row groups renumbered by reversing their three bits, Mosaic GPU's tree is Triton's: its first
+# shuffle pairs m xor 1, which is Triton's g xor 4, and so on. Whether the in-thread add becomes Triton's FMA (which
+# product it fuses, if any: LLVM's contraction of the separate multiply and add) is the question the GPU answers;
+# the placements try row g at m and g + 8 at m + 8 ("rev"), the other way round ("rev_swap"), and no renumbering
+# ("identity"; Mosaic GPU's own tree). Each maps a tile row (0-15) to a row of the 64.
+_REV3 = (0, 4, 2, 6, 1, 5, 3, 7)
+MOSAIC_PLACEMENTS = {
+    "rev": tuple(_REV3[j % 8] + 8 * (j // 8) for j in range(SUB)),
+    "rev_swap": tuple(_REV3[j % 8] + 8 * (1 - j // 8) for j in range(SUB)),
+    "identity": tuple(range(SUB)),
+}
+MOSAIC_ROWS = 64  # the WGMMA layout's rows: 16 per warp of the warpgroup
+
+
+def _mosaic_kernel(am_gmem, t0_gmem, t_gmem, am_s, t_s, bars, *, rows: tuple):
+    """One tile per program: the 15 substitution steps of `wy.substitution_step` (row i of T = row i minus
+    sum_j A[i, j] T[j, :]) on T placed in rows `rows` of a [64, 16] WGMMA-layout array (zeros elsewhere), A's rows
+    given placed the same way along am's second axis (am [16, 64]: am[i, rows[j]] = A[i, j])."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b = lax.axis_index("b")
+    plgpu.copy_gmem_to_smem(am_gmem.at[b], am_s, bars.at[0])
+    plgpu.copy_gmem_to_smem(t0_gmem.at[b], t_s, bars.at[1])
+    plgpu.barrier_wait(bars.at[0])
+    plgpu.barrier_wait(bars.at[1])
+    wgmma = plgpu.Layout.WGMMA
+    shape = (MOSAIC_ROWS, SUB)
+    t = plgpu.layout_cast(t_s[...], wgmma)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma)
+    for i in range(1, SUB):
+        a = plgpu.load(am_s.at[i], layout=wgmma.reduce(1))  # A[i, :] along the rows
+        contrib = jnp.sum(lax.broadcast_in_dim(a, shape, [0]) * t, axis=0)
+        t = jnp.where(row == rows[i], t - lax.broadcast_in_dim(contrib, shape, [1]), t)
+    t_s[...] = t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(t_s, t_gmem.at[b])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def mosaic_substitution_call(placement: str, interpret: bool, tiles: int = 4):
+    """A jitted Pallas Mosaic GPU call: (am [tiles, 16, 64], t0 [tiles, 64, 16]) -> T placed [tiles, 64, 16]
+    (`_mosaic_kernel`; `mosaic_inputs` builds its inputs, `mosaic_tiles` reads its output)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.gated_delta.recurrence_mgpu import _smem
+
+    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    return jax.jit(plgpu.kernel(
+        functools.partial(_mosaic_kernel, rows=MOSAIC_PLACEMENTS[placement]),
+        out_type=jax.ShapeDtypeStruct((tiles, MOSAIC_ROWS, SUB), jnp.float32),
+        scratch_types=[plgpu.SMEM((SUB, MOSAIC_ROWS), jnp.float32), _smem(MOSAIC_ROWS, SUB),
+                       plgpu.Barrier(num_barriers=2)],
+        grid=(tiles,), grid_names=("b",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **params))
+
+
+def mosaic_inputs(at: np.ndarray, placement: str):
+    """(am, t0) for `mosaic_substitution_call` from the tiles' A^T [tiles, 16, 16]: A's rows and the identity placed."""
+    rows = np.asarray(MOSAIC_PLACEMENTS[placement])
+    n = at.shape[0]
+    am = np.zeros((n, SUB, MOSAIC_ROWS), np.float32)
+    am[:, :, rows] = np.swapaxes(at, 1, 2)  # am[b, i, rows[j]] = A[i, j] = A^T[j, i]
+    t0 = np.zeros((n, MOSAIC_ROWS, SUB), np.float32)
+    t0[:, rows, :] = np.eye(SUB, dtype=np.float32)
+    return jnp.asarray(am), jnp.asarray(t0)
+
+
+def mosaic_tiles(t_placed: np.ndarray, placement: str) -> np.ndarray:
+    """T [tiles, 16, 16] from the kernel's placed [tiles, 64, 16]."""
+    return np.asarray(t_placed)[:, np.asarray(MOSAIC_PLACEMENTS[placement]), :]
+
+
 def inputs(seed: int):
     """l2-normalised keys [64, K] fp32 (as the prep normalises them), a realistic cumulative log-decay and betas."""
     rng = np.random.default_rng(seed)
@@ -114,6 +202,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--lower-only", action="store_true", help="lower the kernel for an abstract H200 and stop")
+    ap.add_argument("--no-mosaic", action="store_true", help="the Triton kernel and the NumPy models only")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds must be at least 1; got {args.seeds}")
@@ -121,17 +210,30 @@ def main(argv=None) -> int:
         from scripts.mosaic_tf32_probe import _lowered
         call = substitution_call(interpret=False)
         print("lowered:", _lowered(call, *inputs(0)))
+        at0 = np.triu(np.full((4, SUB, SUB), 0.1, np.float32), 1)
+        for placement in MOSAIC_PLACEMENTS:
+            print(f"Mosaic GPU ({placement}) lowered:",
+                  _lowered(mosaic_substitution_call(placement, False), *mosaic_inputs(at0, placement)))
         return 0
     on_gpu = jax.default_backend() == "gpu"
     call = substitution_call(interpret=not on_gpu)
+    mosaic = {} if args.no_mosaic else {p: mosaic_substitution_call(p, not on_gpu) for p in MOSAIC_PLACEMENTS}
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); interpret={not on_gpu}")
-    totals = {"g": 0, "g8": 0, "plain": 0}
+    totals = {}
     for seed in range(args.seeds):
         at, t, _ = (np.asarray(x) for x in call(*inputs(seed)))
-        differ = {o: sum(int(np.sum(substitution_model(at[b], o) != t[b])) for b in range(4)) for o in totals}
+        differ = {o: sum(int(np.sum(substitution_model(at[b], o) != t[b])) for b in range(4))
+                  for o in ("g", "g8", "tree", "plain")}
+        for p, fn in mosaic.items():  # the Mosaic GPU kernel on the Triton kernel's own A^T, against its T
+            tm = mosaic_tiles(fn(*mosaic_inputs(at, p)), p)
+            differ[f"mosaic_{p}"] = int(np.sum(tm != t))
+            if p == "rev":  # and against the models: which in-thread add Mosaic GPU's code makes
+                for o in ("g", "g8", "tree"):
+                    differ[f"mosaic_rev~{o}"] = sum(int(np.sum(substitution_model(at[b], o) != tm[b]))
+                                                    for b in range(4))
         for o, n in differ.items():
-            totals[o] += n
-        print(f"seed {seed}: elements differing from the kernel's T (of {4 * SUB * SUB}): "
+            totals[o] = totals.get(o, 0) + n
+        print(f"seed {seed}: elements differing from the Triton kernel's T (of {4 * SUB * SUB}): "
               + ", ".join(f"{o} {n}" for o, n in differ.items()), flush=True)
     print("totals over seeds:", totals, "of", args.seeds * 4 * SUB * SUB)
     return 0

@@ -294,10 +294,11 @@ def test_mosaic_probe_lowers_its_kernel_on_cpu(capsys):
     assert "block row 3 (Pallas-Triton): lowered, a GPU custom call" in out, out
 
 
-def test_triton_order_probe_models_an_inverse_and_lowers_its_kernel(capsys):
+def test_triton_order_probe_models_an_inverse_and_lowers_its_kernels(capsys):
     """`scripts/triton_order_probe.py`: each modelled summation order computes the inverse of I + A by forward
     substitution (to fp32 rounding), the orders differ in some elements (so one matching a GPU kernel's tiles in every
-    element tells them apart), and the probe's kernel — the prep's own substitution code — lowers for CUDA here."""
+    element tells them apart), the Mosaic GPU kernel computes the inverse under every row placement (interpret mode)
+    and hands back the tiles in the tile's own row order, and both kernels lower for CUDA here."""
     import numpy as np
 
     from scripts import triton_order_probe as probe
@@ -305,12 +306,25 @@ def test_triton_order_probe_models_an_inverse_and_lowers_its_kernel(capsys):
     rng = np.random.default_rng(3)
     at = np.triu(rng.uniform(-0.5, 0.5, (16, 16)), 1).astype(np.float32)  # A^T: A strictly lower
     eye = np.eye(16)
-    models = {order: probe.substitution_model(at, order) for order in ("g", "g8", "plain")}
+    models = {order: probe.substitution_model(at, order) for order in ("g", "g8", "tree", "plain")}
     for order, t in models.items():
         np.testing.assert_allclose((eye + at.T.astype(np.float64)) @ t, eye, atol=1e-5, err_msg=order)
     assert not np.array_equal(models["g"], models["plain"]) and not np.array_equal(models["g"], models["g8"])
+    assert not np.array_equal(models["g"], models["tree"])
+    ats = np.stack([at, np.triu(rng.uniform(-0.5, 0.5, (16, 16)), 1).astype(np.float32)])
+    for placement, rows in probe.MOSAIC_PLACEMENTS.items():
+        assert sorted(rows) == list(range(16)), placement
+        call = probe.mosaic_substitution_call(placement, interpret=True, tiles=2)
+        placed = np.asarray(call(*probe.mosaic_inputs(ats, placement)))
+        others = np.setdiff1d(np.arange(probe.MOSAIC_ROWS), rows)
+        assert not placed[:, others].any(), placement  # the rows outside the tile stay zeros
+        for a_t, t in zip(ats, probe.mosaic_tiles(placed, placement)):
+            np.testing.assert_allclose((eye + a_t.T.astype(np.float64)) @ t, eye, atol=1e-5, err_msg=placement)
     assert probe.main(["--lower-only"]) == 0
-    assert "lowered, a GPU custom call" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "lowered: lowered, a GPU custom call" in out
+    for placement in probe.MOSAIC_PLACEMENTS:
+        assert f"Mosaic GPU ({placement}) lowered: lowered, a Mosaic GPU custom call" in out, out
 
 
 def test_cache_memory_script(tmp_path):
