@@ -21,7 +21,9 @@ WGMMA-layout array shuffles in the other order (lane offsets 4, 8, 16), so the p
 steps on the Triton kernel's own A_ii^T with the tile's rows renumbered to make the two trees one
 (`MOSAIC_PLACEMENTS`, `_mosaic_kernel`), and counts the elements of its T that differ from the Triton kernel's T
 (and, for the "rev" placement, from the models). Zero in every seed for a placement would mean the substitution can
-move to Mosaic GPU with the prefill's bits, by that placement. Not yet run on a GPU (written 2026-12-07).
+move to Mosaic GPU with the prefill's bits, by that placement. And the chain's first input: the gram tiles, fp16
+`mma.sync` dots in Triton (m16n8k16), against one fp16 wgmma over the chunk's 64 keys in Mosaic GPU
+(`_mosaic_gram_kernel`; its diagonal blocks). Not yet run on a GPU (written 2026-12-07).
 
   PYTHONPATH=. python3 scripts/triton_order_probe.py [--seeds 8] [--lower-only] [--no-mosaic]
 """
@@ -85,7 +87,7 @@ def substitution_model(at, fma_row: str):
     return t
 
 
-def _kernel(k_ref, gc_ref, beta_ref, at_ref, t_ref, w_ref, *, cfg, interpret):
+def _kernel(k_ref, gc_ref, beta_ref, at_ref, t_ref, w_ref, kk_ref, *, cfg, interpret):
     """The prep's code on four 16-row slices: A_ii^T (`wy.diag_tile_transposed`) and T_i
     (`wy.diag_tiles_by_substitution`), written out, and T_i times the slice's keys (a [16, 128] dot, as the prep's
     w = X (beta k) is: Triton lays the tiles out for their dots)."""
@@ -95,6 +97,7 @@ def _kernel(k_ref, gc_ref, beta_ref, at_ref, t_ref, w_ref, *, cfg, interpret):
     r16, c16 = wy.tile_iotas()
     for b in range(4):
         at_ref[b] = wy.diag_tile_transposed(ks[b], gcs[b], betas[b], r16 < c16, cfg, interpret)
+        kk_ref[b] = wy.dot(ks[b], ks[b] * betas[b][:, None], cfg["p_kk"], interpret, trans_b=True)  # its gram dot
     for b, t in enumerate(wy.diag_tiles_by_substitution(ks, gcs, betas, cfg, interpret)):
         t_ref[b] = t
         w_ref[b] = wy.dot(t, ks[b], cfg["p_inv"], interpret)
@@ -106,7 +109,7 @@ def substitution_call(interpret: bool):
     return jax.jit(pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, interpret=interpret),
         out_shape=[jax.ShapeDtypeStruct((4, SUB, SUB), jnp.float32)] * 2
-        + [jax.ShapeDtypeStruct((4, SUB, K), jnp.float32)],
+        + [jax.ShapeDtypeStruct((4, SUB, K), jnp.float32), jax.ShapeDtypeStruct((4, SUB, SUB), jnp.float32)],
         compiler_params=ck._triton_params(warps, 1), interpret=interpret, name="triton_order_probe"))
 
 
@@ -187,6 +190,55 @@ def mosaic_tiles(t_placed: np.ndarray, placement: str) -> np.ndarray:
     return np.asarray(t_placed)[:, np.asarray(MOSAIC_PLACEMENTS[placement]), :]
 
 
+def _mosaic_gram_kernel(k_gmem, kb_gmem, g_gmem, k_s, kb_s, g_s, bars):
+    """G = k16 (beta k)16^T [64, 64] by one fp16 wgmma (M = 64, N = 64, K = 128), fp32 accumulation: the four
+    slices' gram tiles are its diagonal [16, 16] blocks, as Triton's fp16 `mma.sync` dots compute them
+    (`wy.diag_tile_transposed`'s kk_t, `p_kk` "fp16")."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.copy_gmem_to_smem(k_gmem, k_s, bars.at[0])
+    plgpu.copy_gmem_to_smem(kb_gmem, kb_s, bars.at[1])
+    plgpu.barrier_wait(bars.at[0])
+    plgpu.barrier_wait(bars.at[1])
+
+    def gram(acc):
+        plgpu.wgmma(acc, k_s, kb_s.T)
+        return acc[...]
+
+    g_s[...] = pl.run_scoped(gram, plgpu.ACC((4 * SUB, 4 * SUB), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_s, g_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def mosaic_gram_call(interpret: bool):
+    """A jitted Pallas Mosaic GPU call: (k16, (beta k)16), fp16 [64, K] each -> G fp32 [64, 64]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.gated_delta.recurrence_mgpu import _smem
+
+    params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    c = 4 * SUB
+    return jax.jit(plgpu.kernel(
+        _mosaic_gram_kernel, out_type=jax.ShapeDtypeStruct((c, c), jnp.float32),
+        scratch_types=[_smem(c, K, dtype=jnp.float16), _smem(c, K, dtype=jnp.float16), _smem(c, c),
+                       plgpu.Barrier(num_barriers=2)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **params))
+
+
+def gram_inputs(k, beta):
+    """The fp16 operands of the gram dot as Triton rounds them: k and beta k (fp32 products) to nearest fp16."""
+    k = np.asarray(k, np.float32)
+    kb = k * np.asarray(beta, np.float32)[:, None]
+    return jnp.asarray(k.astype(np.float16)), jnp.asarray(kb.astype(np.float16))
+
+
+def gram_diagonal(g) -> np.ndarray:
+    """The four diagonal [16, 16] blocks of G [64, 64]."""
+    g = np.asarray(g)
+    return np.stack([g[b * SUB:(b + 1) * SUB, b * SUB:(b + 1) * SUB] for b in range(4)])
+
+
 def inputs(seed: int):
     """l2-normalised keys [64, K] fp32 (as the prep normalises them), a realistic cumulative log-decay and betas."""
     rng = np.random.default_rng(seed)
@@ -214,14 +266,18 @@ def main(argv=None) -> int:
         for placement in MOSAIC_PLACEMENTS:
             print(f"Mosaic GPU ({placement}) lowered:",
                   _lowered(mosaic_substitution_call(placement, False), *mosaic_inputs(at0, placement)))
+        k, _, beta = inputs(0)
+        print("Mosaic GPU gram lowered:", _lowered(mosaic_gram_call(False), *gram_inputs(k, beta)))
         return 0
     on_gpu = jax.default_backend() == "gpu"
     call = substitution_call(interpret=not on_gpu)
     mosaic = {} if args.no_mosaic else {p: mosaic_substitution_call(p, not on_gpu) for p in MOSAIC_PLACEMENTS}
+    gram = None if args.no_mosaic else mosaic_gram_call(not on_gpu)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); interpret={not on_gpu}")
     totals = {}
     for seed in range(args.seeds):
-        at, t, _ = (np.asarray(x) for x in call(*inputs(seed)))
+        k, gc, beta = inputs(seed)
+        at, t, _, kk = (np.asarray(x) for x in call(k, gc, beta))
         differ = {o: sum(int(np.sum(substitution_model(at[b], o) != t[b])) for b in range(4))
                   for o in ("g", "g8", "tree", "plain")}
         for p, fn in mosaic.items():  # the Mosaic GPU kernel on the Triton kernel's own A^T, against its T
@@ -231,9 +287,12 @@ def main(argv=None) -> int:
                 for o in ("g", "g8", "tree"):
                     differ[f"mosaic_rev~{o}"] = sum(int(np.sum(substitution_model(at[b], o) != tm[b]))
                                                     for b in range(4))
+        if gram is not None:  # the gram tiles: Mosaic GPU's fp16 wgmma against the Triton kernel's fp16 dots
+            differ["mosaic_gram"] = int(np.sum(gram_diagonal(gram(*gram_inputs(k, beta))) != kk))
         for o, n in differ.items():
             totals[o] = totals.get(o, 0) + n
-        print(f"seed {seed}: elements differing from the Triton kernel's T (of {4 * SUB * SUB}): "
+        print(f"seed {seed}: elements differing from the Triton kernel's T (mosaic_gram: its gram tiles; of "
+              f"{4 * SUB * SUB} each): "
               + ", ".join(f"{o} {n}" for o, n in differ.items()), flush=True)
     print("totals over seeds:", totals, "of", args.seeds * 4 * SUB * SUB)
     return 0

@@ -298,7 +298,8 @@ def test_triton_order_probe_models_an_inverse_and_lowers_its_kernels(capsys):
     """`scripts/triton_order_probe.py`: each modelled summation order computes the inverse of I + A by forward
     substitution (to fp32 rounding), the orders differ in some elements (so one matching a GPU kernel's tiles in every
     element tells them apart), the Mosaic GPU kernel computes the inverse under every row placement (interpret mode)
-    and hands back the tiles in the tile's own row order, and both kernels lower for CUDA here."""
+    and hands back the tiles in the tile's own row order, the Mosaic GPU gram kernel computes the gram tiles of the
+    fp16 operands, and every kernel lowers for CUDA here."""
     import numpy as np
 
     from scripts import triton_order_probe as probe
@@ -320,11 +321,17 @@ def test_triton_order_probe_models_an_inverse_and_lowers_its_kernels(capsys):
         assert not placed[:, others].any(), placement  # the rows outside the tile stay zeros
         for a_t, t in zip(ats, probe.mosaic_tiles(placed, placement)):
             np.testing.assert_allclose((eye + a_t.T.astype(np.float64)) @ t, eye, atol=1e-5, err_msg=placement)
+    k, _, beta = probe.inputs(5)
+    k16, kb16 = probe.gram_inputs(k, beta)
+    exact = np.asarray(k16, np.float64) @ np.asarray(kb16, np.float64).T  # the fp16 products are exact in fp32
+    gram = probe.gram_diagonal(probe.mosaic_gram_call(interpret=True)(k16, kb16))
+    np.testing.assert_allclose(gram, probe.gram_diagonal(exact), rtol=0, atol=1e-6)
     assert probe.main(["--lower-only"]) == 0
     out = capsys.readouterr().out
     assert "lowered: lowered, a GPU custom call" in out
     for placement in probe.MOSAIC_PLACEMENTS:
         assert f"Mosaic GPU ({placement}) lowered: lowered, a Mosaic GPU custom call" in out, out
+    assert "Mosaic GPU gram lowered: lowered, a Mosaic GPU custom call" in out, out
 
 
 def test_cache_memory_script(tmp_path):
