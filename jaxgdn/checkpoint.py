@@ -223,7 +223,8 @@ def _gdn(r: _Reader, c: ModelConfig, pre: str) -> GDNParams:
     D, HK, HV, K, V = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                        c.linear_value_head_dim)
     if c.model_type == "qwen3_next":
-        # Packed per key-head group g: qkvz rows [q_g (K) | k_g (K) | v_g (r*V) | z_g (r*V)], ba rows [b_g (r) | a_g (r)].
+        # Packed per key-head group g: qkvz rows [q_g (K) | k_g (K) | v_g (r*V) | z_g (r*V)],
+        # ba rows [b_g (r) | a_g (r)].
         rr = HV // HK
         w = r.raw(pre + "in_proj_qkvz.weight", (HK * (2 * K + 2 * rr * V), D)).reshape(HK, 2 * K + 2 * rr * V, D)
         wq, wk = w[:, :K], w[:, K:2 * K]
@@ -240,7 +241,8 @@ def _gdn(r: _Reader, c: ModelConfig, pre: str) -> GDNParams:
     conv = r.raw(pre + "conv1d.weight", (c.gdn_conv_dim, 1, c.linear_conv_kernel_dim))[:, 0, :].T  # [KC, C]
     return GDNParams(in_proj_qkv=in_qkv, in_proj_z=in_z, in_proj_b=in_b, in_proj_a=in_a, conv_weight=r.cast(conv),
                      A_log=r.vector(pre + "A_log", HV, jnp.float32), dt_bias=r.vector(pre + "dt_bias", HV, jnp.float32),
-                     norm_weight=r.vector(pre + "norm.weight", V), out_proj=r.linear(pre + "out_proj", D, c.gdn_value_dim))
+                     norm_weight=r.vector(pre + "norm.weight", V),
+                     out_proj=r.linear(pre + "out_proj", D, c.gdn_value_dim))
 
 
 def _attention(r: _Reader, c: ModelConfig, pre: str) -> AttentionParams:
@@ -326,7 +328,8 @@ def _untie_a_distinct_head(path: Path, config: ModelConfig) -> ModelConfig:
     return dataclasses.replace(config, tie_word_embeddings=False)
 
 
-def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False, progress: bool | None = None) -> ModelParams:
+def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False,
+                progress: bool | None = None) -> ModelParams:
     """The parameters as jax arrays, or (`lazy`) as host arrays read only when placed (`jaxgdn.sharding.place`).
     Every tensor's presence, shape and dtype (and that no unexpected one is there) is checked from the file headers
     first (`check_tensors`), so a bad checkpoint is refused before any weights are read.

@@ -952,7 +952,8 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--prompt-len", type=int, metavar="N", default=128, help="prompt tokens per row (default 128)")
     be.add_argument("--decode-steps", type=int, metavar="N", default=32,
                     help="decode steps in the compiled loop (default 32)")
-    be.add_argument("--repeats", type=int, metavar="N", default=3, help="timed runs; the median is reported (default 3)")
+    be.add_argument("--repeats", type=int, metavar="N", default=3,
+                    help="timed runs; the median is reported (default 3)")
     be.add_argument("--max-length", type=int, metavar="N", help="capacity limit on prompt + decode tokens")
     be.add_argument("--output", metavar="FILE.json", help="also write the results as JSON")
     return parser

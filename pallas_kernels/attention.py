@@ -4,8 +4,9 @@ Dimension legend: B batch rows, T query positions, H query heads, HKV key/value 
 Dh head dim, ROWS query rows per program (query positions x the R heads sharing a key/value head).
 
 Grid (Tp * R / ROWS, HKV, B), Tp = T rounded up to a multiple of ROWS / R: one program per tile of ROWS query
-rows of one key/value head of one batch row. It reads that row's keys and values in fixed BK-slot blocks, in order, up to the tile's last position, with an online softmax
-in fp32 (scores q.k * Dh^-0.5; probabilities rounded to the value dtype before the p.V dot, fp32 accumulation).
+rows of one key/value head of one batch row. It reads that row's keys and values in fixed BK-slot blocks, in order,
+up to the tile's last position, with an online softmax in fp32 (scores q.k * Dh^-0.5; probabilities rounded to the
+value dtype before the p.V dot, fp32 accumulation).
 A query's result depends only on its own batch row: the program code is the same whatever B and T are, each query
 row's dots are independent of the other rows in its tile, and key blocks past a query's position (which a tile
 shared with later queries reads) are masked to exact zeros that leave the softmax state unchanged (m stays,

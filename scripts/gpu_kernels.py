@@ -485,7 +485,8 @@ def prefill_timing(cfg_name, cfg, with_reference=True, shapes=PREFILL_TIMING_SHA
             qo, qs = qla_run()
             o, s = f(q, k, v, g, beta)
             log(f"  flash_qla {str(shp)}: {t_qla * 1e3:.3f} ms; ours / flash_qla {t_ours / t_qla:.2f}; fla again "
-                f"{t_fla2 * 1e3:.3f} ms; rel vs ours: o {rel_err(np.asarray(o.astype(jnp.float32)), qo.float().cpu().numpy()):.1e}"
+                f"{t_fla2 * 1e3:.3f} ms; rel vs ours: o "
+                f"{rel_err(np.asarray(o.astype(jnp.float32)), qo.float().cpu().numpy()):.1e}"
                 f" S {rel_err(np.asarray(s), qs.float().cpu().numpy()):.1e}")
         except Exception as e:
             log(f"  flash_qla unavailable: {type(e).__name__}: {str(e)[:200]}")
@@ -716,7 +717,8 @@ def invariant_kernels():
         q = jax.random.normal(ks[4], (B, T, H, Dh), jnp.bfloat16)
         kc = jax.random.normal(ks[5], (B, Ncap, HKV, Dh), jnp.bfloat16)
         vc = jax.random.normal(ks[6], (B, Ncap, HKV, Dh), jnp.bfloat16)
-        pos = (jnp.full((B, T), 1023, jnp.int32) if T == 1 else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+        pos = (jnp.full((B, T), 1023, jnp.int32) if T == 1
+               else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
         ref = np.asarray(jax.jit(attention_reference)(q, kc, vc, pos)).astype(np.float32)
         t_x = bench_jax(jax.jit(attention_reference), q, kc, vc, pos, n=10, reps=5)
         line = f"  attention {name}: XLA {t_x * 1e6:8.1f} us"
@@ -1339,7 +1341,8 @@ def main():
         "kk_tf32": dict(p_kk="tf32"),
         # 2026-12-03: the output kernel's q k^T (and the replay step's row of it) as one fp16 dot, both operands
         # L2-normalised as the gram tiles' are (then times the scale K^-0.5 on q): run 121, 4.008 against 4.097 ms
-        # over the sweep's shapes, as accurate; the default since run 122 (`chunk._qk_precision`). qk_tf32: the dot before
+        # over the sweep's shapes, as accurate; the default since run 122 (`chunk._qk_precision`). qk_tf32: the dot
+        # before
         "qk_tf32": dict(p_qk="tf32"),
         # run 33 also timed rec_t (the recurrence on the transposed state, u / kd written transposed; commit 629e150):
         # other bits than the default, mma.sync dots at bv 32, not faster — removed

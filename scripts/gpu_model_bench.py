@@ -464,7 +464,8 @@ def stage_shared_prompt(model, batch: int = 8, prompt_len: int = 4096, new_token
     same = all(np.array_equal(np.array(a, np.float32), np.array(b, np.float32))
                for a, b in zip(scores["score, shared prefix"], scores["score, apart"]))
     res["score shared == apart"] = same
-    log(f"  {tag}: score shared / apart {res['score, shared prefix']['median_s'] / res['score, apart']['median_s']:.3f}x; "
+    ratio = res['score, shared prefix']['median_s'] / res['score, apart']['median_s']
+    log(f"  {tag}: score shared / apart {ratio:.3f}x; "
         f"[{'PASS' if same else 'FAIL'}] the same logprobs, bitwise")
     return ok and same
 

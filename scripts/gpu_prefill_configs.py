@@ -76,7 +76,8 @@ def timing(configs, stride, shapes, results, ragged=False):
         base = {st: row["ms"][f"{next(iter(configs))}{'' if st is None else f' ck{st}'}"]
                 for st in ((None, stride) if stride else (None,))}
         log(f"{str(shp):>22s} " + ", ".join(
-            f"{name} {ms:.3f} ms ({ms / base[stride if ' ck' in name else None]:.3f}x)" for name, ms in row["ms"].items()))
+            f"{name} {ms:.3f} ms ({ms / base[stride if ' ck' in name else None]:.3f}x)"
+            for name, ms in row["ms"].items()))
         results["timing"].append(row)
         del q, k, v, g, beta
 

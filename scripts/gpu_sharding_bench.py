@@ -58,7 +58,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from gpu_model_bench import apply_matmul_config, build as build_shared, profiled_kernels, timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
+# (scripts/ is on sys.path when run as a script)
+from gpu_model_bench import apply_matmul_config, build as build_shared, profiled_kernels, timed  # noqa: E402
 import jaxgdn  # noqa: E402
 from jaxgdn import sharding as S  # noqa: E402
 from jaxgdn.generate import greedy_decode  # noqa: E402

@@ -89,7 +89,8 @@ from pathlib import Path
 
 from tests.xla_threads import ensure_xla_cpu_threads, single_threaded_blas
 
-ensure_xla_cpu_threads()  # before JAX starts: Mosaic GPU's interpret mode needs >= 3 pool threads (tests/xla_threads.py)
+# before JAX starts: Mosaic GPU's interpret mode needs >= 3 pool threads (tests/xla_threads.py)
+ensure_xla_cpu_threads()
 single_threaded_blas()  # before JAX loads scipy's OpenBLAS: its idle threads spin on the cores compiles need
 
 import jax  # noqa: E402

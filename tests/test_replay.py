@@ -1,7 +1,7 @@
 """Replay decode: decoded tokens' logprobs and states are bitwise what a prefill (teacher forcing) computes — over
 the chunked GDN prefill (each step computes its token's part of the open chunk; here on the reference backend,
-which recomputes the chunk: the Pallas step is tested in test_deterministic_kernels.py) and over the token-by-token one (gdn_prefill="recurrent":
-one recurrent step per token, and any split of a prompt exact)."""
+which recomputes the chunk: the Pallas step is tested in test_deterministic_kernels.py) and over the token-by-token
+one (gdn_prefill="recurrent": one recurrent step per token, and any split of a prompt exact)."""
 
 from __future__ import annotations
 

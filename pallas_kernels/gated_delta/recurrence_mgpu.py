@@ -150,8 +150,8 @@ def _kernel(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, h_gmem, vn_gmem, sf_gmem,
 
 class _Stores:
     """How a program hands on S^T (the state at chunk c's start) and v_new[c]^T: each rounded to TF32 to nearest into
-    its dot's A operand buffer (`sa_s`, `va_s`), and, unrounded, out through a buffer of its own (`h_s`, `vn_s`) to h and
-    v_new in memory, as the Triton recurrence stores them. With no outputs for them (`h_gmem` None: the output
+    its dot's A operand buffer (`sa_s`, `va_s`), and, unrounded, out through a buffer of its own (`h_s`, `vn_s`) to h
+    and v_new in memory, as the Triton recurrence stores them. With no outputs for them (`h_gmem` None: the output
     computed in the kernel, `_kernel_ws`'s `intra`) the operands only.
 
     Each store is a TMA bulk group; a buffer is written again once at most one group (the last one issued, which
@@ -276,7 +276,8 @@ def _kernel_ws(w_gmem, u_gmem, kd_gmem, gc_gmem, s0_gmem, *refs, nt: int, bv: in
         h_gmem = vn_gmem = h_s = vn_s = None
         ut = []
     else:
-        h_gmem, vn_gmem, sf_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free, *ut = refs
+        (h_gmem, vn_gmem, sf_gmem, w16_s, w_s, kd16_s, kd_s, u_s, gc_s, sa_s, va_s, h_s, vn_s, bars, ready, free,
+         *ut) = refs
     j, hv, b = lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     # the chunks this program runs: all nt, or with `skip` its row's up to the last one holding a token (at least one)

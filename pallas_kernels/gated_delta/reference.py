@@ -153,7 +153,8 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, *, scale=None, initia
 
 
 def _chunk_step(s, xs):
-    """One 64-token chunk of the WY/UT form. s: [B,HV,K,V]; xs per chunk: q,k [B,HV,C,K], v [B,HV,C,V], g,beta [B,HV,C]."""
+    """One 64-token chunk of the WY/UT form. s: [B,HV,K,V]; xs per chunk: q,k [B,HV,C,K], v [B,HV,C,V],
+    g,beta [B,HV,C]."""
     q, k, v, g, beta = xs
     C = q.shape[-2]
     gc = prefix_sum(g)  # [B,HV,C]

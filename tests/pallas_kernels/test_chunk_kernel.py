@@ -317,7 +317,8 @@ def test_partial_chunk_rows_equal_full_chunk_rows(design, seq, start):
 def test_alternative_inverses(inv, design):
     """The loop-free ("doubling"), plain forward-substitution ("fwd64") and tiled inverses, on an adversarial input
     (identical keys in every chunk, beta = 1, g ~ 0). Tolerance vs the oracle: 1e-4 for 'doubling' (its repeated
-    squaring amplifies fp32 rounding on nearly parallel keys: ~3e-5 seen), 2e-5 for the others. Row-causality: bitwise."""
+    squaring amplifies fp32 rounding on nearly parallel keys: ~3e-5 seen), 2e-5 for the others. Row-causality:
+    bitwise."""
     rng = np.random.default_rng(11)
     d = random_gdn_inputs(rng, 1, 100, 1, 2, K, V, np.float32, g_kind="near_zero", beta_kind="one")
     d["k"][:] = d["k"][:, :1]
@@ -400,8 +401,11 @@ def test_small_grid_launch_rule():
     from pallas_kernels.gated_delta.chunk import DEFAULT_CONFIG, _recurrence_blocks
 
     HV, V128 = 32, 128
-    launch = lambda B, config=(), interpret=False, **kw: (lambda c: (min(c["bv"], V128), c["stages_state"]))(  # noqa: E731
-        _recurrence_blocks(dict(DEFAULT_CONFIG, **dict(config), **kw), config, B, HV, V128, interpret))
+
+    def launch(B, config=(), interpret=False, **kw):
+        c = _recurrence_blocks(dict(DEFAULT_CONFIG, **dict(config), **kw), config, B, HV, V128, interpret)
+        return min(c["bv"], V128), c["stages_state"]
+
     assert launch(1) == (16, 3)  # 256 programs of bv 16: at most 264
     assert launch(2) == (32, 2)  # 128 programs of bv 64 (at most 132), 512 of bv 16 (more than 264)
     assert launch(3) == (64, 1) and launch(8) == (64, 1)

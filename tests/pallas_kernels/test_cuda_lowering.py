@@ -110,8 +110,10 @@ def test_chunk_lowers_for_h200(B, T, HK, HV, K, V, dtype, stride):
 
 
 @pytest.mark.parametrize("config", [{"bv": 64, "p_ws": "bf16", "p_kv": "ieee"}, {"bv": 16}, {"inv": "doubling"},
-                                    {"inv": "fwd64", "bv": 32}, {"design": "fused", "prep_kernels": 1, "inv": "block16"},
-                                    {"design": "fused", "bv": 32, "stages_state": 2, "prep_kernels": 1, "inv": "block16"},
+                                    {"inv": "fwd64", "bv": 32},
+                                    {"design": "fused", "prep_kernels": 1, "inv": "block16"},
+                                    {"design": "fused", "bv": 32, "stages_state": 2, "prep_kernels": 1,
+                                     "inv": "block16"},
                                     {"bv": 32, "bv_out": 64, "stages_state": 2, "warps_out": 8},
                                     {"prep_kernels": 2}, {"prep_kernels": 2, "inv": "block16"},
                                     {"prep_kernels": 2, "warps_apply": 8}, {"warps_prep": 8},
