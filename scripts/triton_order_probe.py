@@ -2,28 +2,31 @@
 
 The replay step's kernel 1 must give the prefill prep's bits, and its diagonal tiles come from `wy.substitution_step`,
 whose `jnp.sum` over a [16, 16] tile's rows Triton lowers in an order of its own. A kernel on another backend (the
-warp-specialised Mosaic GPU step that issue 7 needs: `docs/speed_gaps.md`) would have to write that order out. Read
-from the prep's PTX for sm_90a (`ptxas_report.py --replay --dump`, 2026-12-07): the tiles are in the MMA layout
-(m16n8, warps [1, 4]), a thread holds rows g and g + 8 of a column (g = lane / 4), and the sum over a column j is
-    p_g = fma(a_g, t_gn, a_(g+8) t_(g+8)n)                         (in the thread: the add contracted into an FMA)
+warp-specialised Mosaic GPU step that issue 7 needs: `docs/speed_gaps.md`) would have to give that order. The
+tiles are in the MMA layout (m16n8, warps [1, 4]): a thread holds rows g and g + 8 of a column (g = lane / 4). This
+script runs `wy.diag_tiles_by_substitution` — the prep's own code — in a Pallas-Triton kernel with the prep's warps
+and layout (checked offline: its TTGIR's tiles are `nvidia_mma` with warps [1, 4], as the prep's, once T_i feeds a
+[16, 128] dot) on random keys, gates and betas, and recomputes each tile's 15 steps in NumPy (an FMA through
+float64) from the kernel's own A_ii^T under four orders (`tree_sum`), each summing column j's products as
+    p_g = a_g t_gn + a_(g+8) t_(g+8)n                              (in the thread)
     s   = butterfly of adds over lane offsets 16, 8, 4           (g xor 4, then g xor 2, then g xor 1)
-(`tree_sum`). This script runs `wy.diag_tiles_by_substitution` — the prep's own code — in a Pallas-Triton kernel
-with the prep's warps on random keys, gates and betas, and recomputes each tile's 15 steps in NumPy (the FMA
-through float64) from the kernel's own A_ii^T under four orders: the model above ("g"), the model with the FMA on
-row g + 8 ("g8"), the same tree with no FMA ("tree") and a plain left-to-right sum ("plain"). On a GPU the model
-matching in every element is the order; on a CPU (interpret mode, XLA's order) the figures say nothing about
-Triton, and --lower-only only lowers the kernels for an abstract H200. The probe's kernel takes the prep's layout
-(checked offline: its TTGIR's tiles are `nvidia_mma` with warps [1, 4], as the prep's, once T_i feeds a [16, 128]
-dot, and its PTX has the same FMA-then-butterfly sums).
+with both products rounded ("tree"), row g's product fused into an FMA ("g"), row g + 8's ("g8"), or a plain
+left-to-right sum instead ("plain"). On a GPU the model matching in every element is the order; on a CPU (interpret
+mode, XLA's order) the figures say nothing about Triton, and --lower-only only lowers the kernels for an abstract
+H200. On the H200 (BENCHMARKS.md, run 196) "tree" matched every element of 8 draws and "g" did not — although
+session 55 had read an FMA there in the PTX that PyPI's Triton 3.6 makes offline (`ptxas_report.py --replay
+--dump`): XLA builds its own Triton, so only the GPU's code says.
 
 Then the question for a Mosaic GPU kernel 1: can Mosaic GPU's own `jnp.sum` give those bits? Its row sum of a
 WGMMA-layout array shuffles in the other order (lane offsets 4, 8, 16), so the probe's Mosaic GPU kernel runs the 15
 steps on the Triton kernel's own A_ii^T with the tile's rows renumbered to make the two trees one
 (`MOSAIC_PLACEMENTS`, `_mosaic_kernel`), and counts the elements of its T that differ from the Triton kernel's T
-(and, for the "rev" placement, from the models). Zero in every seed for a placement would mean the substitution can
-move to Mosaic GPU with the prefill's bits, by that placement. And the chain's first input: the gram tiles, fp16
-`mma.sync` dots in Triton (m16n8k16), against one fp16 wgmma over the chunk's 64 keys in Mosaic GPU
-(`_mosaic_gram_kernel`; its diagonal blocks). Not yet run on a GPU (written 2026-12-07).
+(and, for the "rev" placements, from the models). Zero in every seed for a placement would mean the substitution
+can move to Mosaic GPU with the prefill's bits, by that placement. Run 196: "rev" gave model "g" exactly (Mosaic
+GPU's multiply carries LLVM's `contract` flag and was fused into the first add), 38 elements off Triton's; "rev_rn"
+multiplies by PTX `mul.rn.f32` instead, which nothing may contract (written after run 196; not yet run). And the
+chain's first input: the gram tiles, fp16 `mma.sync` dots in Triton (m16n8k16), against one fp16 wgmma over the
+chunk's 64 keys in Mosaic GPU (`_mosaic_gram_kernel`; its diagonal blocks): equal in every element in run 196.
 
   PYTHONPATH=. python3 scripts/triton_order_probe.py [--seeds 8] [--lower-only] [--no-mosaic]
 """
@@ -127,11 +130,29 @@ MOSAIC_PLACEMENTS = {
     "rev": tuple(_REV3[j % 8] + 8 * (j // 8) for j in range(SUB)),
     "rev_swap": tuple(_REV3[j % 8] + 8 * (1 - j // 8) for j in range(SUB)),
     "identity": tuple(range(SUB)),
+    "rev_rn": None,  # "rev", each product rounded on its own (PTX mul.rn.f32: nothing may contract it into an FMA)
 }
+MOSAIC_PLACEMENTS["rev_rn"] = MOSAIC_PLACEMENTS["rev"]
 MOSAIC_ROWS = 64  # the WGMMA layout's rows: 16 per warp of the warpgroup
 
 
-def _mosaic_kernel(am_gmem, t0_gmem, t_gmem, am_s, t_s, bars, *, rows: tuple):
+def _mul_rn(x, y):
+    """x * y ([64, 16] WGMMA-layout fp32 arrays) by PTX `mul.rn.f32`, through `plgpu.inline_mgpu`: Mosaic GPU's own
+    multiply carries LLVM's `contract` flag, so the add after it may absorb it into an FMA."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    wgmma = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=wgmma))
+    def mul(ctx, a, b):
+        return a._pointwise(mgpu.FragmentedArray._lift_fast_instr("mul.rn.f32"), b)
+
+    return mul(x, y)
+
+
+def _mosaic_kernel(am_gmem, t0_gmem, t_gmem, am_s, t_s, bars, *, rows: tuple, rn: bool = False):
     """One tile per program: the 15 substitution steps of `wy.substitution_step` (row i of T = row i minus
     sum_j A[i, j] T[j, :]) on T placed in rows `rows` of a [64, 16] WGMMA-layout array (zeros elsewhere), A's rows
     given placed the same way along am's second axis (am [16, 64]: am[i, rows[j]] = A[i, j])."""
@@ -148,7 +169,8 @@ def _mosaic_kernel(am_gmem, t0_gmem, t_gmem, am_s, t_s, bars, *, rows: tuple):
     row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma)
     for i in range(1, SUB):
         a = plgpu.load(am_s.at[i], layout=wgmma.reduce(1))  # A[i, :] along the rows
-        contrib = jnp.sum(lax.broadcast_in_dim(a, shape, [0]) * t, axis=0)
+        a = lax.broadcast_in_dim(a, shape, [0])
+        contrib = jnp.sum(_mul_rn(a, t) if rn else a * t, axis=0)
         t = jnp.where(row == rows[i], t - lax.broadcast_in_dim(contrib, shape, [1]), t)
     t_s[...] = t
     plgpu.commit_smem()
@@ -165,7 +187,8 @@ def mosaic_substitution_call(placement: str, interpret: bool, tiles: int = 4):
 
     params = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     return jax.jit(plgpu.kernel(
-        functools.partial(_mosaic_kernel, rows=MOSAIC_PLACEMENTS[placement]),
+        functools.partial(_mosaic_kernel, rows=MOSAIC_PLACEMENTS[placement],
+                          rn=placement.endswith("_rn") and not interpret),  # (interpret mode: no PTX)
         out_type=jax.ShapeDtypeStruct((tiles, MOSAIC_ROWS, SUB), jnp.float32),
         scratch_types=[plgpu.SMEM((SUB, MOSAIC_ROWS), jnp.float32), _smem(MOSAIC_ROWS, SUB),
                        plgpu.Barrier(num_barriers=2)],
@@ -283,9 +306,9 @@ def main(argv=None) -> int:
         for p, fn in mosaic.items():  # the Mosaic GPU kernel on the Triton kernel's own A^T, against its T
             tm = mosaic_tiles(fn(*mosaic_inputs(at, p)), p)
             differ[f"mosaic_{p}"] = int(np.sum(tm != t))
-            if p == "rev":  # and against the models: which in-thread add Mosaic GPU's code makes
+            if p.startswith("rev"):  # and against the models: which in-thread add Mosaic GPU's code makes
                 for o in ("g", "g8", "tree"):
-                    differ[f"mosaic_rev~{o}"] = sum(int(np.sum(substitution_model(at[b], o) != tm[b]))
+                    differ[f"mosaic_{p}~{o}"] = sum(int(np.sum(substitution_model(at[b], o) != tm[b]))
                                                     for b in range(4))
         if gram is not None:  # the gram tiles: Mosaic GPU's fp16 wgmma against the Triton kernel's fp16 dots
             differ["mosaic_gram"] = int(np.sum(gram_diagonal(gram(*gram_inputs(k, beta))) != kk))
