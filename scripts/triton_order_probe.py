@@ -262,6 +262,15 @@ def gram_diagonal(g) -> np.ndarray:
     return np.stack([g[b * SUB:(b + 1) * SUB, b * SUB:(b + 1) * SUB] for b in range(4)])
 
 
+def _cuda_text(fn, *args) -> str:
+    """`fn`'s program lowered for CUDA under an abstract H200 (as `mosaic_tf32_probe._lowered` lowers it), as text."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def inputs(seed: int):
     """l2-normalised keys [64, K] fp32 (as the prep normalises them), a realistic cumulative log-decay and betas."""
     rng = np.random.default_rng(seed)
@@ -287,8 +296,9 @@ def main(argv=None) -> int:
         print("lowered:", _lowered(call, *inputs(0)))
         at0 = np.triu(np.full((4, SUB, SUB), 0.1, np.float32), 1)
         for placement in MOSAIC_PLACEMENTS:
-            print(f"Mosaic GPU ({placement}) lowered:",
-                  _lowered(mosaic_substitution_call(placement, False), *mosaic_inputs(at0, placement)))
+            args, fn = mosaic_inputs(at0, placement), mosaic_substitution_call(placement, False)
+            rn = "mul.rn.f32" in _cuda_text(fn, *args)
+            print(f"Mosaic GPU ({placement}) lowered:", _lowered(fn, *args) + f"; mul.rn.f32 in its code: {rn}")
         k, _, beta = inputs(0)
         print("Mosaic GPU gram lowered:", _lowered(mosaic_gram_call(False), *gram_inputs(k, beta)))
         return 0

@@ -329,8 +329,10 @@ def test_triton_order_probe_models_an_inverse_and_lowers_its_kernels(capsys):
     assert probe.main(["--lower-only"]) == 0
     out = capsys.readouterr().out
     assert "lowered: lowered, a GPU custom call" in out
-    for placement in probe.MOSAIC_PLACEMENTS:
-        assert f"Mosaic GPU ({placement}) lowered: lowered, a Mosaic GPU custom call" in out, out
+    for placement in probe.MOSAIC_PLACEMENTS:  # only "rev_rn" multiplies by mul.rn.f32 (no FMA contraction)
+        rn = placement.endswith("_rn")
+        assert (f"Mosaic GPU ({placement}) lowered: lowered, a Mosaic GPU custom call; mul.rn.f32 in its code: {rn}"
+                in out), out
     assert "Mosaic GPU gram lowered: lowered, a Mosaic GPU custom call" in out, out
 
 
