@@ -121,18 +121,20 @@ def substitution_call(interpret: bool):
 # m xor 1, m xor 2, m xor 4: the other way round from Triton's 16, 8, 4), then adds the four warps' partial sums
 # through shared memory. With a tile's 16 rows placed in rows 0-15 (warp 0; rows 16-63 zeros, whose partial sums
 # +0 add exactly) and row groups renumbered by reversing their three bits, Mosaic GPU's tree is Triton's: its first
-# shuffle pairs m xor 1, which is Triton's g xor 4, and so on. Whether the in-thread add becomes Triton's FMA (which
-# product it fuses, if any: LLVM's contraction of the separate multiply and add) is the question the GPU answers;
-# the placements try row g at m and g + 8 at m + 8 ("rev"), the other way round ("rev_swap"), and no renumbering
-# ("identity"; Mosaic GPU's own tree). Each maps a tile row (0-15) to a row of the 64.
+# shuffle pairs m xor 1, which is Triton's g xor 4, and so on. The in-thread add is the other question: Triton's
+# rounds both products (model "tree", H200 run 196), while Mosaic GPU's multiply carries LLVM's `contract` flag and
+# was fused into that add (model "g" in run 196). The placements: row g at m and g + 8 at m + 8 ("rev"), the other
+# way round ("rev_swap"), no renumbering ("identity"; Mosaic GPU's own tree), and "rev" with each product rounded on
+# its own by PTX `mul.rn.f32`, which nothing may contract into an FMA ("rev_rn"). Each maps a tile row (0-15) to a
+# row of the 64.
 _REV3 = (0, 4, 2, 6, 1, 5, 3, 7)
+_REV = tuple(_REV3[j % 8] + 8 * (j // 8) for j in range(SUB))
 MOSAIC_PLACEMENTS = {
-    "rev": tuple(_REV3[j % 8] + 8 * (j // 8) for j in range(SUB)),
+    "rev": _REV,
     "rev_swap": tuple(_REV3[j % 8] + 8 * (1 - j // 8) for j in range(SUB)),
     "identity": tuple(range(SUB)),
-    "rev_rn": None,  # "rev", each product rounded on its own (PTX mul.rn.f32: nothing may contract it into an FMA)
+    "rev_rn": _REV,
 }
-MOSAIC_PLACEMENTS["rev_rn"] = MOSAIC_PLACEMENTS["rev"]
 MOSAIC_ROWS = 64  # the WGMMA layout's rows: 16 per warp of the warpgroup
 
 
@@ -285,7 +287,7 @@ def inputs(seed: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--lower-only", action="store_true", help="lower the kernel for an abstract H200 and stop")
+    ap.add_argument("--lower-only", action="store_true", help="lower the kernels for an abstract H200 and stop")
     ap.add_argument("--no-mosaic", action="store_true", help="the Triton kernel and the NumPy models only")
     args = ap.parse_args(argv)
     if args.seeds < 1:
@@ -296,9 +298,9 @@ def main(argv=None) -> int:
         print("lowered:", _lowered(call, *inputs(0)))
         at0 = np.triu(np.full((4, SUB, SUB), 0.1, np.float32), 1)
         for placement in MOSAIC_PLACEMENTS:
-            args, fn = mosaic_inputs(at0, placement), mosaic_substitution_call(placement, False)
-            rn = "mul.rn.f32" in _cuda_text(fn, *args)
-            print(f"Mosaic GPU ({placement}) lowered:", _lowered(fn, *args) + f"; mul.rn.f32 in its code: {rn}")
+            ins, fn = mosaic_inputs(at0, placement), mosaic_substitution_call(placement, False)
+            rn = "mul.rn.f32" in _cuda_text(fn, *ins)
+            print(f"Mosaic GPU ({placement}) lowered:", _lowered(fn, *ins) + f"; mul.rn.f32 in its code: {rn}")
         k, _, beta = inputs(0)
         print("Mosaic GPU gram lowered:", _lowered(mosaic_gram_call(False), *gram_inputs(k, beta)))
         return 0
