@@ -310,17 +310,26 @@ def tf32_rna(x: np.ndarray) -> np.ndarray:
     return tf32_rz((np.asarray(x, np.float32).view(np.uint32) + np.uint32(0x1000)).view(np.float32))
 
 
-def _lowered(fn, *avals) -> str:
-    """Whether `fn` lowers for CUDA here (an exception if not), and to what: a Mosaic GPU custom call or Pallas-Triton's
-    GPU call. Under an abstract H200 mesh: Pallas-Triton's lowering needs a GPU's kind."""
+def cuda_text(fn, *avals) -> str:
+    """`fn`'s program lowered for CUDA here (an exception if it does not lower), as text. Under an abstract H200 mesh:
+    Pallas-Triton's lowering needs a GPU's kind."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
-        text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def lowered_as(text: str) -> str:
+    """What a program's CUDA text (`cuda_text`) holds: a Mosaic GPU custom call, Pallas-Triton's GPU call or none."""
     if "mosaic_gpu" in text:
         return "lowered, a Mosaic GPU custom call"
     return "lowered, " + ("a GPU custom call" if "custom_call @__gpu" in text else "no GPU call")
+
+
+def _lowered(fn, *avals) -> str:
+    """Whether `fn` lowers for CUDA here (an exception if not), and to what (`lowered_as`)."""
+    return lowered_as(cuda_text(fn, *avals))
 
 
 def compare(name: str, x: np.ndarray, y: np.ndarray) -> dict:

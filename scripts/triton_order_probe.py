@@ -264,15 +264,6 @@ def gram_diagonal(g) -> np.ndarray:
     return np.stack([g[b * SUB:(b + 1) * SUB, b * SUB:(b + 1) * SUB] for b in range(4)])
 
 
-def _cuda_text(fn, *args) -> str:
-    """`fn`'s program lowered for CUDA under an abstract H200 (as `mosaic_tf32_probe._lowered` lowers it), as text."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=h200)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def inputs(seed: int):
     """l2-normalised keys [64, K] fp32 (as the prep normalises them), a realistic cumulative log-decay and betas."""
     rng = np.random.default_rng(seed)
@@ -293,14 +284,14 @@ def main(argv=None) -> int:
     if args.seeds < 1:
         ap.error(f"--seeds must be at least 1; got {args.seeds}")
     if args.lower_only:
-        from scripts.mosaic_tf32_probe import _lowered
+        from scripts.mosaic_tf32_probe import _lowered, cuda_text, lowered_as
         call = substitution_call(interpret=False)
         print("lowered:", _lowered(call, *inputs(0)))
         at0 = np.triu(np.full((4, SUB, SUB), 0.1, np.float32), 1)
         for placement in MOSAIC_PLACEMENTS:
-            ins, fn = mosaic_inputs(at0, placement), mosaic_substitution_call(placement, False)
-            rn = "mul.rn.f32" in _cuda_text(fn, *ins)
-            print(f"Mosaic GPU ({placement}) lowered:", _lowered(fn, *ins) + f"; mul.rn.f32 in its code: {rn}")
+            text = cuda_text(mosaic_substitution_call(placement, False), *mosaic_inputs(at0, placement))
+            print(f"Mosaic GPU ({placement}) lowered:", lowered_as(text)
+                  + f"; mul.rn.f32 in its code: {'mul.rn.f32' in text}")
         k, _, beta = inputs(0)
         print("Mosaic GPU gram lowered:", _lowered(mosaic_gram_call(False), *gram_inputs(k, beta)))
         return 0
@@ -313,15 +304,14 @@ def main(argv=None) -> int:
     for seed in range(args.seeds):
         k, gc, beta = inputs(seed)
         at, t, _, kk = (np.asarray(x) for x in call(k, gc, beta))
-        differ = {o: sum(int(np.sum(substitution_model(at[b], o) != t[b])) for b in range(4))
-                  for o in ("g", "g8", "tree", "plain")}
+        models = {o: np.stack([substitution_model(a, o) for a in at]) for o in ("g", "g8", "tree", "plain")}
+        differ = {o: int(np.sum(m != t)) for o, m in models.items()}
         for p, fn in mosaic.items():  # the Mosaic GPU kernel on the Triton kernel's own A^T, against its T
             tm = mosaic_tiles(fn(*mosaic_inputs(at, p)), p)
             differ[f"mosaic_{p}"] = int(np.sum(tm != t))
             if p.startswith("rev"):  # and against the models: which in-thread add Mosaic GPU's code makes
                 for o in ("g", "g8", "tree"):
-                    differ[f"mosaic_{p}~{o}"] = sum(int(np.sum(substitution_model(at[b], o) != tm[b]))
-                                                    for b in range(4))
+                    differ[f"mosaic_{p}~{o}"] = int(np.sum(models[o] != tm))
         if gram is not None:  # the gram tiles: Mosaic GPU's fp16 wgmma against the Triton kernel's fp16 dots
             differ["mosaic_gram"] = int(np.sum(gram_diagonal(gram(*gram_inputs(k, beta))) != kk))
         for o, n in differ.items():
