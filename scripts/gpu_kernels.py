@@ -5,10 +5,12 @@ Run on the GPU machine from the repo root (fla-core installed into /tmp/site fro
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.:/tmp/site python3 scripts/gpu_kernels.py [--quick] [--out DIR]
       [--skip accuracy,equality,bitwise,decode_checks,ceilings,sweep,prefill,reference,decode,breakdown,conv1d,
               invariant,replay_step,replay_step_checks,replay_step_timing,replay,scan] [--only SECTIONS]
-      [--configs NAMES] [--replay-batches 64,256] [--prefill-shapes B,T,HK,HV;...]
+      [--configs NAMES] [--replay-batches 64,256] [--replay-schedules default,concurrent]
+      [--prefill-shapes B,T,HK,HV;...]
       [--chunk-checks twice,split,alone,checkpoints,prefix,small_grid]
 (replay_step: the replay step's kernels over the chunked prefill, bitwise against one prefill, and its step time against
- the decode kernel (replay_step_checks: the checks alone; replay_step_timing: the timing alone, at --replay-batches);
+ the decode kernel (replay_step_checks: the checks alone; replay_step_timing: the timing alone, at --replay-batches,
+ under XLA's default schedule and the model's concurrent one, --replay-schedules);
  replay: the earlier replay, the chunked kernels over the whole open chunk each step, at the kernel level; scan:
  the token-by-token prefill kernel, bitwise against the decode kernel, and its prefill and one-token times.)
 (fla wheel: `pip download --no-deps fla-core==0.6.0 -d .whl` here; on the GPU machine
@@ -761,10 +763,25 @@ def open_chunk_inputs(B, seed, HK=16, HV=32, K=128, V=128):
     return q, k, v, g, beta, s0, jax.random.randint(ks[6], (B,), 1, 65)
 
 
-def decode_kernel_loop(nstep):
+# How the replay step's timing compiles its loops: "default", XLA's own schedule (runs 189-196 timed this), and
+# "concurrent", jaxgdn's COMPILER_OPTIONS (`jaxgdn.model.jit`: the command buffers' CONCURRENT schedule, which
+# starts kernel 2 beside kernel 1, and no excess precision) — the schedule the model's decode runs under.
+SCHEDULES = ("default", "concurrent")
+
+
+def schedule_options(schedule: str) -> dict:
+    """`jax.jit`'s compiler_options for a schedule of SCHEDULES."""
+    from jaxgdn.model import COMPILER_OPTIONS
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    return dict(COMPILER_OPTIONS) if schedule == "concurrent" else {}
+
+
+def decode_kernel_loop(nstep, schedule="default"):
     """`nstep` recurrent decode-kernel steps (on the chunk's first token) in one compiled loop, the state donated:
     the replay timings' reference."""
-    @functools.partial(jax.jit, donate_argnums=5)
+    @functools.partial(jax.jit, donate_argnums=5, compiler_options=schedule_options(schedule))
     def rec_loop(q, k, v, g, beta, s):
         return jax.lax.fori_loop(0, nstep, lambda i, s: recurrent_gated_delta_rule_pallas(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state=s)[1], s, unroll=True)
@@ -921,63 +938,77 @@ def _bar(ratio: float) -> str:
 
 
 @section
-def replay_step_timing(batches=(64, 256), names=None):
+def replay_step_timing(batches=(64, 256), names=None, schedules=SCHEDULES):
     """The replay step against the recurrent decode kernel at HK=16 HV=32 K=V=128, B=64 and 256, rows at mixed
     phases of the open chunk (lengths 1..64, fixed over the loop: a row at 64 writes its boundary state every step),
     20 steps in one compiled loop with the state and caches donated, timed with one loop per call and with five back
     to back (the host's dispatch overlapping the device: since 2026-12-01's run 77; issue 7's bar is read on these);
-    and each kernel's device time per step, from a profile of the same loop."""
+    and each kernel's device time per step, from a profile of the same loop. Both loops are compiled under each of
+    `schedules` (SCHEDULES: XLA's default, and the model's "concurrent" COMPILER_OPTIONS), in the same process."""
     from pallas_kernels.gated_delta import replay as rp
     from scripts.gpu_model_bench import profiled_kernels
 
     nstep = 20
     for B in batches:
         q, k, v, g, beta, s0, lengths = open_chunk_inputs(B, seed=B + 7)
-        rec_loop = decode_kernel_loop(nstep)
-        t_rec = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=1)[0]
-        # the same loops called 5 times back to back per repetition: the host's dispatch and sync (once per call,
-        # inside the figures above: up to 2026-12-01's run 75 the only ones) overlap the device's work
-        t_rec5 = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=5)[0]
-        for name, cfg in replay_configs(names, {**REPLAY_STEP_CONFIGS, **REPLAY_STEP_TIMING_ONLY}).items():
-            xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1, config=cfg)
+        q_src, k_src = q[:, ::-1] + 0, k[:, ::-1] + 0  # the new tokens' rows (any rows will do)
+        for schedule in schedules:
+            rec_loop = decode_kernel_loop(nstep, schedule)
+            t_rec = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=1)[0]
+            # the same loops called 5 times back to back per repetition: the host's dispatch and sync (once per
+            # call, inside the figures above: up to 2026-12-01's run 75 the only ones) overlap the device's work
+            t_rec5 = bench_state_loop(rec_loop, (q, k, v, g, beta), s0 + 0, nstep, inner=5)[0]
+            for name, cfg in replay_configs(names, {**REPLAY_STEP_CONFIGS, **REPLAY_STEP_TIMING_ONLY}).items():
+                _replay_step_row(B, schedule, name, cfg, (q, k, v, g, beta, s0, lengths), (q_src, k_src), nstep,
+                                 t_rec, t_rec5, rp, profiled_kernels)
 
-            @functools.partial(jax.jit, donate_argnums=5)
-            def step_loop(v, g, beta, q_src, k_src, carry, cfg=cfg):
-                def body(i, c):
-                    s, xc, vc, q, k = c
-                    q, k = (new_token_row(x, x_src, i) for x, x_src in ((q, q_src), (k, k_src)))  # as decoding
-                    # writes one token per step
-                    # o is an output of the kernel that also writes the v_new cache: computed and written every step
-                    # (as the recurrent loop's o; until 2026-11-30 UTC 21:00 the loop summed it, ~7 us per step)
-                    _, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
-                    return s, xc, vc, q, k
-                return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
 
-            # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
-            q_src, k_src = q[:, ::-1] + 0, k[:, ::-1] + 0  # the new tokens' rows (any rows will do)
-            per = profiled_kernels(lambda: step_loop(v, g, beta, q_src, k_src, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)),
-                                   12)
-            ours = [(n, t) for n, t, _ in per if n.startswith("gdn_replay")]
-            other = sum(t for n, t, _ in per if not n.startswith("gdn_replay"))
-            RESULTS.setdefault("replay_step_profile", []).append(
-                dict(B=B, config=name, kernels={n[:80]: t / nstep for n, t, _ in per}))
-            log(f"B={B} [{name}] device time per step: " + ", ".join(f"{n} {t / nstep:.1f} us" for n, t in ours)
-                + f"; other kernels {other / nstep:.1f} us (with the copies this profiled call makes of its "
-                f"arguments, outside the loop)")
-            carry5 = (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)  # (the loop donates its carry)
-            t_step = bench_state_loop(step_loop, (v, g, beta, q_src, k_src), (s0 + 0, xc, vc, q + 0, k + 0), nstep,
-                                      inner=1)[0]
-            t_step5 = bench_state_loop(step_loop, (v, g, beta, q_src, k_src), carry5, nstep, inner=5)[0]
-            prime = jax.jit(functools.partial(rp.chunk_replay_prime_pallas, config=cfg))
-            t_prime = bench_jax(prime, q, k, v, g, beta, s0, lengths - 1, n=5)
-            row = dict(B=B, config=name, recurrent_us=t_rec * 1e6, replay_step_us=t_step * 1e6, ratio=t_step / t_rec,
-                       recurrent_us_x5=t_rec5 * 1e6, replay_step_us_x5=t_step5 * 1e6, ratio_x5=t_step5 / t_rec5,
-                       prime_us=t_prime * 1e6)
-            RESULTS.setdefault("replay_step", []).append(row)
-            log(f"B={B} [{name}]: one loop per call: recurrent decode kernel {t_rec * 1e6:.1f} us; replay step "
-                f"{t_step * 1e6:.1f} us = {t_step / t_rec:.2f}x ({_bar(t_step / t_rec)}); five loops per call "
-                f"(dispatch overlapped): {t_rec5 * 1e6:.1f} / {t_step5 * 1e6:.1f} us = {t_step5 / t_rec5:.2f}x "
-                f"({_bar(t_step5 / t_rec5)}); prime (open chunks of 0..63 tokens) {t_prime * 1e6:.1f} us")
+def _replay_step_row(B, schedule, name, cfg, inputs, srcs, nstep, t_rec, t_rec5, rp, profiled_kernels):
+    """`replay_step_timing` for one batch size, schedule and configuration: the step loop profiled and timed, a row
+    of RESULTS["replay_step"] logged (prime's time under the default schedule only: one call, no loop)."""
+    q, k, v, g, beta, s0, lengths = inputs
+    q_src, k_src = srcs
+    xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1, config=cfg)
+
+    @functools.partial(jax.jit, donate_argnums=5, compiler_options=schedule_options(schedule))
+    def step_loop(v, g, beta, q_src, k_src, carry):
+        def body(i, c):
+            s, xc, vc, q, k = c
+            q, k = (new_token_row(x, x_src, i) for x, x_src in ((q, q_src), (k, k_src)))  # as decoding writes
+            # one token per step
+            # o is an output of the kernel that also writes the v_new cache: computed and written every step (as
+            # the recurrent loop's o; until 2026-11-30 UTC 21:00 the loop summed it, ~7 us per step)
+            _, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
+            return s, xc, vc, q, k
+        return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
+
+    tag = f"B={B} [{name}, {schedule} schedule]"
+    # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
+    per = profiled_kernels(lambda: step_loop(v, g, beta, q_src, k_src, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)
+    ours = [(n, t) for n, t, _ in per if n.startswith("gdn_replay")]
+    other = sum(t for n, t, _ in per if not n.startswith("gdn_replay"))
+    RESULTS.setdefault("replay_step_profile", []).append(
+        dict(B=B, config=name, schedule=schedule, kernels={n[:80]: t / nstep for n, t, _ in per}))
+    log(f"{tag} device time per step: " + ", ".join(f"{n} {t / nstep:.1f} us" for n, t in ours)
+        + f"; other kernels {other / nstep:.1f} us (with the copies this profiled call makes of its arguments, "
+        f"outside the loop)")
+    carry5 = (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)  # (the loop donates its carry)
+    t_step = bench_state_loop(step_loop, (v, g, beta, q_src, k_src), (s0 + 0, xc, vc, q + 0, k + 0), nstep,
+                              inner=1)[0]
+    t_step5 = bench_state_loop(step_loop, (v, g, beta, q_src, k_src), carry5, nstep, inner=5)[0]
+    row = dict(B=B, config=name, schedule=schedule, recurrent_us=t_rec * 1e6, replay_step_us=t_step * 1e6,
+               ratio=t_step / t_rec, recurrent_us_x5=t_rec5 * 1e6, replay_step_us_x5=t_step5 * 1e6,
+               ratio_x5=t_step5 / t_rec5)
+    prime_note = ""
+    if schedule == "default":
+        prime = jax.jit(functools.partial(rp.chunk_replay_prime_pallas, config=cfg))
+        row["prime_us"] = bench_jax(prime, q, k, v, g, beta, s0, lengths - 1, n=5) * 1e6
+        prime_note = f"; prime (open chunks of 0..63 tokens) {row['prime_us']:.1f} us"
+    RESULTS.setdefault("replay_step", []).append(row)
+    log(f"{tag}: one loop per call: recurrent decode kernel {t_rec * 1e6:.1f} us; replay step {t_step * 1e6:.1f} us "
+        f"= {t_step / t_rec:.2f}x ({_bar(t_step / t_rec)}); five loops per call (dispatch overlapped): "
+        f"{t_rec5 * 1e6:.1f} / {t_step5 * 1e6:.1f} us = {t_step5 / t_rec5:.2f}x ({_bar(t_step5 / t_rec5)})"
+        + prime_note)
 
 
 # the replay step's configurations checked and timed. Run 39 timed the two-kernel step at bv 32 (the recurrence's V
@@ -1208,6 +1239,8 @@ def main():
     ap.add_argument("--scan-configs", default="", help="comma list of SCAN_CONFIGS names (default: all)")
     ap.add_argument("--replay-dims", default="128,128", help="replay_step's checks at these K,V (';'-separated)")
     ap.add_argument("--replay-batches", default="64,256", help="replay_step_timing's batch sizes (comma list)")
+    ap.add_argument("--replay-schedules", default=",".join(SCHEDULES),
+                    help=f"replay_step_timing's compile schedules (comma list of {', '.join(SCHEDULES)})")
     ap.add_argument("--replay-configs", default="", help="comma list of the replay step's configs to check and time "
                     "(REPLAY_STEP_CONFIGS, REPLAY_STEP_TIMING_ONLY; default: all)")
     ap.add_argument("--configs", default="", help="comma list of prefill configs to sweep (default: all)")
@@ -1248,6 +1281,10 @@ def main():
     known = {*REPLAY_STEP_CONFIGS, *REPLAY_STEP_TIMING_ONLY}
     if replay_names and replay_names - known:  # (a typo must not silently time nothing)
         raise SystemExit(f"--replay-configs: unknown {sorted(replay_names - known)}; known: {sorted(known)}")
+    schedules = [x for x in args.replay_schedules.split(",") if x]
+    if not schedules or set(schedules) - set(SCHEDULES):
+        raise SystemExit(f"--replay-schedules: unknown {sorted(set(schedules) - set(SCHEDULES))}; known: "
+                         f"{list(SCHEDULES)}")
     skip = set(filter(None, args.skip.split(",")))
     every = {"accuracy", "bitwise", "equality", "decode_checks", "ceilings", "sweep", "prefill", "decode",
              "breakdown", "conv1d", "invariant", "replay", "reference", "scan", "replay_step", "replay_step_checks",
@@ -1436,7 +1473,7 @@ def main():
         # ("replay_step_checks": the checks alone, "replay_step_timing": the timing alone)
         replay_step_checks(replay_dims, replay_names)
     if "replay_step" not in skip or "replay_step_timing" not in skip:
-        replay_step_timing(tuple(int(b) for b in args.replay_batches.split(",")), replay_names)
+        replay_step_timing(tuple(int(b) for b in args.replay_batches.split(",")), replay_names, tuple(schedules))
     if "replay" not in skip:
         replay_timing()
     if "scan" not in skip:

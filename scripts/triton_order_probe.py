@@ -24,7 +24,7 @@ steps on the Triton kernel's own A_ii^T with the tile's rows renumbered to make 
 (and, for the "rev" placements, from the models). Zero in every seed for a placement would mean the substitution
 can move to Mosaic GPU with the prefill's bits, by that placement. Run 196: "rev" gave model "g" exactly (Mosaic
 GPU's multiply carries LLVM's `contract` flag and was fused into the first add), 38 elements off Triton's; "rev_rn"
-multiplies by PTX `mul.rn.f32` instead, which nothing may contract (written after run 196; not yet run). And the
+multiplies by PTX `mul.rn.f32` instead, which nothing may contract: 0 in every seed (run 197, an H100). And the
 chain's first input: the gram tiles, fp16 `mma.sync` dots in Triton (m16n8k16), against one fp16 wgmma over the
 chunk's 64 keys in Mosaic GPU (`_mosaic_gram_kernel`; its diagonal blocks): equal in every element in run 196.
 

@@ -48,6 +48,7 @@ def _main_exits(script, argv, tmp_path, monkeypatch, capsys):
     ("gpu_mgpu_output.py", "--orders", "h_acc,sum", "expected a comma list of"),
     ("gpu_kernels.py", "--chunk-config", '{"outptu": "mosaic"}', "unknown keys ['outptu']"),
     ("gpu_kernels.py", "--replay-configs", "default,group4", "--replay-configs: unknown ['group4']"),
+    ("gpu_kernels.py", "--replay-schedules", "default,concurent", "--replay-schedules: unknown ['concurent']"),
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
