@@ -49,6 +49,8 @@ def _main_exits(script, argv, tmp_path, monkeypatch, capsys):
     ("gpu_kernels.py", "--chunk-config", '{"outptu": "mosaic"}', "unknown keys ['outptu']"),
     ("gpu_kernels.py", "--replay-configs", "default,group4", "--replay-configs: unknown ['group4']"),
     ("gpu_kernels.py", "--replay-schedules", "default,concurent", "--replay-schedules: unknown ['concurent']"),
+    ("replay_branch_latency.py", "--config", "[1]", "--config '[1]': expected a JSON object"),
+    ("replay_branch_latency.py", "--batches", "4,x", "--batches '4,x': expected a comma list of integers"),
     ("gpu_model_bench.py", "--chunk-config", "output=mosaic", "--chunk-config: not JSON"),
     ("gpu_model_bench.py", "--matmul-config", "[1]", "--matmul-config: expected a JSON dict"),
     ("gpu_model_bench.py", "--context", "32", "--phases mixed needs --context >= 64"),
@@ -64,7 +66,8 @@ def test_unknown_names_are_refused_before_device_work(tmp_path, script, flag, ba
     more = ["--configs", '{"a": {}, "b": {}}'] if script == "gpu_prefill_configs.py" else []
     code, said = _main_exits(script, [flag, bad, *more, "--out", str(tmp_path)], tmp_path, monkeypatch, capsys)
     assert code not in (0, None) and known in said, said[-2000:]
-    assert not any((tmp_path / name).exists() for name in ("model_bench.json", "results.json", "compile_times.json"))
+    assert not any((tmp_path / name).exists() for name in ("model_bench.json", "results.json", "compile_times.json",
+                                                               "branch_latency.json"))
 
 
 def test_compile_times_script(tmp_path, monkeypatch):
