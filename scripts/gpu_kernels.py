@@ -963,25 +963,32 @@ def replay_step_timing(batches=(64, 256), names=None, schedules=SCHEDULES):
                                  t_rec, t_rec5, rp, profiled_kernels)
 
 
+def replay_step_loop(cfg, lengths, nstep: int, schedule: str = "default"):
+    """`nstep` replay steps of the rows' open chunks (`lengths`, fixed) in one compiled loop under `schedule`:
+    (v, g, beta, q_src, k_src, carry) -> carry, carry = (state, x cache, v_new cache, q, k) donated, each step's q and
+    k taking a new row from q_src and k_src (`new_token_row`), as decoding writes one token per step. (o is an output
+    of the kernel that also writes the v_new cache: computed and written every step, as the recurrent loop's o; until
+    2026-11-30 UTC 21:00 the loop summed it, ~7 us per step.)"""
+    from pallas_kernels.gated_delta import replay as rp
+
+    @functools.partial(jax.jit, donate_argnums=5, compiler_options=schedule_options(schedule))
+    def step_loop(v, g, beta, q_src, k_src, carry):
+        def body(i, c):
+            s, xc, vc, q, k = c
+            q, k = (new_token_row(x, x_src, i) for x, x_src in ((q, q_src), (k, k_src)))
+            _, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
+            return s, xc, vc, q, k
+        return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
+    return step_loop
+
+
 def _replay_step_row(B, schedule, name, cfg, inputs, srcs, nstep, t_rec, t_rec5, rp, profiled_kernels):
     """`replay_step_timing` for one batch size, schedule and configuration: the step loop profiled and timed, a row
     of RESULTS["replay_step"] logged (prime's time under the default schedule only: one call, no loop)."""
     q, k, v, g, beta, s0, lengths = inputs
     q_src, k_src = srcs
     xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1, config=cfg)
-
-    @functools.partial(jax.jit, donate_argnums=5, compiler_options=schedule_options(schedule))
-    def step_loop(v, g, beta, q_src, k_src, carry):
-        def body(i, c):
-            s, xc, vc, q, k = c
-            q, k = (new_token_row(x, x_src, i) for x, x_src in ((q, q_src), (k, k_src)))  # as decoding writes
-            # one token per step
-            # o is an output of the kernel that also writes the v_new cache: computed and written every step (as
-            # the recurrent loop's o; until 2026-11-30 UTC 21:00 the loop summed it, ~7 us per step)
-            _, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
-            return s, xc, vc, q, k
-        return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
-
+    step_loop = replay_step_loop(cfg, lengths, nstep, schedule)
     tag = f"B={B} [{name}, {schedule} schedule]"
     # where the step's device time goes, kernel by kernel (one loop under jax.profiler)
     per = profiled_kernels(lambda: step_loop(v, g, beta, q_src, k_src, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)

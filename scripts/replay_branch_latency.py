@@ -17,7 +17,6 @@ timed the default and a variant storing kd before the chain (branch `experiment/
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ BRANCH_ROW = 8  # the new token's row in its block row
 def branch_times(B: int, cfg, nstep: int = 8) -> dict[int, dict[str, float]]:
     """{block row i: {kernel name: device µs per step}} with every row's new token at row 16 i + BRANCH_ROW."""
     from pallas_kernels.gated_delta import replay as rp
-    from scripts.gpu_kernels import new_token_row, open_chunk_inputs
+    from scripts.gpu_kernels import open_chunk_inputs, replay_step_loop
     from scripts.gpu_model_bench import profiled_kernels
 
     q, k, v, g, beta, s0, _ = open_chunk_inputs(B, seed=B + 11)
@@ -40,16 +39,7 @@ def branch_times(B: int, cfg, nstep: int = 8) -> dict[int, dict[str, float]]:
     for i in range(4):
         lengths = jnp.full((B,), 16 * i + BRANCH_ROW + 1, jnp.int32)
         xc, vc = rp.chunk_replay_prime_pallas(q, k, v, g, beta, s0, lengths - 1, config=cfg)
-
-        @functools.partial(jax.jit, donate_argnums=5)
-        def loop(v, g, beta, q_src, k_src, carry, lengths=lengths):
-            def body(j, c):
-                s, xc, vc, q, k = c
-                q, k = (new_token_row(x, x_src, j) for x, x_src in ((q, q_src), (k, k_src)))
-                _, s, xc, vc = rp.chunk_replay_step_pallas(q, k, v, g, beta, s, xc, vc, lengths, config=cfg)
-                return s, xc, vc, q, k
-            return jax.lax.fori_loop(0, nstep, body, carry, unroll=True)
-
+        loop = replay_step_loop(cfg, lengths, nstep)
         per = profiled_kernels(lambda: loop(v, g, beta, q_src, k_src, (s0 + 0, xc + 0, vc + 0, q + 0, k + 0)), 12)
         out[i] = {n: t / nstep for n, t, _ in per if n.startswith("gdn_replay")}
     return out
