@@ -7,6 +7,9 @@ conversions of the chunked prefill's kernels (or, with --replay, the replay step
   PYTHONPATH=. .venv/bin/python scripts/ptxas_report.py --shape 1,128,2,4 --dims 16,16  # other head sizes (K, V)
   ... --dump DIR     # also each kernel's TTGIR and PTX as DIR/NAME.ttgir, .ptx (to compare two kernels' code; the
                      # SASS: ptxas -arch=sm_90a NAME.ptx -o NAME.cubin, then nvdisasm, both beside Triton's ptxas)
+  ... --lines NAME [--top 30]   # one kernel's SASS instructions by the Python source line they come from, per
+                                # straight-line region of its code (e.g. `--replay --lines gdn_replay_prep`: regions
+                                # 0-3 are kernel 1's block-row branches 0-3)
 
 Each kernel is lowered to Triton IR for an abstract H200 (as `tests/pallas_kernels/test_cuda_lowering.py` does),
 compiled for sm_90a by PyPI's Triton with the kernel's num_warps / num_stages, and its PTX assembled by `ptxas -v`.
@@ -89,6 +92,91 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int, dump: str = "") -> 
                 converts=converts)
 
 
+def _resolved_locations(ttir: str) -> dict[str, str]:
+    """#locN -> its definition's text, from Triton IR printed with debug info."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(#loc\d*) = loc\((.*)\)\s*$", ttir, re.M)}
+
+
+def _source_chain(loc: str, defs: dict[str, str], depth: int = 0) -> list[str]:
+    """A location as ["file.py:line", its caller, ...] (innermost first); [] where unknown."""
+    loc = loc.strip()
+    if depth > 64:
+        return []
+    if m := re.fullmatch(r"#loc\d*", loc):
+        return _source_chain(defs.get(loc, "unknown"), defs, depth + 1)
+    if m := re.match(r'"([^"]+)":(\d+):\d+', loc):
+        return [f"{os.path.basename(m.group(1))}:{m.group(2)}"]
+    if m := re.fullmatch(r"callsite\((#loc\d*) at (#loc\d*)\)", loc):
+        return _source_chain(m.group(1), defs, depth + 1) + _source_chain(m.group(2), defs, depth + 1)
+    if m := re.fullmatch(r'"[^"]*"\((#loc\d*)\)', loc):
+        return _source_chain(m.group(1), defs, depth + 1)
+    return []
+
+
+def source_lines_report(ttir: str, num_warps: int, num_stages: int, top: int) -> None:
+    """Print one kernel's SASS instructions (per warp, as compiled by PyPI's Triton and ptxas) counted by the Python
+    source line they come from: Triton IR with JAX's source locations is compiled with Triton's IR locations on
+    (USE_IR_LOC), so the SASS line table points at IR lines, whose `loc` names the Python call chain. The code is
+    split into straight-line regions at its branch labels; each region's instruction mix, then its top source lines
+    (innermost frame first, up to three frames)."""
+    import collections
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    defs = _resolved_locations(ttir)
+    ir_lines = ttir.splitlines()
+    old = os.environ.get("USE_IR_LOC")
+    os.environ["USE_IR_LOC"] = "ttir"
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "kernel.ttir")
+            with open(src, "w") as fh:
+                fh.write(ttir)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=num_warps, num_stages=num_stages))
+            ptx, cubin = os.path.join(d, "kernel.ptx"), os.path.join(d, "kernel.cubin")
+            with open(ptx, "w") as fh:
+                fh.write(k.asm["ptx"])
+            arch = re.search(r"\.target (\S+)", k.asm["ptx"]).group(1)
+            subprocess.run([os.path.join(bin_dir, "ptxas"), f"-arch={arch}", "-lineinfo", ptx, "-o", cubin],
+                           check=True, capture_output=True)
+            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", "-g", cubin], check=True,
+                                  capture_output=True, text=True).stdout
+    finally:
+        if old is None:
+            os.environ.pop("USE_IR_LOC", None)
+        else:
+            os.environ["USE_IR_LOC"] = old
+    regions, line = [[]], None
+    for text in sass.splitlines():
+        if m := re.search(r'//## File ".*", line (\d+)', text):
+            line = int(m.group(1))
+        elif re.match(r"^\.L_x_\d+:", text):
+            regions.append([])
+        elif m := re.match(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text):
+            ir = ir_lines[line - 1] if line and line <= len(ir_lines) else ""
+            loc = re.search(r"loc\((#loc\d*)\)\s*$", ir)
+            chain = _source_chain(loc.group(1), defs) if loc else []
+            regions[-1].append((m.group(1), " <- ".join(chain[:3]) or "(no source line)"))
+    kinds = ("HMMA", "BAR", "LDG", "STS", "LDS", "LDSM", "SHFL", "MUFU")
+    for i, region in enumerate(regions):
+        ops = collections.Counter(op for op, _ in region)
+        print(f"  region {i}: {len(region)} instructions; " + ", ".join(f"{o} {ops[o]}" for o in kinds))
+    for i, region in enumerate(regions):
+        if len(region) < 50:
+            continue
+        by_line = collections.Counter(where for _, where in region)
+        ops = collections.defaultdict(collections.Counter)
+        for op, where in region:
+            ops[where][op] += 1
+        print(f"\n  region {i}, top {top} source lines (instructions, then the five commonest opcodes):")
+        for where, n in by_line.most_common(top):
+            mix = " ".join(f"{o} {c}" for o, c in ops[where].most_common(5))
+            print(f"    {n:5d}  {where:75s} {mix}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8,4096,16,32", help="B,T,HK,HV (bf16 inputs)")
@@ -96,6 +184,8 @@ def main():
     ap.add_argument("--config", default="", help="JSON: chunk.DEFAULT_CONFIG keys to override")
     ap.add_argument("--replay", action="store_true", help="the replay step's kernels (B from --shape) instead")
     ap.add_argument("--dump", default="", help="a folder: write each kernel's TTGIR and PTX there (NAME.ttgir, .ptx)")
+    ap.add_argument("--lines", default="", help="a kernel's name: its SASS instructions by Python source line")
+    ap.add_argument("--top", type=int, default=30, help="--lines: source lines shown per region")
     args = ap.parse_args()
     try:
         import triton  # noqa: F401
@@ -115,11 +205,19 @@ def main():
             q, k, v, g, b, initial_state=s0, lengths=n, config=config)
         _, modules = lower_for_h200(f, *chunk_args(B, T, HK, HV, K, V, jnp.bfloat16))
     print(f"shape {args.shape}, K, V {K}, {V}, config {config or 'default'}")
+    names = [m.operation.attributes["sym_name"].value for m in modules]
+    if args.lines and args.lines not in names:
+        raise SystemExit(f"--lines {args.lines}: no such kernel here; these are: {', '.join(names)}")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     for module in modules:
         name = module.operation.attributes["sym_name"].value
         warps, stages = launch(cfg)[name]
+        if args.lines:
+            if name == args.lines:
+                print(f"  {name}: SASS instructions per warp by source line")
+                source_lines_report(module.operation.get_asm(enable_debug_info=True), warps, stages, args.top)
+            continue
         r = ptxas_report(module.operation.get_asm(enable_debug_info=False), warps, stages,
                          dump=os.path.join(args.dump, name) if args.dump else "")
         print(f"  {name:18s} warps {warps} stages {stages}: {r['registers']} registers, spills "
