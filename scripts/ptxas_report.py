@@ -118,7 +118,8 @@ def source_lines_report(ttir: str, num_warps: int, num_stages: int, top: int) ->
     source line they come from: Triton IR with JAX's source locations is compiled with Triton's IR locations on
     (USE_IR_LOC), so the SASS line table points at IR lines, whose `loc` names the Python call chain. The code is
     split into straight-line regions at its branch labels; each region's instruction mix, then its top source lines
-    (innermost frame first, up to three frames)."""
+    (innermost frame first, up to three frames). ptxas's line table for optimised code is approximate (instructions
+    merged or moved keep one line), so the per-line counts are a map of the code, not exact costs."""
     import collections
 
     import triton
