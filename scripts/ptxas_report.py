@@ -48,6 +48,18 @@ def launch(cfg: dict) -> dict:
             "gdn_replay_state": (cfg["warps_state"], 1)}
 
 
+def _triton_compiled(ttir: str, folder: str, num_warps: int, num_stages: int):
+    """Triton IR text compiled by PyPI's Triton for sm_90a (the IR written to folder/kernel.ttir first)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = os.path.join(folder, "kernel.ttir")
+    with open(src, "w") as fh:
+        fh.write(ttir)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                               num_stages=num_stages))
+
+
 def ptxas_report(ttir: str, num_warps: int, num_stages: int, dump: str = "") -> dict:
     """Compile Triton IR text for sm_90a; ptxas's register, spill and stack figures, Triton's shared memory, and how
     many tensors the kernel writes into shared memory transposed (`transposed = true` layouts: a dot operand stored in
@@ -56,15 +68,10 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int, dump: str = "") -> 
     group — or, for ieee-precision dots, FMA loops): different instructions, so a dot that changes kind between
     configurations changes its bits (run 33: mma.sync and wgmma disagree)."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "kernel.ttir")
-        with open(src, "w") as fh:
-            fh.write(ttir)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        k = _triton_compiled(ttir, d, num_warps, num_stages)
         ptx = k.asm["ptx"]
         ttgir = k.asm["ttgir"]
         if dump:  # the compiled forms, to compare two kernels' instructions (e.g. one dot's layout in each)
@@ -123,7 +130,6 @@ def source_lines_report(ttir: str, num_warps: int, num_stages: int, top: int) ->
     import collections
 
     import triton
-    from triton.backends.compiler import GPUTarget
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     defs = _resolved_locations(ttir)
@@ -132,11 +138,7 @@ def source_lines_report(ttir: str, num_warps: int, num_stages: int, top: int) ->
     os.environ["USE_IR_LOC"] = "ttir"
     try:
         with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "kernel.ttir")
-            with open(src, "w") as fh:
-                fh.write(ttir)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=num_warps, num_stages=num_stages))
+            k = _triton_compiled(ttir, d, num_warps, num_stages)
             ptx, cubin = os.path.join(d, "kernel.ptx"), os.path.join(d, "kernel.cubin")
             with open(ptx, "w") as fh:
                 fh.write(k.asm["ptx"])
