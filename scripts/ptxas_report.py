@@ -109,7 +109,7 @@ def _source_chain(loc: str, defs: dict[str, str], depth: int = 0) -> list[str]:
     loc = loc.strip()
     if depth > 64:
         return []
-    if m := re.fullmatch(r"#loc\d*", loc):
+    if re.fullmatch(r"#loc\d*", loc):
         return _source_chain(defs.get(loc, "unknown"), defs, depth + 1)
     if m := re.match(r'"([^"]+)":(\d+):\d+', loc):
         return [f"{os.path.basename(m.group(1))}:{m.group(2)}"]
@@ -165,6 +165,8 @@ def source_lines_report(ttir: str, num_warps: int, num_stages: int, top: int) ->
             regions[-1].append((m.group(1), " <- ".join(chain[:3]) or "(no source line)"))
     kinds = ("HMMA", "BAR", "LDG", "STS", "LDS", "LDSM", "SHFL", "MUFU")
     for i, region in enumerate(regions):
+        if not region:  # a label right after a branch: numbered, not printed
+            continue
         ops = collections.Counter(op for op, _ in region)
         print(f"  region {i}: {len(region)} instructions; " + ", ".join(f"{o} {ops[o]}" for o in kinds))
     for i, region in enumerate(regions):
