@@ -29,7 +29,7 @@ from .cache import (Checkpoint, PrefixCache, checkpoints_from_prefill, numerics_
                     state_from_checkpoints)
 from .errors import (CapacityError, InputError, is_flat_ids, is_int, plain_int, refuse_unordered, safe_ndim,
                      token_array, token_id)
-from .model import Model, decode_step, gdn_states, jit, mesh_context, placed_like, prefill_chunk
+from .model import Model, check_model, decode_step, gdn_states, jit, mesh_context, placed_like, prefill_chunk
 from .shapes import next_pow2
 from .state import MAX_CAPACITY, at_boundary
 
@@ -142,12 +142,6 @@ def _generate_core(model: Model, state, last, seeds, temperature, top_p, stop_id
                 n_snap=n_snap, top_values=jnp.swapaxes(top[0], 0, 1), top_ids=jnp.swapaxes(top[1], 0, 1))
 
 
-def check_model(model) -> None:
-    """InputError unless `model` is a jaxgdn Model (the first argument of generate, score and Engine)."""
-    if not isinstance(model, Model):
-        raise InputError(f"model must be a jaxgdn.Model (the first argument); got {type(model).__name__}")
-
-
 def _prompt_list(prompts):
     """Prompts as something with a length: a generator (any iterable without one) is read once into a list; a string,
     None and arrays are left to `_check_request`; anything that is not iterable is refused, and so are sets and
@@ -168,6 +162,9 @@ def _per_request(value, n: int, name: str) -> list:
         return [value.item() if isinstance(value, np.generic) else value] * n
     if ndim < 0:
         raise InputError(f"{name} must be one number, or one number per prompt; got {value!r:.60}")
+    if ndim > 1:  # (a [1, n] array had read as "1 values for n prompts")
+        raise InputError(f"{name} must be one number, or a flat sequence of one per prompt; got {ndim} dimensions "
+                         f"(shape {np.shape(value)})")
     value = list(value)
     if len(value) != n:
         raise InputError(f"{name}: {len(value)} values for {n} prompts")

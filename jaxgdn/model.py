@@ -513,6 +513,14 @@ def _advance(state: ModelState, layers, lengths: jax.Array, taint: jax.Array, ta
     return ModelState(layers=tuple(layers), position=state.position + lengths, provenance=provenance, origin=origin)
 
 
+def check_model(model) -> None:
+    """InputError unless `model` is a jaxgdn Model (the first argument of the pure functions, generate, score and
+    Engine; a static check, so free under jit: the model's type is part of its pytree structure)."""
+    if not isinstance(model, Model):
+        hint = " (model and state swapped?)" if isinstance(model, ModelState) else ""
+        raise InputError(f"model must be a jaxgdn.Model (the first argument){hint}; got {type(model).__name__}")
+
+
 def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: jax.Array | None = None,
                   checkpoint_stride: int | None = None, last_only: bool = False):
     """Pure prefill. tokens int32 [B, T]; lengths int32 [B] (None: T). Returns (state, logits fp32 [B, T, Vocab]).
@@ -528,6 +536,7 @@ def prefill_chunk(model: Model, state: ModelState, tokens: jax.Array, lengths: j
     last grid boundary (replay decode over the chunked prefill), each bitwise equal to the final state of a
     separate prefill ending there.
     """
+    check_model(model)
     checkpoint_stride, last_only = _check_static_options(checkpoint_stride, last_only)
     replay = model.keeps_open_chunk
     tokens, lengths = _check_shapes(model.config, state, tokens, lengths, replay, dtype=model.dtype)
@@ -573,6 +582,7 @@ def decode_step(model: Model, state: ModelState, token: jax.Array):
 
     Shapes, dtypes and the state's layout are checked (InputError), under `jit` too; values are not.
     """
+    check_model(model)
     token, _ = _check_shapes(model.config, state, token, None, model.keeps_open_chunk, decode=True,
                              dtype=model.dtype)
     if model.decode_mode == "replay":

@@ -130,6 +130,8 @@ def test_no_recompilation_within_a_bucket(tiny, prompts):
     (dict(max_new_tokens=4, return_top_logprobs=1.5), "return_top_logprobs"),
     (dict(max_new_tokens=4, stop_token_ids=[256]), "stop_token_ids"),
     (dict(max_new_tokens=4, seed=[1, 2, 3]), "seed: 3 values for 2 prompts"),
+    (dict(max_new_tokens=4, seed=np.array([[1, 2]])), r"seed must be one number, or a flat sequence of one per "
+                                                       r"prompt; got 2 dimensions \(shape \(1, 2\)\)"),
     (dict(max_new_tokens=4, temperature=-1.0), r"temperature=-1.0 \(must be >= 0"),
     (dict(max_new_tokens=4, top_p=1.5), r"top_p=1.5 \(must lie in \(0, 1\]\)"),
     (dict(max_new_tokens=4, temperature="hot"), "numbers"),

@@ -437,6 +437,20 @@ def test_a_state_of_another_model_is_refused(tiny, state2):
         jax.jit(jaxgdn.decode_step)(tiny, state2._replace(layers=state2.layers[:2]), jnp.ones((2,), jnp.int32))
 
 
+def test_the_pure_functions_refuse_a_first_argument_that_is_not_a_model(tiny, state2):
+    """`jaxgdn.prefill_chunk` / `decode_step` name a bad first argument (before, an AttributeError from inside),
+    with a hint where model and state are swapped; under jit too."""
+    toks, tok = np.ones((2, 4), np.int32), np.ones((2,), np.int32)
+    for bad, match in ((None, "got NoneType"), (tiny.config, "got ModelConfig"),
+                       (state2, r"\(model and state swapped\?\); got ModelState")):
+        with pytest.raises(jaxgdn.InputError, match="^model must be a jaxgdn.Model .*" + match):
+            jaxgdn.prefill_chunk(bad, state2, toks)
+        with pytest.raises(jaxgdn.InputError, match="^model must be a jaxgdn.Model .*" + match):
+            jaxgdn.decode_step(bad, state2, tok)
+    with pytest.raises(jaxgdn.InputError, match="swapped"):
+        jax.jit(jaxgdn.decode_step)(state2, tiny, jnp.ones((2,), jnp.int32))
+
+
 def test_row_selection_is_checked(tiny, state2):
     with pytest.raises(jaxgdn.InputError, match=r"rows must lie in \[0, 2\)"):
         jaxgdn.state.select_rows(state2, np.array([5]))
@@ -564,12 +578,15 @@ def test_deterministic_mode_refuses_an_off_grid_prefill(det_models):
         model.prefill_chunk(state, np.zeros((2, 4), np.int32))
 
 
-@pytest.mark.parametrize("name, seed, match", [("tiny", 2**64, "seed must be an integer"),
+@pytest.mark.parametrize("name, seed, match", [("tiny", 2**64, r"seed must be an integer in \[0, 2\*\*32\)"),
+                                               ("tiny", 2**32, r"seed must be an integer in \[0, 2\*\*32\)"),
+                                               ("tiny", -1, "seed must be an integer"),
                                                ("tiny", 2.5, "seed must be an integer"),
                                                ("tiny", True, "seed must be an integer"),
                                                ("small", 0, "unknown preset 'small'")])
 def test_tiny_model_refuses_bad_arguments(name, seed, match):
-    """An unknown preset or a seed no JAX key takes is an InputError (a seed of 2**64 was an OverflowError from JAX;
-    a float, a TypeError)."""
+    """An unknown preset or a seed outside [0, 2**32) is an InputError (a seed of 2**64 was an OverflowError from
+    JAX, a float a TypeError; 2**32 and -1 built the weights of seeds 0 and 2**32 - 1, a JAX key keeping a seed's
+    low 32 bits)."""
     with pytest.raises(jaxgdn.InputError, match=match):
         jaxgdn.tiny_model(name, seed=seed)
