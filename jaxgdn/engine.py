@@ -60,12 +60,13 @@ ORDERS = ("length", "arrival")  # how a wave's requests are ordered before they 
 
 
 def _stop_ids(value) -> tuple[int, ...]:
-    """SamplingParams.stop_token_ids as a tuple of ints: a sequence of integer ids, or one integer id (Python, NumPy
-    or a 0-d NumPy / JAX integer array)."""
+    """SamplingParams.stop_token_ids as a tuple of ints: a sequence of integer ids, a set of them (sorted: the
+    order of stop ids means nothing, and `generate` takes a set too), or one integer id (Python, NumPy or a 0-d
+    NumPy / JAX integer array)."""
     if token_id(value) is not None:
         return (token_id(value),)
     bad = InputError(f"stop_token_ids must be a sequence of integer token ids (or one integer id); got {value!r}")
-    if value is None or isinstance(value, (str, bytes, dict, set, frozenset)):
+    if value is None or isinstance(value, (str, bytes, dict)):
         raise bad
     try:
         ids = list(value)
@@ -73,17 +74,18 @@ def _stop_ids(value) -> tuple[int, ...]:
         raise bad from None
     if any(token_id(t) is None for t in ids):
         raise bad
-    return tuple(token_id(t) for t in ids)
+    ids = [token_id(t) for t in ids]
+    return tuple(sorted(ids) if isinstance(value, (set, frozenset)) else ids)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings (see `jaxgdn.generate`).
 
-    stop_token_ids: a sequence of integer token ids (a list, tuple or 1-D NumPy / JAX integer array), or a single
-    integer id; stored as a tuple of ints. Anything else (a string, None, floats, bools, nested lists) raises
-    InputError here; the ids' range and the other fields (temperature, top_p: one number each; max_new_tokens, seed
-    and top_k unless None: one integer each) are checked against the model by `Engine.run`.
+    stop_token_ids: a sequence of integer token ids (a list, tuple, set or 1-D NumPy / JAX integer array), or a
+    single integer id; stored as a tuple of ints (a set's sorted). Anything else (a string, None, floats, bools,
+    nested lists) raises InputError here; the ids' range and the other fields (temperature, top_p: one number each;
+    max_new_tokens, seed and top_k unless None: one integer each) are checked against the model by `Engine.run`.
     """
 
     max_new_tokens: int = 32
@@ -204,9 +206,11 @@ def _check_options(model, max_batch, cache, use_cache, max_length, progress, pad
                    default_params, order) -> None:
     """`Engine`'s arguments, each as its docstring says; InputError naming the first that is not."""
     check_model(model)
-    for name, flag in (("use_cache", use_cache), ("progress", progress), ("pad_batches", pad_batches)):
+    for name, flag in (("use_cache", use_cache), ("pad_batches", pad_batches)):
         if not isinstance(flag, (bool, np.bool_)):
             raise InputError(f"{name} must be a bool; got {type(flag).__name__} {flag!r:.40}")
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise InputError(f"progress must be True, False or None; got {type(progress).__name__} {progress!r:.40}")
     if not is_int(max_batch) or max_batch < 1:
         raise InputError(f"max_batch must be an integer >= 1; got {max_batch!r}")
     if not is_int(decode_bucket) or not 1 <= decode_bucket <= MAX_DECODE_BUCKET:
@@ -235,13 +239,15 @@ class Engine:
     bounds the requests in one batch; with `pad_batches` (default) a batch's rows are padded to a power of two, so a
     max_batch that is not one (3, say) can run up to the next power of two rows (4), the copies' results dropped:
     size memory for that, or pass pad_batches=False (one compiled program per distinct batch size then).
-    use_cache, progress, pad_batches: bools. `cache=` with `use_cache=False` is a contradiction (InputError).
+    use_cache, pad_batches: bools. `cache=` with `use_cache=False` is a contradiction (InputError).
+    progress: a bar over the requests on stderr: True, False, or None (the default) for one only when stderr is a
+    terminal (as `load_pretrained`'s), so that batch jobs' logs get no carriage-return lines.
     order: "length" (default) or "arrival": how requests are grouped into batches (the module docstring's
     Scheduling); results come back in request order either way.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, cache: PrefixCache | None = None,
-                 use_cache: bool = True, max_length: int | None = None, progress: bool = True,
+                 use_cache: bool = True, max_length: int | None = None, progress: bool | None = None,
                  pad_batches: bool = True, decode_bucket: int = 16,
                  default_params: SamplingParams = SamplingParams(), order: str = "length"):
         max_batch, max_length, decode_bucket = map(plain_int, (max_batch, max_length, decode_bucket))
@@ -252,7 +258,7 @@ class Engine:
         self.cache = cache if cache is not None else (PrefixCache(deterministic=model.deterministic)
                                                       if use_cache else None)
         self.max_length = int(max_length) if max_length is not None else None
-        self.progress = bool(progress)
+        self.progress = None if progress is None else bool(progress)
         self.pad_batches = bool(pad_batches)
         self.decode_bucket = int(decode_bucket)
         self.default_params = default_params
@@ -382,7 +388,8 @@ class Engine:
         counts = dict(requests=0, batches=0, prompt=0, hit=0, generated=0)
         gen_s, prefill_s, decode_s, split = 0.0, 0.0, 0.0, True
 
-        with tqdm(total=total, unit="req", desc="jaxgdn engine", disable=not self.progress, leave=False) as bar:
+        with tqdm(total=total, unit="req", desc="jaxgdn engine", leave=False,
+                  disable=None if self.progress is None else not self.progress) as bar:
             turn = 0
             while True:
                 jobs = []

@@ -120,6 +120,8 @@ def test_progress_bar(det, requests, capsys):
     assert "jaxgdn engine" in capsys.readouterr().err
     Engine(det, use_cache=False, progress=False).run(requests[:1])
     assert capsys.readouterr().err == ""
+    Engine(det, use_cache=False).run(requests[:1])  # the default: a bar only when stderr is a terminal (not here)
+    assert capsys.readouterr().err == ""
 
 
 def test_plain_token_lists_use_default_params(det, requests):
@@ -186,13 +188,15 @@ def test_bad_requests(det, items, kwargs, error, match):
     (dict(default_params={"max_new_tokens": 4}), "default_params must be a SamplingParams"),
     (dict(order="random"), r"order must be one of \('length', 'arrival'\); got 'random'"),
     (dict(order=None), "order must be one of"),
+    (dict(progress="yes"), "progress must be True, False or None; got str 'yes'"),
+    (dict(pad_batches=None), "pad_batches must be a bool"),
 ])
 def test_bad_engine_options(det, kwargs, match):
     with pytest.raises(jaxgdn.InputError, match=match):
         Engine(det, **kwargs)
 
 
-@pytest.mark.parametrize("stop", ["50", [1.7], None, [True], [[1, 2]], 2.0, {1: 2}])
+@pytest.mark.parametrize("stop", ["50", [1.7], None, [True], [[1, 2]], 2.0, {1: 2}, {1.5}])
 def test_bad_stop_token_ids(stop):
     with pytest.raises(jaxgdn.InputError, match="stop_token_ids must be a sequence of integer token ids"):
         SamplingParams(stop_token_ids=stop)
@@ -204,6 +208,8 @@ def test_stop_token_ids_forms():
     assert SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids == (3, 4)
     assert SamplingParams(stop_token_ids=(t for t in (1, 2))).stop_token_ids == (1, 2)
     assert SamplingParams(stop_token_ids=5).stop_token_ids == (5,)
+    assert SamplingParams(stop_token_ids={9, 2, np.int32(5)}).stop_token_ids == (2, 5, 9)  # as generate takes a set
+    assert SamplingParams(stop_token_ids=frozenset()).stop_token_ids == ()
     assert SamplingParams(stop_token_ids=np.int32(9)).stop_token_ids == (9,)
     assert all(type(t) is int for t in SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids)
 

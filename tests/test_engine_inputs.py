@@ -165,7 +165,7 @@ def test_score_takes_jax_and_zero_d_integer_starts(model):
     (dict(use_cache=False, cache=jaxgdn.PrefixCache()), "cache= was given with use_cache=False"),
     (dict(pad_batches="no"), "pad_batches must be a bool; got str 'no'"),
     (dict(use_cache="False"), "use_cache must be a bool"),
-    (dict(progress=None), "progress must be a bool"),
+    (dict(progress="False"), "progress must be True, False or None; got str 'False'"),  # (None: on a terminal)
 ])
 def test_engine_options_that_would_be_misused(model, kwargs, match):
     """Was: accepted — the cache used although use_cache=False, and any truthy string taken as True."""
