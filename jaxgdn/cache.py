@@ -30,7 +30,7 @@ import numpy as np
 
 from pallas_kernels import CHUNK, resolve_backend
 
-from .errors import CapacityError, InputError, JaxGDNError, index_value, is_int, token_array
+from .errors import CapacityError, InputError, JaxGDNError, index_value, is_flat_ids, is_int, token_array
 from .model import jit, placed_like
 from .shapes import next_pow2
 from .state import AttentionLayerState, GDNLayerState, ModelState, PrefillCheckpoints, Provenance, at_boundary
@@ -623,6 +623,8 @@ class PrefixCache:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
             raise InputError(f"prompts must be a sequence of prompts (lists of token ids); got "
                              f"{type(prompts).__name__}")
+        if is_flat_ids(prompts):
+            raise InputError("prompts must be a sequence of prompts (got one flat sequence of ids: wrap it in a list)")
         checked = []
         for i, tokens in enumerate(prompts):
             tokens = _token_tuple(tokens, f"prompt {i}")

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,15 @@ class _Outputs:
 
 
 # ---- models, tokenizers, prompts --------------------------------------------------------------------------------
+
+def _output_path(text: str) -> str:
+    """argparse type of every --output: a path, not empty (an unset shell variable, `--output "$OUT"`, had turned
+    the output off without a word)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty: it names the file to write (leave the option out to "
+                                         "write none)")
+    return text
+
 
 def _seed(text: str) -> int:
     """argparse type of the seed options (--seed of demo / compare-states / check-determinism, --model-seed): an
@@ -513,11 +523,13 @@ def summarize_gaps(records: list[dict]) -> list[dict]:
     bitwise equal, share of positions whose whole state is bitwise equal."""
     import numpy as np
 
-    out, keys = [], []
-    for r in records:
-        if (r["comparison"], r["layer"]) not in keys:
-            keys.append((r["comparison"], r["layer"]))
-    for name, layer in keys:
+    def order(key):  # the decode comparison first, then the splits by their point, each by layer
+        name, layer = key
+        split = re.match(r"split at (\d+)", name)
+        return (1, int(split.group(1)), layer) if split else (0, 0, layer)
+
+    out = []
+    for name, layer in sorted({(r["comparison"], r["layer"]) for r in records}, key=order):
         rs = [r for r in records if r["comparison"] == name and r["layer"] == layer]
         rel = np.array([r["rel"] for r in rs])
         out.append(dict(comparison=name, layer=layer, positions=len(rs), max_rel=float(rel.max()),
@@ -608,6 +620,12 @@ def _compare_states(args, out: _Outputs) -> int:
     if not any(p > min([args.decode_from] + splits) for p in range(args.stride, T + 1, args.stride)):
         raise InputError(f"nothing to compare: no position {args.stride}, {2 * args.stride}, ... up to {T} (--stride) "
                          f"lies past --decode-from ({args.decode_from}) or a split point ({splits or 'none'})")
+    left_out = [name for name, start in [(f"prefill {args.decode_from} + decode", args.decode_from)]
+                + [(f"split at {s}", s) for s in splits] if not any(p > start for p in range(args.stride, T + 1,
+                                                                                            args.stride))]
+    if left_out:  # the others run; say which of the asked-for comparisons have nothing to compare
+        print(f"compare-states: left out (no position {args.stride}, {2 * args.stride}, ... up to {T} lies past "
+              f"their start; a smaller --stride compares them): {', '.join(left_out)}", file=sys.stderr)
     t0 = time.perf_counter()
     records = state_gap_records(model, tokens, args.decode_from, splits, args.stride)
     summary = summarize_gaps(records)
@@ -888,7 +906,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-length", type=int, metavar="N", help="capacity: prompt + new tokens (default: the model's "
                                                     f"max_position_embeddings; {PRESET_MAX_LENGTH} for presets)")
     gen.add_argument("--logprobs", action="store_true", help="also print each generated token's logprob")
-    gen.add_argument("--output", metavar="FILE.json", help="also write tokens, logprobs and text as JSON")
+    gen.add_argument("--output", type=_output_path, metavar="FILE.json",
+                     help="also write tokens, logprobs and text as JSON")
 
     sc = sub.add_parser("score", help="per-token logprobs of a sequence (teacher forcing)",
                         description="Logprob of each token given the tokens before it, by prefill. Scores the "
@@ -902,7 +921,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--start", type=int, metavar="N", help="first position scored (default 1)")
     sc.add_argument("--max-length", type=int, metavar="N", help="capacity limit on the sequence length")
     sc.add_argument("--quiet", action="store_true", help="print the summary only, not the per-token table")
-    sc.add_argument("--output", metavar="FILE.json|FILE.csv", help="also write the per-token logprobs")
+    sc.add_argument("--output", type=_output_path, metavar="FILE.json|FILE.csv",
+                    help="also write the per-token logprobs")
 
     cs = sub.add_parser("compare-states", help="prefill vs decode vs split-prefill GDN states, per layer and position",
                         description="For every GDN layer and every position p of a prompt, compares the fp32 "
@@ -922,7 +942,7 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--splits", default="64,63", metavar="S,S", help="prefill split points (default 64,63)")
     cs.add_argument("--stride", type=int, metavar="N", default=1, help="compare every stride-th position (default 1)")
     cs.add_argument("--max-length", type=int, metavar="N", help="capacity limit on the prompt length")
-    cs.add_argument("--output", default="compare_states", metavar="PREFIX",
+    cs.add_argument("--output", type=_output_path, default="compare_states", metavar="PREFIX",
                     help="output files PREFIX.csv, PREFIX.json, PREFIX.png (default compare_states)")
 
     cd = sub.add_parser("check-determinism", help="warm-vs-cold cache, batch-size and split checks (pass/fail table)",
@@ -942,7 +962,7 @@ def _parser() -> argparse.ArgumentParser:
                          "small gap reaches a logprob (some prompts: try a few --seed values)")
     cd.add_argument("--checks", default=",".join(CHECKS), metavar="NAMES",
                     help=f"which checks to run (default all: {','.join(CHECKS)}; score runs in replay mode only)")
-    cd.add_argument("--output", metavar="FILE.json", help="also write the table as JSON")
+    cd.add_argument("--output", type=_output_path, metavar="FILE.json", help="also write the table as JSON")
 
     be = sub.add_parser("bench", help="prefill and decode tokens/s on the current device",
                         description="Times one prefill of --prompt-len tokens per row and a compiled loop of "
@@ -955,7 +975,7 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, metavar="N", default=3,
                     help="timed runs; the median is reported (default 3)")
     be.add_argument("--max-length", type=int, metavar="N", help="capacity limit on prompt + decode tokens")
-    be.add_argument("--output", metavar="FILE.json", help="also write the results as JSON")
+    be.add_argument("--output", type=_output_path, metavar="FILE.json", help="also write the results as JSON")
     return parser
 
 

@@ -17,6 +17,7 @@ integer (a float, a string, a bool) raises `InputError`.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -177,7 +178,11 @@ def eos_token_ids(model_dir) -> tuple[int, ...]:
 
 def load_tokenizer(path) -> Tokenizer | None:
     """The tokenizer of a checkpoint directory (its tokenizer.json; None when it has none) or of a tokenizer.json
-    file. Raises `CheckpointError` for a missing path or a malformed file."""
+    file. Raises `CheckpointError` for a missing path or a malformed file, `InputError` for a path that is not a
+    str or os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"path must be a checkpoint directory or a tokenizer.json (a str or os.PathLike); got "
+                         f"{type(path).__name__} {path!r:.60}")
     path = Path(path)
     if path.is_dir():
         f = path / TOKENIZER_FILE

@@ -93,7 +93,8 @@ def test_lookup_refuses_malformed_prompts(setup, full, prompt, match):
     (None, "prompts must be a sequence of prompts .* got NoneType"),
     (5, "got int"),
     ("abc", "got str"),
-    ("flat", "prompt 0 must be a flat sequence of integer token ids; got"),  # one prompt, not a list of prompts
+    ("flat", r"got one flat sequence of ids: wrap it in a list"),  # one prompt, not a list of prompts (as generate
+    # and score say it; it had read "prompt 0 must be a flat sequence ...; got shape ()")
 ])
 def test_lookup_refuses_what_is_not_a_list_of_prompts(setup, full, prompts, match):
     prompts = setup[1] if prompts == "flat" else prompts

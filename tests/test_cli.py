@@ -244,6 +244,10 @@ def test_compare_states(capsys, tmp_path, preset):
 
     rec = json.loads(open(f"{prefix}.json").read())
     assert rec["tokens"] == 70 and len(rec["rows"]) == len(rows) and len(rec["summary"]) == 3 * layers
+    # the summary in a fixed order: the decode path, then the splits by their point, each by layer
+    assert [(r["comparison"], r["layer"]) for r in rec["summary"]] == [
+        (name, layer) for name in ("prefill 60 + decode", "split at 63 (off grid)", "split at 64 (on grid)")
+        for layer in sorted(preset.config.gdn_layers)]
     assert open(f"{prefix}.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "split at 64 (on grid)" in out
 
@@ -268,6 +272,17 @@ def test_compare_states_progress_bar(capsys, preset, monkeypatch):
     assert "compare-states" in err and "14/14" in err, err
     assert state_gap_records(preset, tokens, 60, [64], 5) == with_bar
     assert capsys.readouterr().err == ""
+
+
+def test_compare_states_names_the_comparisons_its_stride_leaves_out(capsys, tmp_path):
+    """Positions 8, 16, ..., 64 of 70 tokens: the decode path from 60 and the split at 63 are compared at 64, the
+    split at 64 at none: it is named on stderr (before, it left the table without a word), the others run."""
+    rc, out, err = run(capsys, "compare-states", "--length", 70, "--decode-from", 60, "--splits", "64,63",
+                       "--stride", 8, "--seed", 4, "--output", tmp_path / "cs")
+    assert rc == 0
+    assert "left out (no position 8, 16, ... up to 70 lies past their start; a smaller --stride compares them): " \
+           "split at 64" in err, err
+    assert "split at 63 (off grid)" in out and "prefill 60 + decode" in out and "split at 64" not in out
 
 
 def test_compare_states_leaves_no_partial_files(capsys, tmp_path, monkeypatch):
@@ -356,6 +371,14 @@ def test_negative_seed_is_an_argument_error(capsys, command):  # check, a one-li
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--seed", "-1"])
     assert e.value.code == 2 and "--seed: expected a non-negative integer; got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "score", "compare-states", "check-determinism", "bench"])
+def test_an_empty_output_is_an_argument_error(capsys, command):
+    """`--output ""` (an unset shell variable) is refused before anything runs; it had turned the output off."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--output", ""])
+    assert e.value.code == 2 and "--output: must not be empty" in capsys.readouterr().err
 
 
 def test_check_determinism_bad_checks(capsys):

@@ -54,6 +54,12 @@ def test_checkpoint_directory(tmp_path, tok):
     assert loaded.encode(TEXTS[1]) == tok.encode(TEXTS[1])
 
 
+@pytest.mark.parametrize("path", [None, 3, b"/tmp"])
+def test_a_path_that_is_no_path_is_an_input_error(path):
+    with pytest.raises(jaxgdn.InputError, match="path must be a checkpoint directory or a tokenizer.json"):
+        load_tokenizer(path)
+
+
 def test_eos_ids_from_config(tmp_path):
     assert eos_token_ids(tmp_path) == ()
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": 7}}))
