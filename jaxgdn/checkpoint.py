@@ -24,6 +24,7 @@ import struct
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -348,6 +349,22 @@ def read_params(path: Path, config: ModelConfig, dtype, lazy: bool = False,
         bar.close()
 
 
+def check_finite(path: Path, params: ModelParams) -> None:
+    """CheckpointError naming the parameters that hold a NaN or an infinity (a corrupt download, a conversion that
+    overflowed): they would make every logit NaN, and `generate` return token 0 with NaN logprobs as if nothing were
+    wrong. One compiled reduction over every parameter, where it lies (placed or sharded): no host pass."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    finite = jax.device_get(_all_finite([x for _, x in leaves]))
+    bad = [jax.tree_util.keystr(where) for (where, _), ok in zip(leaves, finite) if not ok]
+    if bad:
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf) in {_more(bad)}")
+
+
+@jax.jit
+def _all_finite(xs):
+    return [jnp.all(jnp.isfinite(x)) for x in xs]
+
+
 def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, deterministic: bool = False,
                     mesh=None, progress: bool | None = None) -> Model:
     """Load a Hugging Face directory (config.json + model.safetensors or a sharded index) into a `Model`.
@@ -361,6 +378,7 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
     parallelism (`jaxgdn.sharding.shard_model`), each device's slice read from the file on its own.
     progress: a progress bar over the layers as they are read, on stderr (None, the default: only when stderr is a
     terminal; True: always; False: never). Not with `mesh`, where the reads happen as the slices are placed.
+    Weights that hold a NaN or an infinity are refused once loaded (`check_finite`: CheckpointError naming them).
     """
     check_model_options(dtype, backend)
     if not isinstance(path, (str, os.PathLike)):
@@ -383,7 +401,10 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, determi
     if mesh is not None:
         from .sharding import shard_model
 
-        return shard_model(Model(params=read_params(path, config, dtype, lazy=True), config=config, dtype=dtype,
-                                 backend=backend, deterministic=deterministic), mesh)
-    return Model(params=read_params(path, config, dtype, progress=progress), config=config, dtype=dtype,
-                 backend=backend, deterministic=deterministic)
+        model = shard_model(Model(params=read_params(path, config, dtype, lazy=True), config=config, dtype=dtype,
+                                  backend=backend, deterministic=deterministic), mesh)
+    else:
+        model = Model(params=read_params(path, config, dtype, progress=progress), config=config, dtype=dtype,
+                      backend=backend, deterministic=deterministic)
+    check_finite(path, model.params)
+    return model

@@ -1,7 +1,8 @@
 """load_pretrained on broken or unusual checkpoint directories: each is refused with a CheckpointError (InputError
 for a bad argument) naming the file and the field or tensor, before any weights are read — never a KeyError,
 ZeroDivisionError, MemoryError or JSON traceback, and never silently wrong weights. Every checkpoint here is a
-damaged copy of a tiny fixture written into tmp_path; nothing is compiled."""
+damaged copy of a tiny fixture written into tmp_path; nothing is compiled but the loader's finiteness check (one
+small reduction)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,21 @@ def test_layer_types_length_names_num_hidden_layers(tmp_path, tensors, hf_config
     with pytest.raises(jaxgdn.CheckpointError, match=r"config\.json: layer_types has 4 entries for 5 layers "
                                                      r"\(num_hidden_layers\)"):
         jaxgdn.load_pretrained(path)
+
+
+def test_non_finite_weights_are_refused_by_name(tmp_path, tensors, hf_config):
+    """A NaN or an infinity in the weights (a corrupt download) is a CheckpointError naming the parameters; it had
+    loaded, and `generate` returned token 0 with NaN logprobs and finish_reason "length"."""
+    bad = dict(tensors)
+    bad["model.layers.1.input_layernorm.weight"] = tensors["model.layers.1.input_layernorm.weight"].copy()
+    bad["model.layers.1.input_layernorm.weight"][3] = np.nan
+    bad["model.layers.1.linear_attn.A_log"] = tensors["model.layers.1.linear_attn.A_log"].copy()
+    bad["model.layers.1.linear_attn.A_log"][0] = -np.inf
+    path = write(tmp_path / "c", bad, hf_config)
+    with pytest.raises(jaxgdn.CheckpointError, match=esc(str(path)) + r" holds non-finite weights \(NaN or inf\) in "
+                                                     r"\.layers\[1\]\.input_norm, \.layers\[1\]\.mixer\.A_log$"):
+        jaxgdn.load_pretrained(path)
+    jaxgdn.load_pretrained(write(tmp_path / "d", tensors, hf_config))  # the same tensors, finite: loads
 
 
 def test_qwen3_5_text_config_field_is_named_with_its_prefix(tmp_path, tensors, hf_config):
