@@ -31,7 +31,7 @@ import numpy as np
 
 from .config import LINEAR, ModelConfig
 from .errors import CheckpointError, InputError
-from .model import Model, check_model_options
+from .model import Model, check_model_options, jit
 from .params import AttentionParams, GDNParams, LayerParams, MLPParams, ModelParams, MoEParams
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -360,7 +360,7 @@ def check_finite(path: Path, params: ModelParams) -> None:
         raise CheckpointError(f"{path} holds non-finite weights (NaN or inf) in {_more(bad)}")
 
 
-@jax.jit
+@jit  # (jaxgdn's compiler options, as every compilation in the library: test_deterministic checks it)
 def _all_finite(xs):
     return [jnp.all(jnp.isfinite(x)) for x in xs]
 
